@@ -1,0 +1,229 @@
+//! The engine: a loaded model, a KV page pool, sessions, and the one batched forward step
+//! that serves both prefill (one session, many tokens) and decode (many sessions, one each).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use cellm_format::{CellmFile, Error, Result};
+use cellm_kv::{KvConfig, PagePool, SeqKv, SeqSpan};
+use cellm_models::{CausalLm, Step};
+
+pub use cellm_format;
+pub use cellm_kernels::isa;
+pub use cellm_kv::KvEncoding;
+
+/// Tokens per KV page.
+const PAGE_SIZE: usize = 16;
+/// Default KV capacity, in full-context sessions (pages are allocated only when used).
+const DEFAULT_KV_SESSIONS: usize = 8;
+
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Worker threads; default: physical cores (rayon's count of logical CPUs halved when SMT).
+    pub threads: Option<usize>,
+    pub kv_encoding: KvEncoding,
+    /// Longest sequence a session may hold; default: the model's trained context.
+    pub context_length: Option<usize>,
+    /// KV capacity in tokens over all sessions; default: 8 full contexts.
+    pub kv_capacity_tokens: Option<usize>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self { threads: None, kv_encoding: KvEncoding::F16, context_length: None, kv_capacity_tokens: None }
+    }
+}
+
+/// Which positions' logits a step returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsMode {
+    /// The last new token of each sequence.
+    Last,
+    /// Every new token of every sequence, in batch order.
+    All,
+}
+
+pub type SessionId = u64;
+
+pub struct Engine {
+    file: CellmFile,
+    model: Box<dyn CausalLm>,
+    pool: PagePool,
+    sessions: HashMap<SessionId, SeqKv>,
+    next_session: SessionId,
+    workers: rayon::ThreadPool,
+    context_length: usize,
+}
+
+impl Engine {
+    pub fn open(path: impl AsRef<Path>, opts: &EngineOptions) -> Result<Self> {
+        let file = CellmFile::open(path)?;
+        let model = cellm_models::load(&file)?;
+        let cfg = model.config();
+        let context_length = opts.context_length.unwrap_or(cfg.max_position_embeddings);
+        if context_length == 0 {
+            return Err(Error::InvalidArgument("context_length must be at least 1".into()));
+        }
+        let threads = match opts.threads {
+            Some(0) => return Err(Error::InvalidArgument("threads must be at least 1".into())),
+            Some(n) => n,
+            None => default_threads(),
+        };
+        let workers = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("cellm-{i}"))
+            .build()
+            .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
+        let layout = model.cache_layout();
+        let capacity = opts.kv_capacity_tokens.unwrap_or(context_length * DEFAULT_KV_SESSIONS);
+        let pool = PagePool::new(KvConfig {
+            num_layers: layout.num_layers,
+            kv_heads: layout.kv_heads,
+            head_dim: layout.head_dim,
+            page_size: PAGE_SIZE,
+            max_pages: capacity.div_ceil(PAGE_SIZE).max(1) * layout.num_layers,
+            encoding: opts.kv_encoding,
+        });
+        Ok(Self { file, model, pool, sessions: HashMap::new(), next_session: 1, workers, context_length })
+    }
+
+    pub fn file(&self) -> &CellmFile {
+        &self.file
+    }
+
+    pub fn model(&self) -> &dyn CausalLm {
+        self.model.as_ref()
+    }
+
+    pub fn pool(&self) -> &PagePool {
+        &self.pool
+    }
+
+    pub fn context_length(&self) -> usize {
+        self.context_length
+    }
+
+    pub fn threads(&self) -> usize {
+        self.workers.current_num_threads()
+    }
+
+    pub fn create_session(&mut self) -> SessionId {
+        let id = self.next_session;
+        self.next_session += 1;
+        self.sessions.insert(id, self.pool.new_seq());
+        id
+    }
+
+    pub fn free_session(&mut self, id: SessionId) -> Result<()> {
+        let mut seq = self.sessions.remove(&id).ok_or_else(|| unknown(id))?;
+        self.pool.release(&mut seq);
+        Ok(())
+    }
+
+    /// Drops cached positions from `len` on (rewinding for regeneration or a shared prefix).
+    pub fn truncate_session(&mut self, id: SessionId, len: usize) -> Result<()> {
+        let seq = self.sessions.get_mut(&id).ok_or_else(|| unknown(id))?;
+        self.pool.truncate(seq, len);
+        Ok(())
+    }
+
+    pub fn session_len(&self, id: SessionId) -> Result<usize> {
+        Ok(self.sessions.get(&id).ok_or_else(|| unknown(id))?.len())
+    }
+
+    /// Runs one forward over the new tokens of each `(session, tokens)` pair and returns the
+    /// requested logits (`rows x vocab`, row-major) with the row count. All-or-nothing: on an
+    /// error no session changes.
+    pub fn step(&mut self, batch: &[(SessionId, &[u32])], mode: LogitsMode) -> Result<(Vec<f32>, usize)> {
+        self.validate(batch)?;
+        for (i, &(id, tokens)) in batch.iter().enumerate() {
+            let seq = self.sessions.get_mut(&id).expect("validated");
+            let new_len = seq.len() + tokens.len();
+            if let Err(e) = self.pool.reserve(seq, new_len) {
+                for &(done, _) in &batch[..i] {
+                    let s = self.sessions.get_mut(&done).expect("validated");
+                    let len = s.len();
+                    self.pool.truncate(s, len);
+                }
+                return Err(e);
+            }
+        }
+        let tokens: Vec<u32> = batch.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+        let mut spans = Vec::with_capacity(batch.len());
+        let mut logit_rows = Vec::new();
+        let mut row0 = 0;
+        for &(id, t) in batch {
+            let kv = &self.sessions[&id];
+            spans.push(SeqSpan { kv, start: kv.len(), len: t.len(), row0 });
+            match mode {
+                LogitsMode::Last => logit_rows.push(row0 + t.len() - 1),
+                LogitsMode::All => logit_rows.extend(row0..row0 + t.len()),
+            }
+            row0 += t.len();
+        }
+        let step = Step { tokens: &tokens, spans: &spans, logit_rows: &logit_rows };
+        let (model, pool) = (&self.model, &mut self.pool);
+        let logits = self.workers.install(|| model.forward(&step, pool));
+        drop(spans);
+        for &(id, t) in batch {
+            let seq = self.sessions.get_mut(&id).expect("validated");
+            let new_len = seq.len() + t.len();
+            self.pool.commit(seq, new_len);
+        }
+        Ok((logits, logit_rows.len()))
+    }
+
+    fn validate(&self, batch: &[(SessionId, &[u32])]) -> Result<()> {
+        if batch.is_empty() {
+            return Err(Error::InvalidArgument("a step needs at least one session".into()));
+        }
+        let vocab = self.model.config().vocab_size;
+        for (i, &(id, tokens)) in batch.iter().enumerate() {
+            let seq = self.sessions.get(&id).ok_or_else(|| unknown(id))?;
+            if batch[..i].iter().any(|(other, _)| *other == id) {
+                return Err(Error::InvalidArgument(format!("session {id} appears twice in one step")));
+            }
+            if tokens.is_empty() {
+                return Err(Error::InvalidArgument(format!("session {id}: no tokens to process")));
+            }
+            if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(Error::InvalidArgument(format!("token id {bad} is outside the vocabulary ({vocab})")));
+            }
+            if seq.len() + tokens.len() > self.context_length {
+                return Err(Error::ContextOverflow(format!(
+                    "{} tokens ({} cached + {} new) exceed the context length of {}",
+                    seq.len() + tokens.len(),
+                    seq.len(),
+                    tokens.len(),
+                    self.context_length
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn unknown(id: SessionId) -> Error {
+    Error::InvalidArgument(format!("no session {id}"))
+}
+
+/// Physical cores: decode is bandwidth-bound and SMT siblings share the same load ports.
+fn default_threads() -> usize {
+    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
+    physical_cores().unwrap_or(logical).clamp(1, logical)
+}
+
+fn physical_cores() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let mut cores = std::collections::HashSet::new();
+    let mut physical = None;
+    for line in info.lines() {
+        if let Some(v) = line.strip_prefix("physical id") {
+            physical = v.trim_start_matches([' ', '\t', ':']).parse::<u32>().ok();
+        } else if let Some(v) = line.strip_prefix("core id") {
+            let core = v.trim_start_matches([' ', '\t', ':']).parse::<u32>().ok()?;
+            cores.insert((physical, core));
+        }
+    }
+    (!cores.is_empty()).then_some(cores.len())
+}

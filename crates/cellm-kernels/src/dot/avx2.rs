@@ -1,0 +1,168 @@
+//! AVX2 + FMA + F16C kernels. Installed in a table only after `Isa::Avx2.supported()`.
+
+use std::arch::x86_64::*;
+
+use cellm_format::TensorFormat;
+
+use super::{cast, RowKernels};
+
+pub fn kernels(format: TensorFormat) -> RowKernels {
+    assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
+    match format {
+        TensorFormat::F32 => RowKernels { dot: dot_f32, decode: decode_f32, axpy: axpy_f32 },
+        TensorFormat::F16 => RowKernels { dot: dot_f16, decode: decode_f16, axpy: axpy_f16 },
+        TensorFormat::BF16 => RowKernels { dot: dot_bf16, decode: decode_bf16, axpy: axpy_bf16 },
+    }
+}
+
+/// Loads eight stored elements as f32 lanes.
+trait Lanes {
+    type Elem: Copy + Into<Widen>;
+    unsafe fn load8(p: *const Self::Elem) -> __m256;
+}
+
+/// Scalar widening for the tails.
+#[derive(Clone, Copy)]
+struct Widen(f32);
+impl From<f32> for Widen {
+    fn from(v: f32) -> Self {
+        Widen(v)
+    }
+}
+
+struct F32;
+struct F16;
+struct Bf16;
+#[derive(Clone, Copy)]
+struct HalfBits(u16);
+#[derive(Clone, Copy)]
+struct BrainBits(u16);
+impl From<HalfBits> for Widen {
+    fn from(v: HalfBits) -> Self {
+        Widen(half::f16::from_bits(v.0).to_f32())
+    }
+}
+impl From<BrainBits> for Widen {
+    fn from(v: BrainBits) -> Self {
+        Widen(half::bf16::from_bits(v.0).to_f32())
+    }
+}
+
+impl Lanes for F32 {
+    type Elem = f32;
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+}
+impl Lanes for F16 {
+    type Elem = HalfBits;
+    #[inline(always)]
+    unsafe fn load8(p: *const HalfBits) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+    }
+}
+impl Lanes for Bf16 {
+    type Elem = BrainBits;
+    #[inline(always)]
+    unsafe fn load8(p: *const BrainBits) -> __m256 {
+        let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
+    }
+}
+
+#[inline(always)]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+    _mm_cvtss_f32(s)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot<L: Lanes>(w: &[L::Elem], x: &[f32]) -> f32 {
+    let n = w.len();
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (j, a) in acc.iter_mut().enumerate() {
+            let o = i + 8 * j;
+            *a = _mm256_fmadd_ps(L::load8(wp.add(o)), _mm256_loadu_ps(xp.add(o)), *a);
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        acc[0] = _mm256_fmadd_ps(L::load8(wp.add(i)), _mm256_loadu_ps(xp.add(i)), acc[0]);
+        i += 8;
+    }
+    let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let mut total = hsum(sum);
+    for k in i..n {
+        total += Widen::from(w[k].into()).0 * x[k];
+    }
+    total
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode<L: Lanes>(w: &[L::Elem], out: &mut [f32]) {
+    let n = w.len().min(out.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        _mm256_storeu_ps(out.as_mut_ptr().add(i), L::load8(w.as_ptr().add(i)));
+        i += 8;
+    }
+    for k in i..n {
+        out[k] = Widen::from(w[k].into()).0;
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy<L: Lanes>(a: f32, w: &[L::Elem], acc: &mut [f32]) {
+    let n = w.len().min(acc.len());
+    let av = _mm256_set1_ps(a);
+    let mut i = 0;
+    while i + 8 <= n {
+        let p = acc.as_mut_ptr().add(i);
+        _mm256_storeu_ps(p, _mm256_fmadd_ps(av, L::load8(w.as_ptr().add(i)), _mm256_loadu_ps(p)));
+        i += 8;
+    }
+    for k in i..n {
+        acc[k] += a * Widen::from(w[k].into()).0;
+    }
+}
+
+// Safe entry points for the table. SAFETY (all): `kernels` asserts the CPU has AVX2, FMA
+// and F16C before handing these out; slices carry their own bounds, and `x`/`acc` are at
+// least as long as the row (checked by the slicing below).
+
+fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
+    let w = cast::<f32>(row);
+    unsafe { dot::<F32>(w, &x[..w.len()]) }
+}
+fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
+    let w = cast::<HalfBits>(row);
+    unsafe { dot::<F16>(w, &x[..w.len()]) }
+}
+fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
+    let w = cast::<BrainBits>(row);
+    unsafe { dot::<Bf16>(w, &x[..w.len()]) }
+}
+fn decode_f32(row: &[u8], out: &mut [f32]) {
+    unsafe { decode::<F32>(cast(row), out) }
+}
+fn decode_f16(row: &[u8], out: &mut [f32]) {
+    unsafe { decode::<F16>(cast(row), out) }
+}
+fn decode_bf16(row: &[u8], out: &mut [f32]) {
+    unsafe { decode::<Bf16>(cast(row), out) }
+}
+fn axpy_f32(a: f32, row: &[u8], acc: &mut [f32]) {
+    unsafe { axpy::<F32>(a, cast(row), acc) }
+}
+fn axpy_f16(a: f32, row: &[u8], acc: &mut [f32]) {
+    unsafe { axpy::<F16>(a, cast(row), acc) }
+}
+fn axpy_bf16(a: f32, row: &[u8], acc: &mut [f32]) {
+    unsafe { axpy::<Bf16>(a, cast(row), acc) }
+}

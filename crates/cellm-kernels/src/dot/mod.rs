@@ -1,0 +1,120 @@
+//! Row kernels: dot product of one stored weight row with f32 activations, and decoding a
+//! stored row to f32. One table per (format, ISA); every SIMD entry has a scalar twin.
+
+mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
+use cellm_format::TensorFormat;
+
+use crate::isa::Isa;
+
+/// Dot product of a stored row (raw bytes) with `x` (same length in elements).
+pub type DotFn = fn(&[u8], &[f32]) -> f32;
+/// Decode a stored row into `out`.
+pub type DecodeFn = fn(&[u8], &mut [f32]);
+/// `acc += w * row`, for attention's weighted sum of values.
+pub type AxpyFn = fn(f32, &[u8], &mut [f32]);
+
+#[derive(Clone, Copy)]
+pub struct RowKernels {
+    pub dot: DotFn,
+    pub decode: DecodeFn,
+    pub axpy: AxpyFn,
+}
+
+/// The kernel table for a format on an ISA path.
+pub fn kernels(format: TensorFormat, isa: Isa) -> RowKernels {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::kernels(format),
+        _ => scalar::kernels(format),
+    }
+}
+
+/// Reinterpret bytes as elements; callers pass rows that the format reader aligned.
+pub(crate) fn cast<T>(bytes: &[u8]) -> &[T] {
+    let size = std::mem::size_of::<T>();
+    assert!(
+        (bytes.as_ptr() as usize) % std::mem::align_of::<T>() == 0 && bytes.len() % size == 0,
+        "misaligned row"
+    );
+    // SAFETY: alignment and length checked above; T is a plain number type.
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), bytes.len() / size) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn encode(format: TensorFormat, v: &[f32]) -> Vec<u8> {
+        match format {
+            TensorFormat::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            TensorFormat::F16 => {
+                v.iter().flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes()).collect()
+            }
+            TensorFormat::BF16 => {
+                v.iter().flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes()).collect()
+            }
+        }
+    }
+
+    fn aligned(bytes: &[u8]) -> Vec<u32> {
+        let mut words = vec![0u32; bytes.len().div_ceil(4)];
+        // SAFETY: the u32 buffer is at least as long as `bytes`.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), words.as_mut_ptr().cast::<u8>(), bytes.len()) };
+        words
+    }
+
+    fn as_bytes(words: &[u32], len: usize) -> &[u8] {
+        // SAFETY: reading initialised u32 storage as bytes.
+        unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), len) }
+    }
+
+    fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2654435761).max(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s as f32 / u32::MAX as f32) * 4.0 - 2.0
+            })
+            .collect()
+    }
+
+    /// Every ISA path agrees with the scalar reference on every format, for lengths that are
+    /// and are not multiples of the vector width, and on zeros and extreme magnitudes.
+    #[test]
+    fn simd_paths_match_scalar() {
+        let formats = [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16];
+        for isa in Isa::available() {
+            for format in formats {
+                let reference = kernels(format, Isa::Scalar);
+                let k = kernels(format, isa);
+                for (n, seed) in [(1, 1), (7, 2), (8, 3), (31, 4), (64, 5), (333, 6), (1024, 7)] {
+                    for scale in [0.0f32, 1.0e-6, 1.0, 3.0e4] {
+                        let w: Vec<f32> = pseudo_random(n, seed).iter().map(|v| v * scale).collect();
+                        let x = pseudo_random(n, seed + 100);
+                        let bytes = encode(format, &w);
+                        let words = aligned(&bytes);
+                        let row = as_bytes(&words, bytes.len());
+                        let (a, b) = ((reference.dot)(row, &x), (k.dot)(row, &x));
+                        let mag: f32 = w.iter().zip(&x).map(|(p, q)| (p * q).abs()).sum();
+                        assert!((a - b).abs() <= 1e-5 * mag.max(1.0), "{isa:?} {format:?} n={n}: {a} vs {b}");
+                        let (mut da, mut db) = (vec![0.0; n], vec![0.0; n]);
+                        (reference.decode)(row, &mut da);
+                        (k.decode)(row, &mut db);
+                        assert_eq!(da, db, "{isa:?} {format:?} decode n={n}");
+                        let (mut aa, mut ab) = (x.clone(), x.clone());
+                        (reference.axpy)(0.37, row, &mut aa);
+                        (k.axpy)(0.37, row, &mut ab);
+                        for (p, q) in aa.iter().zip(&ab) {
+                            assert!((p - q).abs() <= 1e-6 * p.abs().max(1.0), "{isa:?} {format:?} axpy");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

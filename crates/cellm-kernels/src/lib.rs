@@ -1,0 +1,11 @@
+//! CPU kernels. Each weight format has a row kernel table (dot product against f32
+//! activations, row decode) with a scalar reference and SIMD variants chosen once at run time
+//! from the CPU's features; `matmul` spreads rows over the current rayon pool.
+
+pub mod dot;
+pub mod isa;
+pub mod matmul;
+pub mod ops;
+
+pub use isa::Isa;
+pub use matmul::{decode_row, matmul};

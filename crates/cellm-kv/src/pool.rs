@@ -1,0 +1,243 @@
+//! The page pool and the per-session page tables.
+
+use cellm_format::{Error, Result, TensorFormat};
+
+/// How cached keys and values are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvEncoding {
+    F16,
+    F32,
+}
+
+impl KvEncoding {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "f16" => Ok(Self::F16),
+            "f32" => Ok(Self::F32),
+            other => Err(Error::InvalidArgument(format!(
+                "unknown KV encoding '{other}' (expected f16 or f32)"
+            ))),
+        }
+    }
+
+    /// The weight format whose row kernels read this encoding.
+    pub fn format(self) -> TensorFormat {
+        match self {
+            Self::F16 => TensorFormat::F16,
+            Self::F32 => TensorFormat::F32,
+        }
+    }
+
+    fn bytes(self) -> usize {
+        match self {
+            Self::F16 => 2,
+            Self::F32 => 4,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct KvConfig {
+    pub num_layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// The pool never holds more pages than this (pages are allocated on first use).
+    pub max_pages: usize,
+    pub encoding: KvEncoding,
+}
+
+/// One session's view of the cache: how many positions are filled, and its page tables.
+#[derive(Debug, Default)]
+pub struct SeqKv {
+    len: usize,
+    pages: Vec<Vec<u32>>,
+}
+
+impl SeqKv {
+    /// Positions whose keys and values are stored.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub(crate) fn page(&self, layer: usize, index: usize) -> u32 {
+        self.pages[layer][index]
+    }
+}
+
+pub struct PagePool {
+    cfg: KvConfig,
+    row_bytes: usize,
+    /// Page storage as u32 words so f32 rows are aligned; K rows then V rows.
+    pages: Vec<Box<[u32]>>,
+    free: Vec<u32>,
+}
+
+impl PagePool {
+    pub fn new(cfg: KvConfig) -> Self {
+        let row_bytes = cfg.kv_heads * cfg.head_dim * cfg.encoding.bytes();
+        Self { cfg, row_bytes, pages: Vec::new(), free: Vec::new() }
+    }
+
+    pub fn config(&self) -> &KvConfig {
+        &self.cfg
+    }
+
+    pub fn new_seq(&self) -> SeqKv {
+        SeqKv { len: 0, pages: vec![Vec::new(); self.cfg.num_layers] }
+    }
+
+    /// Pages handed out to sessions right now.
+    pub fn pages_in_use(&self) -> usize {
+        self.pages.len() - self.free.len()
+    }
+
+    /// Pages that exist (in use or on the free list): the pool's memory high-water mark.
+    pub fn pages_allocated(&self) -> usize {
+        self.pages.len()
+    }
+
+    pub fn page_bytes(&self) -> usize {
+        2 * self.cfg.page_size * self.row_bytes
+    }
+
+    /// Makes room for positions `0..new_len` in every layer. On failure nothing changes.
+    pub fn reserve(&mut self, seq: &mut SeqKv, new_len: usize) -> Result<()> {
+        let want = new_len.div_ceil(self.cfg.page_size);
+        let have = seq.pages.first().map_or(0, Vec::len);
+        let needed = want.saturating_sub(have) * self.cfg.num_layers;
+        let available = self.free.len() + self.cfg.max_pages.saturating_sub(self.pages.len());
+        if needed > available {
+            return Err(Error::ContextOverflow(format!(
+                "KV cache is full: {needed} more pages needed, {available} free \
+                 (raise context_length or free sessions)"
+            )));
+        }
+        for table in &mut seq.pages {
+            while table.len() < want {
+                let id = match self.free.pop() {
+                    Some(id) => id,
+                    None => {
+                        self.pages.push(vec![0u32; self.page_bytes().div_ceil(4)].into_boxed_slice());
+                        (self.pages.len() - 1) as u32
+                    }
+                };
+                table.push(id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks positions `..new_len` filled (after their keys and values were written).
+    pub fn commit(&self, seq: &mut SeqKv, new_len: usize) {
+        debug_assert!(seq.pages.iter().all(|t| t.len() * self.cfg.page_size >= new_len));
+        seq.len = new_len;
+    }
+
+    /// Forgets positions from `new_len` on and returns whole unused pages to the pool.
+    pub fn truncate(&mut self, seq: &mut SeqKv, new_len: usize) {
+        seq.len = seq.len.min(new_len);
+        let keep = seq.len.div_ceil(self.cfg.page_size);
+        for table in &mut seq.pages {
+            while table.len() > keep {
+                self.free.push(table.pop().expect("len > keep"));
+            }
+        }
+    }
+
+    pub fn release(&mut self, seq: &mut SeqKv) {
+        self.truncate(seq, 0);
+    }
+
+    /// Stores the key and value rows of position `pos`.
+    pub fn write(&mut self, seq: &SeqKv, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
+        let (page, slot) = (seq.page(layer, pos / self.cfg.page_size), pos % self.cfg.page_size);
+        let (rb, ps, enc) = (self.row_bytes, self.cfg.page_size, self.cfg.encoding);
+        let bytes = words_as_bytes_mut(&mut self.pages[page as usize]);
+        encode_row(enc, k, &mut bytes[slot * rb..(slot + 1) * rb]);
+        encode_row(enc, v, &mut bytes[(ps + slot) * rb..(ps + slot + 1) * rb]);
+    }
+
+    /// The stored key and value rows of `pos` in `layer`, as raw encoded bytes.
+    pub(crate) fn rows(&self, seq: &SeqKv, layer: usize, pos: usize) -> (&[u8], &[u8]) {
+        let (page, slot) = (seq.page(layer, pos / self.cfg.page_size), pos % self.cfg.page_size);
+        let (rb, ps) = (self.row_bytes, self.cfg.page_size);
+        let bytes = words_as_bytes(&self.pages[page as usize]);
+        (&bytes[slot * rb..(slot + 1) * rb], &bytes[(ps + slot) * rb..(ps + slot + 1) * rb])
+    }
+}
+
+fn encode_row(enc: KvEncoding, src: &[f32], dst: &mut [u8]) {
+    match enc {
+        KvEncoding::F32 => {
+            for (d, s) in dst.chunks_exact_mut(4).zip(src) {
+                d.copy_from_slice(&s.to_le_bytes());
+            }
+        }
+        KvEncoding::F16 => {
+            for (d, s) in dst.chunks_exact_mut(2).zip(src) {
+                d.copy_from_slice(&half::f16::from_f32(*s).to_bits().to_le_bytes());
+            }
+        }
+    }
+}
+
+fn words_as_bytes(w: &[u32]) -> &[u8] {
+    // SAFETY: any u32 storage is valid as bytes.
+    unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len() * 4) }
+}
+
+fn words_as_bytes_mut(w: &mut [u32]) -> &mut [u8] {
+    // SAFETY: any byte pattern is a valid u32; the slice covers the same storage.
+    unsafe { std::slice::from_raw_parts_mut(w.as_mut_ptr().cast::<u8>(), w.len() * 4) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(max_pages: usize) -> PagePool {
+        PagePool::new(KvConfig {
+            num_layers: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            page_size: 4,
+            max_pages,
+            encoding: KvEncoding::F32,
+        })
+    }
+
+    #[test]
+    fn pages_are_shared_reused_and_bounded() {
+        let mut p = pool(6);
+        let (mut a, mut b) = (p.new_seq(), p.new_seq());
+        p.reserve(&mut a, 5).unwrap(); // 2 pages x 2 layers
+        assert_eq!(p.pages_in_use(), 4);
+        assert!(p.reserve(&mut b, 8).is_err(), "needs 4 more pages, only 2 left");
+        assert_eq!(p.pages_in_use(), 4, "a failed reserve changes nothing");
+        p.commit(&mut a, 5);
+        p.truncate(&mut a, 3);
+        assert_eq!((a.len(), p.pages_in_use()), (3, 2));
+        p.reserve(&mut b, 8).unwrap();
+        assert_eq!(p.pages_allocated(), 6, "freed pages were reused");
+        p.release(&mut a);
+        p.release(&mut b);
+        assert_eq!(p.pages_in_use(), 0);
+    }
+
+    #[test]
+    fn rows_round_trip() {
+        let mut p = pool(8);
+        let mut s = p.new_seq();
+        p.reserve(&mut s, 6).unwrap();
+        p.write(&s, 1, 5, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0]);
+        let (k, v) = p.rows(&s, 1, 5);
+        assert_eq!(&k[4..8], &2.0f32.to_le_bytes());
+        assert_eq!(&v[12..16], &8.0f32.to_le_bytes());
+    }
+}

@@ -1,0 +1,197 @@
+//! Shared blocks every family is built from: weight lookup with shape checks, linear layers,
+//! RMSNorm, RoPE, the gated MLP and grouped-query attention.
+
+use cellm_format::{CellmFile, Error, Result, Tensor};
+use cellm_kernels::{decode_row, matmul, ops};
+use cellm_kv::{AttentionShape, PagePool};
+
+use crate::Step;
+
+/// Fetches tensors by name and checks their shapes, so a bad file fails at load with the
+/// tensor's name rather than in the middle of a forward.
+pub struct Weights<'a> {
+    pub file: &'a CellmFile,
+}
+
+impl Weights<'_> {
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = self.file.tensor(name)?;
+        if t.shape != shape {
+            return Err(Error::format(format!("tensor {name} has shape {:?}, expected {shape:?}", t.shape)));
+        }
+        Ok(t)
+    }
+
+    /// A 1-D f32 vector (norm weights, biases).
+    pub fn vector(&self, name: &str, len: usize) -> Result<Tensor> {
+        let t = self.tensor(name, &[len])?;
+        t.as_f32()?;
+        Ok(t)
+    }
+
+    pub fn linear(&self, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
+        let weight = self.tensor(&format!("{prefix}.weight"), &[out, inp])?;
+        let bias = if bias { Some(self.vector(&format!("{prefix}.bias"), out)?) } else { None };
+        Ok(Linear { weight, bias })
+    }
+
+    pub fn norm(&self, name: &str, dim: usize, eps: f32) -> Result<RmsNorm> {
+        Ok(RmsNorm { weight: self.vector(name, dim)?, eps })
+    }
+}
+
+/// `y = x W^T + b`, with `W` in any stored format.
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn out_features(&self) -> usize {
+        self.weight.shape[0]
+    }
+
+    pub fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
+        let mut y = vec![0.0; tokens * self.out_features()];
+        matmul(x, tokens, &self.weight, &mut y);
+        if let Some(b) = &self.bias {
+            ops::add_bias(&mut y, b.as_f32().expect("checked at load"));
+        }
+        y
+    }
+}
+
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    /// Normalises each row of `x` (rows as wide as the weight) in place.
+    pub fn apply(&self, x: &mut [f32]) {
+        ops::rms_norm(x, self.weight.as_f32().expect("checked at load"), self.eps);
+    }
+
+    pub fn applied(&self, x: &[f32]) -> Vec<f32> {
+        let mut y = x.to_vec();
+        self.apply(&mut y);
+        y
+    }
+}
+
+/// Token embedding table; also the lm_head when the model ties them.
+pub struct Embedding {
+    pub table: Tensor,
+}
+
+impl Embedding {
+    pub fn lookup(&self, tokens: &[u32], scale: f32) -> Result<Vec<f32>> {
+        let (vocab, dim) = self.table.rows_cols();
+        let mut x = vec![0.0; tokens.len() * dim];
+        for (row, &t) in x.chunks_exact_mut(dim).zip(tokens) {
+            if t as usize >= vocab {
+                return Err(Error::InvalidArgument(format!("token id {t} is outside the vocabulary ({vocab})")));
+            }
+            decode_row(&self.table, t as usize, row);
+        }
+        ops::scale(&mut x, scale);
+        Ok(x)
+    }
+}
+
+/// Rotary position embedding in the half-split layout HF uses (`rotate_half`): dimension `i`
+/// pairs with `i + rot/2`. GGUF's interleaved layout is undone at conversion.
+pub struct Rope {
+    pub inv_freq: Vec<f32>,
+    pub attention_factor: f32,
+}
+
+impl Rope {
+    /// Rotates the first `2 * inv_freq.len()` dims of every `head_dim`-wide head in `x`.
+    pub fn apply(&self, x: &mut [f32], positions: &[usize], head_dim: usize) {
+        let half = self.inv_freq.len();
+        let per_token = x.len() / positions.len();
+        let mut cos_sin = vec![(0.0f32, 0.0f32); half];
+        for (row, &pos) in x.chunks_exact_mut(per_token).zip(positions) {
+            for (cs, &f) in cos_sin.iter_mut().zip(&self.inv_freq) {
+                // The angle is rounded to f32 first, as the reference computes it.
+                let angle = f64::from(pos as f32 * f);
+                *cs = ((angle.cos() as f32) * self.attention_factor, (angle.sin() as f32) * self.attention_factor);
+            }
+            for head in row.chunks_exact_mut(head_dim) {
+                let (a, b) = head[..2 * half].split_at_mut(half);
+                for ((x1, x2), &(c, s)) in a.iter_mut().zip(b.iter_mut()).zip(&cos_sin) {
+                    let (u, v) = (*x1, *x2);
+                    *x1 = u * c - v * s;
+                    *x2 = v * c + u * s;
+                }
+            }
+        }
+    }
+}
+
+/// `down(silu(gate(x)) * up(x))`.
+pub struct GatedMlp {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+impl GatedMlp {
+    pub fn load(w: &Weights, prefix: &str, hidden: usize, inter: usize, bias: bool) -> Result<Self> {
+        Ok(Self {
+            gate: w.linear(&format!("{prefix}.gate_proj"), inter, hidden, bias)?,
+            up: w.linear(&format!("{prefix}.up_proj"), inter, hidden, bias)?,
+            down: w.linear(&format!("{prefix}.down_proj"), hidden, inter, bias)?,
+        })
+    }
+
+    pub fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
+        let mut g = self.gate.forward(x, tokens);
+        ops::silu_mul(&mut g, &self.up.forward(x, tokens));
+        self.down.forward(&g, tokens)
+    }
+}
+
+/// Grouped-query attention with optional per-head q/k RMSNorm and RoPE.
+pub struct Attention {
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub q_norm: Option<RmsNorm>,
+    pub k_norm: Option<RmsNorm>,
+    pub shape: AttentionShape,
+}
+
+impl Attention {
+    pub fn forward(
+        &self,
+        layer: usize,
+        x: &[f32],
+        step: &Step,
+        positions: &[usize],
+        rope: Option<&Rope>,
+        kv: &mut PagePool,
+    ) -> Vec<f32> {
+        let tokens = step.tokens.len();
+        let hd = self.shape.head_dim;
+        let (mut q, mut k, v) = (self.q.forward(x, tokens), self.k.forward(x, tokens), self.v.forward(x, tokens));
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            qn.apply(&mut q);
+            kn.apply(&mut k);
+        }
+        if let Some(rope) = rope {
+            rope.apply(&mut q, positions, hd);
+            rope.apply(&mut k, positions, hd);
+        }
+        let mut ctx = vec![0.0; q.len()];
+        kv.attention(layer, step.spans, &q, &k, &v, &mut ctx, &self.shape);
+        self.o.forward(&ctx, tokens)
+    }
+}
+
+/// Copies the given rows of a `rows x width` matrix.
+pub fn gather_rows(x: &[f32], width: usize, rows: &[usize]) -> Vec<f32> {
+    rows.iter().flat_map(|&r| x[r * width..(r + 1) * width].iter().copied()).collect()
+}

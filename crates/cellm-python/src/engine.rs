@@ -1,0 +1,123 @@
+//! `cellm._core.Engine`: one loaded model with its sessions.
+
+use std::path::PathBuf;
+
+use cellm_engine::{isa, Engine as Inner, EngineOptions, LogitsMode, SessionId};
+use cellm_engine::cellm_format::Error;
+use numpy::{IntoPyArray, PyArray2, PyArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::errors::to_py;
+
+#[pyclass(module = "cellm._core")]
+pub struct Engine {
+    inner: Inner,
+}
+
+#[pymethods]
+impl Engine {
+    #[new]
+    #[pyo3(signature = (path, *, threads=None, kv_encoding="f16", context_length=None, kv_capacity_tokens=None))]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        threads: Option<usize>,
+        kv_encoding: &str,
+        context_length: Option<usize>,
+        kv_capacity_tokens: Option<usize>,
+    ) -> PyResult<Self> {
+        let opts = EngineOptions {
+            threads,
+            kv_encoding: cellm_engine::KvEncoding::parse(kv_encoding).map_err(to_py)?,
+            context_length,
+            kv_capacity_tokens,
+        };
+        let inner = py.detach(|| Inner::open(&path, &opts)).map_err(to_py)?;
+        Ok(Self { inner })
+    }
+
+    /// The file's JSON header (model description, tokenizer and generation config).
+    fn header_json(&self) -> &str {
+        self.inner.file().header_json()
+    }
+
+    /// A named blob embedded in the file (e.g. `tokenizer.json`), or None.
+    fn blob<'py>(&self, py: Python<'py>, name: &str) -> Option<Bound<'py, PyBytes>> {
+        self.inner.file().blob(name).map(|b| PyBytes::new(py, b))
+    }
+
+    #[getter]
+    fn vocab_size(&self) -> usize {
+        self.inner.model().config().vocab_size
+    }
+
+    #[getter]
+    fn context_length(&self) -> usize {
+        self.inner.context_length()
+    }
+
+    #[getter]
+    fn threads(&self) -> usize {
+        self.inner.threads()
+    }
+
+    /// KV pool usage: pages in use, pages allocated, bytes per page.
+    fn kv_stats(&self) -> (usize, usize, usize) {
+        let p = self.inner.pool();
+        (p.pages_in_use(), p.pages_allocated(), p.page_bytes())
+    }
+
+    fn create_session(&mut self) -> SessionId {
+        self.inner.create_session()
+    }
+
+    fn free_session(&mut self, session: SessionId) -> PyResult<()> {
+        self.inner.free_session(session).map_err(to_py)
+    }
+
+    fn truncate_session(&mut self, session: SessionId, length: usize) -> PyResult<()> {
+        self.inner.truncate_session(session, length).map_err(to_py)
+    }
+
+    fn session_len(&self, session: SessionId) -> PyResult<usize> {
+        self.inner.session_len(session).map_err(to_py)
+    }
+
+    /// One batched forward over `[(session, new_token_ids), ...]`; returns float32 logits of
+    /// shape `(rows, vocab)`: the last new token of each session, or every new token when
+    /// `all_logits`. The GIL is released while the engine runs.
+    #[pyo3(signature = (batch, *, all_logits=false))]
+    fn step<'py>(
+        &mut self,
+        py: Python<'py>,
+        batch: Vec<(SessionId, Vec<u32>)>,
+        all_logits: bool,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let refs: Vec<(SessionId, &[u32])> = batch.iter().map(|(s, t)| (*s, t.as_slice())).collect();
+        let mode = if all_logits { LogitsMode::All } else { LogitsMode::Last };
+        let inner = &mut self.inner;
+        let (logits, rows) = py.detach(|| inner.step(&refs, mode)).map_err(to_py)?;
+        let vocab = self.inner.model().config().vocab_size;
+        logits.into_pyarray(py).reshape([rows, vocab])
+    }
+}
+
+/// The kernel path in use (`scalar`, `avx2`, ...).
+#[pyfunction]
+pub fn selected_isa() -> &'static str {
+    isa::selected().name()
+}
+
+/// Every kernel path this CPU can run.
+#[pyfunction]
+pub fn available_isas() -> Vec<&'static str> {
+    isa::Isa::available().into_iter().map(|i| i.name()).collect()
+}
+
+/// Forces a kernel path (tests and debugging).
+#[pyfunction]
+pub fn set_isa(name: &str) -> PyResult<()> {
+    let chosen = isa::Isa::parse(name).ok_or_else(|| Error::InvalidArgument(format!("unknown ISA '{name}'")));
+    chosen.and_then(|i| isa::set_override(i).map_err(Error::InvalidArgument)).map_err(to_py)
+}

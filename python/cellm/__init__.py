@@ -1,0 +1,1 @@
+"""cellm: fast inference of small language models on ordinary hardware."""

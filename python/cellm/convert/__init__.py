@@ -1,0 +1,79 @@
+"""HF checkpoint directory -> `.cellm` v2 file (docs/format.md), in pure Python + numpy."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+from ..errors import FormatError
+from .dtypes import check_format, convert_chunks
+from .hf_config import family_of, load_config, normalise_config
+from .progress import ProgressBar
+from .safetensors import Checkpoint, open_checkpoint
+from .tokenizer_files import TOKENIZER_BLOB, load_tokenizer_files
+from .weights import plan_tensors
+from .writer import TensorEntry, read_header, write_cellm
+
+__all__ = ["convert_hf", "read_header"]
+
+# In automatic mode, only models at least this large get a progress bar: small ones convert
+# in well under a second and the bar would be noise.
+_AUTO_PROGRESS_BYTES = 64 << 20
+
+
+def convert_hf(
+    input_dir: Union[str, os.PathLike],
+    output_path: Union[str, os.PathLike],
+    dtype: str = "f16",
+    progress: Optional[bool] = None,
+) -> Path:
+    """Convert a HuggingFace checkpoint directory to a `.cellm` file and return its path.
+
+    `dtype` (f32, f16, bf16) applies to tensors of two or more dimensions; 1-D tensors (norms,
+    biases) are always stored as f32. `progress`: None shows a bar on a terminal for large
+    models, True always shows it on stderr, False never does.
+    """
+    check_format(dtype)
+    src = Path(input_dir)
+    if not src.exists():
+        raise FormatError(f"{src}: no such file or directory")
+    if not src.is_dir():
+        raise FormatError(f"{src} is not a directory (expected a HuggingFace checkpoint)")
+    config = load_config(src)
+    config_source = str(src / "config.json")
+    # Refuse unsupported architectures before touching the (possibly huge) weights.
+    family_of(config, config_source)
+
+    with open_checkpoint(src) as checkpoint:
+        model = normalise_config(config, checkpoint, config_source)
+        plan = plan_tensors(model, checkpoint)
+        tok = load_tokenizer_files(src, config)
+        entries = [_entry(checkpoint, name, shape, dtype) for name, shape in plan]
+        header = {
+            "model": model,
+            "hf_config": config,
+            "tokenizer": tok.tokenizer,
+            "generation": tok.generation,
+            "source": {"kind": "hf", "dtype": dtype},
+        }
+        total = sum(e.nbytes for e in entries)
+        bar = None
+        if progress or (progress is None and total >= _AUTO_PROGRESS_BYTES):
+            bar = ProgressBar(total, f"converting {src.name}", force=bool(progress))
+        try:
+            return write_cellm(
+                output_path, header, entries, [(TOKENIZER_BLOB, tok.tokenizer_json)], bar
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+def _entry(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], dtype: str) -> TensorEntry:
+    # Norm weights and biases are tiny and precision-sensitive: always f32 (docs/format.md).
+    fmt = dtype if len(shape) >= 2 else "f32"
+    src_dtype = checkpoint.info(name).dtype
+    return TensorEntry(
+        name, fmt, shape, lambda: convert_chunks(checkpoint.view(name), src_dtype, fmt)
+    )

@@ -1,0 +1,80 @@
+"""Tensor formats of the `.cellm` file and conversion into them, in bounded-size chunks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from ..errors import InvalidArgument
+from .safetensors import to_f32
+
+# `.cellm` format name -> numpy dtype of its stored elements (bf16 kept as raw uint16 bits).
+FORMAT_DTYPE = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2")}
+FORMATS = tuple(FORMAT_DTYPE)
+
+# Source dtype that already *is* a given format, so it can be copied bit for bit.
+_SAME = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+
+# Convert at most this many source bytes at once: bounds the temporaries of a large tensor
+# (an embedding can be several GB) while keeping numpy's per-call overhead negligible.
+CHUNK_BYTES = 32 << 20
+
+
+def check_format(fmt: str) -> str:
+    if fmt not in FORMAT_DTYPE:
+        raise InvalidArgument(f"dtype must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    return fmt
+
+
+def format_nbytes(fmt: str, shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * FORMAT_DTYPE[fmt].itemsize
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16) with round-to-nearest-even, NaNs kept quiet."""
+    bits = np.ascontiguousarray(x, dtype="<f4").view(np.uint32)
+    # Adding 0x7FFF plus the lowest kept bit rounds half-way cases to the even neighbour;
+    # overflow past the largest finite value correctly becomes infinity.
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    # The rounding add could turn a NaN payload into infinity: force a quiet NaN instead.
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    out = np.where(nan, (bits >> 16) | 0x0040, rounded)
+    return out.astype("<u2")
+
+
+def convert(array: np.ndarray, src: str, fmt: str) -> np.ndarray:
+    """Convert a stored array (`src` = F32/F16/BF16 safetensors dtype) to a `.cellm` format."""
+    if _SAME.get(src) == fmt:
+        return np.ascontiguousarray(array, dtype=FORMAT_DTYPE[fmt])
+    if fmt == "f16" and src == "F32":
+        return array.astype("<f2")
+    wide = to_f32(array, src)
+    if fmt == "f32":
+        return np.ascontiguousarray(wide, dtype="<f4")
+    if fmt == "f16":
+        return wide.astype("<f2")
+    return f32_to_bf16(wide)
+
+
+def convert_chunks(array: np.ndarray, src: str, fmt: str) -> Iterator[np.ndarray]:
+    """Yield `array` converted to `fmt`, row block by row block, in row-major order."""
+    if array.ndim < 2 or array.nbytes <= CHUNK_BYTES:
+        yield convert(array, src, fmt)
+        return
+    rows_per_chunk = max(1, CHUNK_BYTES // max(1, array[0].nbytes))
+    for start in range(0, array.shape[0], rows_per_chunk):
+        yield convert(array[start : start + rows_per_chunk], src, fmt)
+
+
+def numpy_format(array: np.ndarray) -> str:
+    """The source dtype name of an in-memory array: float32, float16 or uint16 (bf16 bits)."""
+    if array.dtype == np.float32:
+        return "F32"
+    if array.dtype == np.float16:
+        return "F16"
+    if array.dtype == np.uint16:
+        return "BF16"
+    raise InvalidArgument(
+        f"cannot store a {array.dtype} array; expected float32, float16 or uint16 bf16 bits"
+    )

@@ -1,0 +1,347 @@
+"""Normalise a HF `config.json` into the `.cellm` model description (docs/format.md, `model`).
+
+Every source quirk (key spellings, per-family defaults, hard-coded biases, RoPE scaling rules)
+is resolved here so the engine only ever sees one description.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import FormatError, UnsupportedArchitecture
+from .jsonfiles import read_json
+from .rope import ROPE_TYPES, compute_inv_freq
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one HF `model_type` maps onto an engine family.
+
+    `defaults` are the HF config class defaults for keys a config.json may omit; `fixed` are
+    values the HF modelling code hard-codes whatever the config says.
+    """
+
+    architecture: str
+    defaults: Mapping[str, Any]
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    # granite: embedding/residual/attention/logits multipliers from the config.
+    granite_scaling: bool = False
+    # smollm3: some layers skip RoPE (`no_rope_layers`).
+    nope_layers: bool = False
+    # How HF derives `layer_types` when the config omits it: "qwen", "smollm3" or None.
+    sliding_rule: Optional[str] = None
+
+
+_COMMON = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "rope_theta": 10000.0}
+
+# The one model_type -> engine family table (defaults from transformers 5's config classes).
+FAMILIES: dict[str, Family] = {
+    "llama": Family(
+        "llama",
+        {**_COMMON, "max_position_embeddings": 2048, "tie_word_embeddings": False},
+    ),
+    "qwen2": Family(
+        "llama",
+        {**_COMMON, "max_position_embeddings": 32768, "tie_word_embeddings": False},
+        # Qwen2Attention builds q/k/v with bias=True and o_proj/MLP without, ignoring the config.
+        fixed={"attention_bias": True, "attention_out_bias": False, "mlp_bias": False},
+        sliding_rule="qwen",
+    ),
+    "qwen3": Family(
+        "llama",
+        {
+            **_COMMON,
+            "max_position_embeddings": 32768,
+            "tie_word_embeddings": False,
+            "head_dim": 128,
+        },
+        fixed={"mlp_bias": False, "qk_norm": True},
+        sliding_rule="qwen",
+    ),
+    "granite": Family(
+        "llama",
+        {**_COMMON, "max_position_embeddings": 2048, "tie_word_embeddings": False},
+        granite_scaling=True,
+    ),
+    "smollm3": Family(
+        "llama",
+        {
+            **_COMMON,
+            "max_position_embeddings": 32768,
+            "tie_word_embeddings": True,
+            "rope_theta": 2000000.0,
+            "no_rope_layer_interval": 4,
+        },
+        nope_layers=True,
+        sliding_rule="smollm3",
+    ),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def load_config(directory: Path) -> dict[str, Any]:
+    """Read `config.json` of a checkpoint directory (it must exist: that is what makes it HF)."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise FormatError(f"{directory} has no config.json (not a HuggingFace checkpoint)")
+    config = read_json(path, required=True)
+    assert config is not None
+    return config
+
+
+def family_of(config: Mapping[str, Any], source: str = "config.json") -> Family:
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise UnsupportedArchitecture(
+            f"{source} has no model_type (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise UnsupportedArchitecture(
+            f"{source}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    return family
+
+
+class _Reader:
+    """Typed access to config keys, falling back to the family defaults for absent/null keys."""
+
+    def __init__(self, config: Mapping[str, Any], family: Family, source: str) -> None:
+        self.config, self.family, self.source = config, family, source
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.config.get(key)
+        if value is None:
+            value = self.family.defaults.get(key, default)
+        return value
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise FormatError(f"{self.source} is missing {key!r}")
+        return value
+
+    def get_int(self, key: str, value: Any = None, minimum: int = 1) -> int:
+        value = self.require(key) if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise FormatError(
+                f"{self.source}: {key} must be an integer >= {minimum}, got {value!r}"
+            )
+        return value
+
+    def get_float(self, key: str, default: Any = None) -> float:
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise FormatError(f"{self.source}: {key} must be a number, got {value!r}")
+        return float(value)
+
+    def get_bool(self, key: str, default: bool = False) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise FormatError(f"{self.source}: {key} must be true or false, got {value!r}")
+        return value
+
+
+def normalise_config(
+    config: Mapping[str, Any],
+    tensor_names: Optional[Container[str]] = None,
+    source: str = "config.json",
+) -> dict[str, Any]:
+    """The `model` section for `config`.
+
+    `tensor_names` (the checkpoint's tensors) lets the weights settle tying: without an
+    `lm_head.weight` the model can only be tied. None means: trust the config alone.
+    """
+    family = family_of(config, source)
+    r = _Reader(config, family, source)
+
+    hidden = r.get_int("hidden_size")
+    num_heads = r.get_int("num_attention_heads")
+    num_layers = r.get_int("num_hidden_layers")
+    num_kv_heads = r.get_int("num_key_value_heads", config.get("num_key_value_heads") or num_heads)
+    head_dim = r.get_int("head_dim", r.get("head_dim") or _div(hidden, num_heads, r))
+    if num_heads % num_kv_heads:
+        raise FormatError(
+            f"{source}: num_attention_heads ({num_heads}) is not a multiple of "
+            f"num_key_value_heads ({num_kv_heads})"
+        )
+    if head_dim % 2:
+        raise FormatError(f"{source}: head_dim must be even for RoPE, got {head_dim}")
+    max_pos = r.get_int("max_position_embeddings")
+
+    hidden_act = r.get("hidden_act")
+    if hidden_act not in ("silu", "swish"):  # HF's ACT2FN maps both names to SiLU
+        raise UnsupportedArchitecture(f"{source}: hidden_act {hidden_act!r} is not supported")
+    _check_full_attention(config, family, num_layers, r)
+
+    attention_bias = family.fixed.get("attention_bias", r.get_bool("attention_bias"))
+    # HF's llama-style attention passes `bias=config.attention_bias` to o_proj as well.
+    attention_out_bias = family.fixed.get("attention_out_bias", attention_bias)
+    # A config saying "untied" with no lm_head tensor can only work tied.
+    tied = r.get_bool("tie_word_embeddings") or (
+        tensor_names is not None and "lm_head.weight" not in tensor_names
+    )
+
+    if family.granite_scaling:
+        embedding_multiplier = r.get_float("embedding_multiplier", 1.0)
+        residual_multiplier = r.get_float("residual_multiplier", 1.0)
+        attention_scale = r.get_float("attention_multiplier", 1.0)
+        logits_scaling = r.get_float("logits_scaling", 1.0)
+        if logits_scaling == 0:
+            raise FormatError(f"{source}: logits_scaling must not be 0")
+        logits_scale = 1.0 / logits_scaling
+    else:
+        embedding_multiplier = residual_multiplier = logits_scale = 1.0
+        attention_scale = head_dim**-0.5
+
+    return {
+        "architecture": family.architecture,
+        "model_type": config["model_type"],
+        "vocab_size": r.get_int("vocab_size"),
+        "hidden_size": hidden,
+        "intermediate_size": r.get_int("intermediate_size"),
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "norm_eps": r.get_float("rms_norm_eps"),
+        "max_position_embeddings": max_pos,
+        "tie_word_embeddings": tied,
+        "hidden_act": "silu",
+        "attention_bias": attention_bias,
+        "attention_out_bias": attention_out_bias,
+        "mlp_bias": family.fixed.get("mlp_bias", r.get_bool("mlp_bias")),
+        "qk_norm": family.fixed.get("qk_norm", False),
+        "rope": rope_description(config, family, head_dim, max_pos, source),
+        "rope_layers": _rope_layers(config, family, num_layers, r),
+        "embedding_multiplier": embedding_multiplier,
+        "residual_multiplier": residual_multiplier,
+        "attention_scale": attention_scale,
+        "logits_scale": logits_scale,
+    }
+
+
+def rope_parameters(config: Mapping[str, Any], family: Family, source: str) -> dict[str, Any]:
+    """The standardised rope dict, accepting both HF spellings.
+
+    transformers 5 writes `rope_parameters` (with `rope_theta` inside); older configs have a
+    top-level `rope_theta` plus an optional `rope_scaling` whose type key is `type` or
+    `rope_type`. Like transformers 5, a non-empty `rope_scaling` wins over `rope_parameters`.
+    """
+    raw = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(raw, dict):
+        raise FormatError(f"{source}: rope parameters must be an object, got {raw!r}")
+    params = dict(raw)
+    # transformers 5 may nest one dict per layer type; these families only use full attention.
+    layer_types = config.get("layer_types") or ()
+    if any(key in layer_types for key in params):
+        nested = params.get("full_attention")
+        if not isinstance(nested, dict):
+            raise FormatError(f"{source}: rope parameters lack a 'full_attention' entry")
+        params = dict(nested)
+
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params.get("rope_theta") is None:
+        theta = config.get("rope_theta")
+        params["rope_theta"] = family.defaults["rope_theta"] if theta is None else theta
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        # HF gives a top-level original_max_position_embeddings priority (Phi3 convention).
+        if config.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        else:
+            params.setdefault(
+                "original_max_position_embeddings",
+                config.get("max_position_embeddings") or family.defaults["max_position_embeddings"],
+            )
+    return params
+
+
+def rope_description(
+    config: Mapping[str, Any], family: Family, head_dim: int, max_pos: int, source: str
+) -> dict[str, Any]:
+    params = rope_parameters(config, family, source)
+    rope_type = params["rope_type"]
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedArchitecture(
+            f"{source}: rope_type {rope_type!r} is not supported (supported: "
+            f"{', '.join(ROPE_TYPES)})"
+        )
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedArchitecture(
+            f"{source}: partial_rotary_factor {partial!r} is not supported (only full RoPE)"
+        )
+    try:
+        inv_freq, attention_factor = compute_inv_freq(rope_type, params, head_dim, max_pos)
+    except KeyError as e:
+        raise FormatError(f"{source}: {rope_type} rope parameters lack {e.args[0]!r}") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise FormatError(f"{source}: invalid {rope_type} rope parameters ({e})") from None
+    return {
+        "type": rope_type,
+        "theta": float(params["rope_theta"]),
+        "inv_freq": [float(x) for x in inv_freq],
+        "attention_factor": float(attention_factor),
+    }
+
+
+def _rope_layers(
+    config: Mapping[str, Any], family: Family, num_layers: int, r: _Reader
+) -> list[bool]:
+    if not family.nope_layers:
+        return [True] * num_layers
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        # HF default: every `interval`-th layer (1-based) skips RoPE.
+        interval = r.get_int("no_rope_layer_interval")
+        return [(i + 1) % interval != 0 for i in range(num_layers)]
+    if not isinstance(flags, list) or len(flags) != num_layers:
+        raise FormatError(
+            f"{r.source}: no_rope_layers must list one flag per layer ({num_layers}), got {flags!r}"
+        )
+    # Despite its name, a 1 in no_rope_layers means the layer *uses* RoPE.
+    return [bool(x) for x in flags]
+
+
+def _check_full_attention(
+    config: Mapping[str, Any], family: Family, num_layers: int, r: _Reader
+) -> None:
+    """Reject sliding-window layers, which the description cannot express."""
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        layer_types = _derived_layer_types(config, family, num_layers, r)
+    odd = sorted({t for t in layer_types if t != "full_attention"})
+    if odd:
+        raise UnsupportedArchitecture(
+            f"{r.source}: layer types {odd} are not supported (only full attention)"
+        )
+
+
+def _derived_layer_types(
+    config: Mapping[str, Any], family: Family, num_layers: int, r: _Reader
+) -> list[str]:
+    # Mirrors the HF config classes' __post_init__ for configs without layer_types.
+    sliding = bool(config.get("use_sliding_window")) and config.get("sliding_window") is not None
+    if not sliding or family.sliding_rule is None:
+        return ["full_attention"] * num_layers
+    if family.sliding_rule == "qwen":
+        max_window_layers = config.get("max_window_layers", 28)
+        return [
+            "sliding_attention" if i >= max_window_layers else "full_attention"
+            for i in range(num_layers)
+        ]
+    uses_rope = _rope_layers(config, family, num_layers, r)
+    return ["full_attention" if rope else "sliding_attention" for rope in uses_rope]
+
+
+def _div(hidden: int, heads: int, r: _Reader) -> int:
+    if hidden % heads:
+        raise FormatError(
+            f"{r.source}: hidden_size ({hidden}) is not a multiple of num_attention_heads "
+            f"({heads}); set head_dim"
+        )
+    return hidden // heads

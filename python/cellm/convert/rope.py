@@ -1,0 +1,170 @@
+"""RoPE inverse frequencies, computed as HF transformers' `modeling_rope_utils.py` does.
+
+The engine applies `inv_freq` as given, so every scaling rule is resolved here at conversion.
+HF works in float32 torch tensors with Python scalars cast to float32; the numpy below keeps
+the same operation order and dtypes so the values match HF's to float32 precision.
+One deliberate difference: `base ** x` is evaluated in float64 and rounded once to float32,
+which is the correctly rounded result (torch's vectorised SLEEF powf may differ by 1 ulp).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+F32 = np.float32
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def _pow32(base: float, exps: np.ndarray) -> np.ndarray:
+    # HF casts the Python-float base to float32 before the pow.
+    return (np.float64(F32(base)) ** exps.astype(np.float64)).astype(np.float32)
+
+
+def _recip(x: np.ndarray) -> np.ndarray:
+    # torch implements `scalar / tensor` as `tensor.reciprocal() * scalar`.
+    return F32(1.0) / x
+
+
+def default_inv_freq(base: float, dim: int) -> np.ndarray:
+    """`1 / base ** (arange(0, dim, 2) / dim)` in float32."""
+    exps = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / F32(dim)
+    return _recip(_pow32(base, exps))
+
+
+def linear_inv_freq(base: float, dim: int, factor: float) -> np.ndarray:
+    return default_inv_freq(base, dim) / F32(factor)
+
+
+def dynamic_base(base: float, dim: int, factor: float, max_position_embeddings: int) -> float:
+    """Dynamic NTK's base at `seq_len = max_position_embeddings` (the conversion-time length)."""
+    seq_len = max_position_embeddings
+    return base * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+
+
+def llama3_inv_freq(
+    base: float,
+    dim: int,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    old_context_len: int,
+) -> np.ndarray:
+    inv_freq = default_inv_freq(base, dim)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = _recip(inv_freq) * F32(2 * math.pi)
+    # Long wavelengths (low frequencies) are divided by factor, short ones kept as is...
+    inv_freq_llama = np.where(wavelen > F32(low_freq_wavelen), inv_freq / F32(factor), inv_freq)
+    # ...and the band in between is interpolated with a smooth factor.
+    smooth_factor = (_recip(wavelen) * F32(old_context_len) - F32(low_freq_factor)) / F32(
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (F32(1.0) - smooth_factor) * inv_freq_llama / F32(factor)
+    smoothed = smoothed + smooth_factor * inv_freq_llama
+    is_medium = ~(wavelen < F32(high_freq_wavelen)) & ~(wavelen > F32(low_freq_wavelen))
+    return np.where(is_medium, smoothed, inv_freq_llama).astype(np.float32)
+
+
+def yarn_attention_factor(
+    factor: float, attention_factor: Any, mscale: Any, mscale_all_dim: Any
+) -> float:
+    if attention_factor is not None:
+        return float(attention_factor)
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+    return get_mscale(factor)
+
+
+def yarn_inv_freq(
+    base: float,
+    dim: int,
+    factor: float,
+    original_max_position_embeddings: int,
+    beta_fast: float = 32,
+    beta_slow: float = 1,
+    truncate: bool = True,
+) -> np.ndarray:
+    def correction_dim(num_rotations: float) -> float:
+        return (
+            dim * math.log(original_max_position_embeddings / (num_rotations * 2 * math.pi))
+        ) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+
+    exps = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / F32(dim)
+    pos_freqs = _pow32(base, exps)
+    inv_freq_extrapolation = _recip(pos_freqs)
+    inv_freq_interpolation = _recip(F32(factor) * pos_freqs)
+
+    ramp = (np.arange(dim // 2, dtype=np.float32) - F32(low)) / F32(high - low)
+    extrapolation_factor = F32(1.0) - np.clip(ramp, F32(0.0), F32(1.0))
+    return (
+        inv_freq_interpolation * (F32(1.0) - extrapolation_factor)
+        + inv_freq_extrapolation * extrapolation_factor
+    ).astype(np.float32)
+
+
+def compute_inv_freq(
+    rope_type: str, params: Mapping[str, Any], dim: int, max_position_embeddings: int
+) -> tuple[np.ndarray, float]:
+    """(inv_freq, attention_factor) for a standardised HF rope dict (`rope_theta` filled in).
+
+    Raises KeyError for a missing required parameter and ValueError for an unknown type; the
+    caller turns those into errors that name the config file.
+    """
+    base = float(params["rope_theta"])
+    if rope_type == "default":
+        return default_inv_freq(base, dim), 1.0
+    if rope_type == "linear":
+        return linear_inv_freq(base, dim, float(params["factor"])), 1.0
+    if rope_type == "dynamic":
+        # Dynamic NTK only changes the base past max_position_embeddings; at its base length
+        # the formula reduces to the default frequencies.
+        new_base = dynamic_base(base, dim, float(params["factor"]), max_position_embeddings)
+        return default_inv_freq(new_base, dim), 1.0
+    if rope_type == "llama3":
+        inv = llama3_inv_freq(
+            base,
+            dim,
+            float(params["factor"]),
+            float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+            int(params["original_max_position_embeddings"]),
+        )
+        return inv, 1.0
+    if rope_type == "yarn":
+        original = int(params["original_max_position_embeddings"])
+        factor = params["factor"]
+        if factor is None:
+            factor = max_position_embeddings / original
+        attention = yarn_attention_factor(
+            float(factor),
+            params.get("attention_factor"),
+            params.get("mscale"),
+            params.get("mscale_all_dim"),
+        )
+        inv = yarn_inv_freq(
+            base,
+            dim,
+            float(factor),
+            original,
+            params.get("beta_fast") or 32,
+            params.get("beta_slow") or 1,
+            bool(params.get("truncate", True)),
+        )
+        return inv, attention
+    raise ValueError(rope_type)

@@ -1,0 +1,35 @@
+"""Typed exceptions, defined once. The Rust core raises these same classes."""
+
+
+class CellmError(Exception):
+    """Base class of every error cellm raises on bad input."""
+
+
+class FormatError(CellmError):
+    """A file is missing, truncated, corrupted or not in the expected format."""
+
+
+class UnsupportedArchitecture(CellmError):
+    """The checkpoint's model_type / architecture has no engine family."""
+
+
+class ContextOverflow(CellmError):
+    """A prompt or generation would exceed the context length."""
+
+
+class InvalidArgument(CellmError):
+    """An argument or flag value is out of range."""
+
+
+class TemplateError(CellmError):
+    """A chat template failed to compile or render, or rejected the messages (raise_exception)."""
+
+
+__all__ = [
+    "CellmError",
+    "FormatError",
+    "UnsupportedArchitecture",
+    "ContextOverflow",
+    "InvalidArgument",
+    "TemplateError",
+]

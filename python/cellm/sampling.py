@@ -1,0 +1,180 @@
+"""Logits -> next token, with the semantics of Hugging Face ``generate()``.
+
+``make_sampler`` builds the pipeline once per request (like mlx-lm's ``make_sampler``):
+repetition penalty, then either greedy argmax (temperature 0) or
+temperature -> top-k -> top-p -> min-p -> one draw from a PCG64 generator seeded per request.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any, Callable
+
+import numpy as np
+
+from cellm.errors import InvalidArgument
+
+# A filter maps (candidate ids, their scaled logits) to a subset of them.
+Filter = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+# top-p first looks at this many best candidates, growing it only if their mass is < top_p,
+# so the usual case costs an O(vocab) partition instead of a full O(vocab log vocab) sort.
+_TOP_P_FIRST_GUESS = 64
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings; the defaults are greedy decoding with every filter off."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repeat_penalty: float = 1.0  # 1 = off (HF repetition_penalty)
+    seed: int | None = None  # None = fresh OS entropy
+
+    def validate(self) -> SamplingParams:
+        """Raise InvalidArgument for an out-of-range value; return self."""
+        t, k, p, m, r = self.temperature, self.top_k, self.top_p, self.min_p, self.repeat_penalty
+        if not (_is_real(t) and math.isfinite(t) and t >= 0):
+            raise InvalidArgument(f"temperature must be a finite number >= 0, got {t!r}")
+        if not (_is_int(k) and k >= 0):
+            raise InvalidArgument(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+        if not (_is_real(p) and 0 < p <= 1):
+            raise InvalidArgument(f"top_p must be in (0, 1], got {p!r}")
+        if not (_is_real(m) and 0 <= m < 1):
+            raise InvalidArgument(f"min_p must be in [0, 1), got {m!r}")
+        if not (_is_real(r) and math.isfinite(r) and r > 0):
+            raise InvalidArgument(f"repeat_penalty must be a finite number > 0, got {r!r}")
+        if self.seed is not None and not (_is_int(self.seed) and self.seed >= 0):
+            raise InvalidArgument(f"seed must be an integer >= 0 or None, got {self.seed!r}")
+        return self
+
+
+def apply_repeat_penalty(
+    logits: np.ndarray, context_ids: Sequence[int], penalty: float
+) -> np.ndarray:
+    """HF RepetitionPenaltyLogitsProcessor on a copy: each distinct context id's logit l
+    becomes l * penalty if l < 0 else l / penalty."""
+    ids = np.unique(np.asarray(context_ids, dtype=np.int64))
+    if ids.size == 0:
+        return logits
+    if ids[0] < 0 or ids[-1] >= logits.size:
+        raise InvalidArgument(f"context token id out of range for a vocabulary of {logits.size}")
+    out = logits.copy()
+    s = out[ids]
+    out[ids] = np.where(s < 0, s * penalty, s / penalty)
+    return out
+
+
+def _best(z: np.ndarray, k: int) -> np.ndarray:
+    # Indices of every entry >= the k-th largest (so ties at the boundary all count), unordered.
+    # np.partition is O(n), and much faster than argpartition here.
+    if k >= z.size:
+        return np.arange(z.size)
+    kth = np.partition(z, z.size - k)[z.size - k]
+    return np.flatnonzero(z >= kth)
+
+
+def _top_k(ids: np.ndarray, z: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    # HF TopKLogitsWarper removes only scores < the k-th largest: boundary ties survive.
+    keep = _best(z, k)
+    return ids[keep], z[keep]
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def _top_p(ids: np.ndarray, z: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    # HF TopPLogitsWarper: keep the most probable tokens until their mass reaches top_p; a token
+    # is kept iff the mass strictly above it is < top_p, so the best one always survives.
+    p = _softmax(z)
+    k = _TOP_P_FIRST_GUESS
+    while True:
+        cand = _best(p, k)
+        order = cand[np.argsort(-p[cand], kind="stable")]
+        cum = np.cumsum(p[order])  # the exact prefix of the full sorted cumulative sum
+        if order.size == p.size or cum[-1] >= top_p:
+            break
+        k *= 8
+    keep = order[: min(order.size, int(np.searchsorted(cum, top_p, side="left")) + 1)]
+    return ids[keep], z[keep]
+
+
+def _min_p(ids: np.ndarray, z: np.ndarray, min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    # HF MinPLogitsWarper drops p < min_p * p_max; p / p_max = exp(z - z_max) needs no softmax.
+    keep = np.exp(z - z.max()) >= min_p
+    return ids[keep], z[keep]
+
+
+class Sampler:
+    """Picks the next token. Built once per request (it owns the seeded generator)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = replace(params).validate()  # a copy: later edits to params don't leak in
+        self._rng = np.random.Generator(np.random.PCG64(self.params.seed))
+        self._filters: list[Filter] = []
+        self._all_ids = np.arange(0)
+        # Same order and on/off conditions as HF's _get_logits_processor.
+        if self.params.top_k > 0:
+            self._filters.append(partial(_top_k, k=self.params.top_k))
+        if self.params.top_p < 1.0:
+            self._filters.append(partial(_top_p, top_p=self.params.top_p))
+        if self.params.min_p > 0.0:
+            self._filters.append(partial(_min_p, min_p=self.params.min_p))
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0.0
+
+    def __call__(self, logits: np.ndarray, context_ids: Sequence[int] = ()) -> int:
+        """The next token id for `logits` (vocab,), given every token id so far (prompt included,
+        for the repetition penalty). Never modifies `logits`."""
+        x = np.asarray(logits, dtype=np.float32)  # float32 like HF; float64 exp is ~10x slower
+        if x.ndim != 1 or x.size == 0:
+            raise InvalidArgument(f"logits must be a non-empty 1-D array, got shape {x.shape}")
+        if self.params.repeat_penalty != 1.0:
+            x = apply_repeat_penalty(x, context_ids, self.params.repeat_penalty)
+        if self.greedy:
+            return int(np.argmax(x))  # ties -> lowest id, like torch.argmax
+        if self._all_ids.size != x.size:  # made once per request, not per token
+            self._all_ids = np.arange(x.size)
+        ids = self._all_ids
+        z = x / np.float32(self.params.temperature)  # a new array: logits stay untouched
+        for f in self._filters:
+            ids, z = f(ids, z)
+        return self._draw(ids, z)
+
+    def _draw(self, ids: np.ndarray, z: np.ndarray) -> int:
+        top = z.max()
+        if not np.isfinite(top):
+            raise InvalidArgument("logits contain NaN or are all -inf")
+        # Inverse-CDF draw: one uniform per token, so a seed fixes the whole sequence.
+        # z is always our own copy, so work in place (fresh vocab-sized arrays are slow).
+        cum = np.cumsum(np.exp(np.subtract(z, top, out=z), out=z), out=z)
+        i = int(np.searchsorted(cum, np.float32(self._rng.random() * float(cum[-1])), "right"))
+        if i == cum.size:  # rounded up onto the total: take the last token with any weight
+            i = int(np.searchsorted(cum, cum[-1], "left"))
+        return int(ids[i])
+
+
+def make_sampler(params: SamplingParams | None = None) -> Sampler:
+    """A Sampler for one request; validates `params` (InvalidArgument if out of range)."""
+    return Sampler(params if params is not None else SamplingParams())
+
+
+__all__ = ["SamplingParams", "Sampler", "apply_repeat_penalty", "make_sampler"]
