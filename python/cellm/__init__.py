@@ -1,1 +1,25 @@
 """cellm: fast inference of small language models on ordinary hardware."""
+
+from cellm.errors import (
+    CellmError,
+    ContextOverflow,
+    FormatError,
+    InvalidArgument,
+    TemplateError,
+    UnsupportedArchitecture,
+)
+from cellm.llm import LLM, GenerationResult, Timings
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "GenerationResult",
+    "Timings",
+    "CellmError",
+    "ContextOverflow",
+    "FormatError",
+    "InvalidArgument",
+    "TemplateError",
+    "UnsupportedArchitecture",
+]

@@ -4,29 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn, Optional
+from typing import Optional
 
-from ..errors import CellmError
+from ..cli import Parser, run
 from . import convert_hf
 from .dtypes import FORMATS
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports bad usage as one `error: ...` line (exit 2), like other errors."""
-
-    def error(self, message: str) -> NoReturn:
-        _fail(message)
-        sys.exit(2)
-
-
-def _fail(message: object) -> None:
-    # One line, no traceback: scripts grep stderr, humans read the first line.
-    text = " ".join(str(message).split("\n"))
-    print(f"error: {text}", file=sys.stderr)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="python -m cellm.convert",
         description="Convert a HuggingFace checkpoint directory to a .cellm file.",
     )
@@ -49,21 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def body() -> int:
         path = convert_hf(args.input, args.output, args.dtype, progress=args.progress)
-    except CellmError as e:
-        _fail(e)
-        return 2
-    except OSError as e:
-        # Disk full, permission denied...: the environment failed, not the input.
-        _fail(e)
-        return 1
-    except KeyboardInterrupt:
-        _fail("interrupted")
-        return 130
-    size = path.stat().st_size
-    print(f"wrote {path} ({size / (1 << 20):,.1f} MiB, {args.dtype})")
-    return 0
+        size = path.stat().st_size
+        print(f"wrote {path} ({size / (1 << 20):,.1f} MiB, {args.dtype})")
+        return 0
+
+    return run(body)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,249 @@
+"""`cellm.LLM`: load a model and generate text from Python."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from cellm import _core
+from cellm.chat import render_chat_template, resolve_template
+from cellm.errors import ContextOverflow, InvalidArgument
+from cellm.resolve import resolve_model
+from cellm.sampling import SamplingParams, make_sampler
+from cellm.textstream import IncrementalDecoder, StopStringMatcher
+from cellm.tokenizer import Tokenizer
+
+BACKENDS = ("cpu",)
+KV_ENCODINGS = ("f16", "f32")
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclass
+class Timings:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (end-of-turn id or stop string) or "length"
+    prompt_tokens: int
+    timings: Timings = field(default_factory=Timings)
+
+
+class LLM:
+    """A loaded model. `path` is a .cellm file or a HF checkpoint directory (converted once
+    into the cache, see `cellm.resolve`)."""
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        backend: str = "cpu",
+        kv_encoding: str = "f16",
+        threads: Optional[int] = None,
+        context_length: Optional[int] = None,
+        *,
+        tokenizer: Optional[Union[str, os.PathLike]] = None,
+        convert_dtype: str = "f16",
+    ) -> None:
+        if backend not in BACKENDS:
+            raise InvalidArgument(f"unknown backend {backend!r} (available: {', '.join(BACKENDS)})")
+        if kv_encoding not in KV_ENCODINGS:
+            raise InvalidArgument(f"unknown kv_encoding {kv_encoding!r} (expected f16 or f32)")
+        for name, v in (("threads", threads), ("context_length", context_length)):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise InvalidArgument(f"{name} must be a positive integer, got {v!r}")
+        self.path = resolve_model(path, convert_dtype)
+        self._engine = _core.Engine(
+            str(self.path), threads=threads, kv_encoding=kv_encoding, context_length=context_length
+        )
+        self.header: dict[str, Any] = json.loads(self._engine.header_json())
+        tok = self.header["tokenizer"]
+        tok_json = (
+            open(tokenizer, encoding="utf-8").read()
+            if tokenizer is not None
+            else self._engine.blob(tok["blob"]).decode("utf-8")
+        )
+        self.tokenizer = Tokenizer.from_json_str(
+            tok_json,
+            bos_token=tok.get("bos_token"),
+            eos_token=tok.get("eos_token"),
+            add_bos_token=bool(tok.get("add_bos_token")),
+        )
+        self.chat_template: Optional[str] = tok.get("chat_template")
+        self.eos_token_ids: frozenset[int] = frozenset(self.header["generation"]["eos_token_ids"])
+
+    @property
+    def context_length(self) -> int:
+        return self._engine.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.vocab_size
+
+    # -- prompts -------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: Optional[Sequence[Mapping[str, Any]]] = None,
+        chat_format: str = "auto",
+        **template_vars: Any,
+    ) -> str:
+        """The prompt text for `messages`, rendered with the model's template (or a builtin
+        one: chatml, llama3, gemma, plain). Extra keywords (e.g. enable_thinking=False) are
+        passed to the template."""
+        return render_chat_template(
+            resolve_template(chat_format, self.chat_template),
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.tokenizer.bos_token,
+            eos_token=self.tokenizer.eos_token,
+            tools=tools,
+            extra=template_vars,
+        )
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary ({self.vocab_size})")
+        return ids
+
+    # -- model calls ---------------------------------------------------------------------
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Next-token logits at every position: float32 array (len(token_ids), vocab)."""
+        ids = self.encode(list(token_ids))
+        if not ids:
+            raise InvalidArgument("logits() needs at least one token id")
+        session = self._engine.create_session()
+        try:
+            return self._engine.step([(session, ids)], all_logits=True)
+        finally:
+            self._engine.free_session(session)
+
+    def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+        """Generate a completion of `prompt` (text, or token ids used as they are).
+
+        Keywords: max_tokens=256, temperature=0.0 (greedy), top_k, top_p, min_p,
+        repeat_penalty, seed, stop (strings), stop_token_ids, ignore_eos."""
+        events = self._run(prompt, **kwargs)
+        while True:
+            try:
+                next(events)
+            except StopIteration as done:
+                result: GenerationResult = done.value
+                return result
+
+    def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[str]:
+        """Like generate(), yielding text pieces as they are decoded."""
+        result = yield from self._run(prompt, **kwargs)
+        return result
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Optional[Sequence[Mapping[str, Any]]] = None,
+        chat_format: str = "auto",
+        template_vars: Optional[Mapping[str, Any]] = None,
+        **kwargs: Any,
+    ) -> GenerationResult:
+        """Answer the conversation `messages` (generate() keywords apply)."""
+        text = self.apply_chat_template(
+            messages, tools=tools, chat_format=chat_format, **(template_vars or {})
+        )
+        return self.generate(self.tokenizer.encode(text, add_special_tokens=False), **kwargs)
+
+    # -- the generation loop ---------------------------------------------------------------
+
+    def _run(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repeat_penalty: float = 1.0,
+        seed: Optional[int] = None,
+        stop: Union[str, Sequence[str], None] = None,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+    ) -> Iterator[str]:
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        sampler = make_sampler(
+            SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+        )
+        ids = self.encode(prompt)
+        if not ids:
+            raise InvalidArgument("the prompt is empty")
+        if len(ids) >= self.context_length:
+            raise ContextOverflow(
+                f"the prompt has {len(ids)} tokens; the context length is {self.context_length}"
+            )
+        stops = set(stop_token_ids) | (set() if ignore_eos else set(self.eos_token_ids))
+        decoder = IncrementalDecoder(self.tokenizer)
+        matcher = StopStringMatcher([stop] if isinstance(stop, str) else list(stop or []))
+        timings = Timings(prefill_tokens=len(ids))
+        out: list[int] = []
+        text: list[str] = []
+        finish = "length"
+        session = self._engine.create_session()
+        try:
+            t0 = time.perf_counter()
+            logits = self._engine.step([(session, ids)])[0]
+            timings.prefill_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            while True:
+                token = sampler(logits[: self.tokenizer.vocab_size], ids + out)
+                if token in stops:
+                    finish = "stop"
+                    break
+                out.append(token)
+                piece, hit = matcher.feed(decoder.add(token))
+                if piece:
+                    text.append(piece)
+                    yield piece
+                if hit:
+                    finish = "stop"
+                    break
+                if len(out) >= max_tokens or len(ids) + len(out) >= self.context_length:
+                    break
+                logits = self._engine.step([(session, [token])])[0]
+                timings.decode_tokens += 1
+            timings.decode_s = time.perf_counter() - t0
+        finally:
+            self._engine.free_session(session)
+        if finish != "stop":
+            tail, _ = matcher.feed(decoder.flush())
+            tail += matcher.flush()
+            if tail:
+                text.append(tail)
+                yield tail
+        return GenerationResult("".join(text), out, finish, len(ids), timings)

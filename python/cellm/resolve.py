@@ -1,0 +1,52 @@
+"""Turning what a user passes as a model (a .cellm file, a HF directory) into a .cellm path."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from cellm.errors import FormatError
+
+CACHE_ENV = "CELLM_CACHE_DIR"
+# Bump when the converter's output changes, so stale cached conversions are not reused.
+CONVERTER_VERSION = 1
+
+
+def cache_dir() -> Path:
+    """Where converted and fetched models live: $CELLM_CACHE_DIR or ~/.cache/cellm."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "cellm")
+
+
+def resolve_model(path: str | os.PathLike, dtype: str = "f16") -> Path:
+    """A .cellm file for `path`: the file itself, or a cached conversion of a HF directory."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FormatError(f"{p}: no such file or directory")
+    if p.is_dir():
+        return _converted(p, dtype)
+    if p.suffix.lower() == ".gguf":
+        raise FormatError(f"{p}: GGUF files are not supported by this version of cellm yet")
+    return p
+
+
+def _converted(src: Path, dtype: str) -> Path:
+    from cellm.convert import convert_hf  # the converter is only needed on this path
+
+    if not (src / "config.json").is_file():
+        raise FormatError(f"{src} has no config.json (not a HuggingFace checkpoint)")
+    out = cache_dir() / "converted" / f"{src.resolve().name}-{dtype}-{_fingerprint(src, dtype)}.cellm"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        convert_hf(src, out, dtype)
+    return out
+
+
+def _fingerprint(src: Path, dtype: str) -> str:
+    """Changes whenever the checkpoint's files, the dtype or the converter change."""
+    files = sorted(
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in src.iterdir() if f.is_file()
+    )
+    key = json.dumps([str(src.resolve()), dtype, CONVERTER_VERSION, files])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
