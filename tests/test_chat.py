@@ -7,6 +7,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+
 from cellm.chat import (
     BUILTIN_TEMPLATES,
     CHAT_FORMATS,

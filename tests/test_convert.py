@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from cellm.convert import convert_hf, dtypes, read_header
 from cellm.convert.hf_config import normalise_config
 from cellm.convert.progress import ProgressBar

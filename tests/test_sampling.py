@@ -7,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+
 from cellm.errors import InvalidArgument
 from cellm.sampling import (
     SamplingParams,

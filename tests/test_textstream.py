@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import tokenizers
+
 from cellm.errors import FormatError, InvalidArgument
 from cellm.textstream import IncrementalDecoder, StopStringMatcher
 from cellm.tokenizer import Tokenizer

@@ -7,7 +7,7 @@ from typing import Optional
 
 from cellm.chat import CHAT_FORMATS
 from cellm.cli import Parser, bounded, int_list, run
-from cellm.llm import KV_ENCODINGS, LLM, BACKENDS, GenerationResult
+from cellm.llm import BACKENDS, KV_ENCODINGS, LLM, GenerationResult
 
 
 def build_parser() -> Parser:
@@ -18,11 +18,18 @@ def build_parser() -> Parser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--tokens", type=int_list, help="prompt as token ids: 1,2,3")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--chat-format", choices=CHAT_FORMATS, default="auto",
-                   help="auto = the model's own template")
+    p.add_argument(
+        "--chat-format",
+        choices=CHAT_FORMATS,
+        default="auto",
+        help="auto = the model's own template",
+    )
     p.add_argument("--system", help="system message (with --chat)")
-    p.add_argument("--no-think", action="store_true",
-                   help="ask thinking models to answer directly (enable_thinking=False)")
+    p.add_argument(
+        "--no-think",
+        action="store_true",
+        help="ask thinking models to answer directly (enable_thinking=False)",
+    )
     p.add_argument("--gen", type=bounded(int, 1), default=128, help="tokens to generate")
     p.add_argument("--temperature", type=bounded(float, 0.0), default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=bounded(int, 0), default=0, help="0 = off")
@@ -30,13 +37,18 @@ def build_parser() -> Parser:
     p.add_argument("--min-p", type=bounded(float, 0.0, 1.0), default=0.0)
     p.add_argument("--repeat-penalty", type=bounded(float, 0.0, open_low=True), default=1.0)
     p.add_argument("--seed", type=bounded(int, 0), default=None)
-    p.add_argument("--stop-tokens", type=int_list, default=[],
-                   help="extra token ids that end the turn: 1,2")
+    p.add_argument(
+        "--stop-tokens", type=int_list, default=[], help="extra token ids that end the turn: 1,2"
+    )
     p.add_argument("--backend", choices=BACKENDS, default="cpu")
     p.add_argument("--kv-encoding", choices=KV_ENCODINGS, default="f16")
     p.add_argument("--threads", type=bounded(int, 1), default=None, help="default: physical cores")
-    p.add_argument("--context-length", type=bounded(int, 1), default=None,
-                   help="default: the model's trained context")
+    p.add_argument(
+        "--context-length",
+        type=bounded(int, 1),
+        default=None,
+        help="default: the model's trained context",
+    )
     return p
 
 
@@ -66,13 +78,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        llm = LLM(args.model, backend=args.backend, kv_encoding=args.kv_encoding,
-                  threads=args.threads, context_length=args.context_length,
-                  tokenizer=args.tokenizer)
+        llm = LLM(
+            args.model,
+            backend=args.backend,
+            kv_encoding=args.kv_encoding,
+            threads=args.threads,
+            context_length=args.context_length,
+            tokenizer=args.tokenizer,
+        )
         events = llm.stream(
-            _prompt(llm, args), max_tokens=args.gen, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-            repeat_penalty=args.repeat_penalty, seed=args.seed, stop_token_ids=args.stop_tokens,
+            _prompt(llm, args),
+            max_tokens=args.gen,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repeat_penalty=args.repeat_penalty,
+            seed=args.seed,
+            stop_token_ids=args.stop_tokens,
         )
         while True:
             try:

@@ -129,7 +129,9 @@ class LLM:
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary ({self.vocab_size})")
+            raise InvalidArgument(
+                f"token id {bad[0]} is outside the vocabulary ({self.vocab_size})"
+            )
         return ids
 
     # -- model calls ---------------------------------------------------------------------

@@ -36,7 +36,9 @@ def _converted(src: Path, dtype: str) -> Path:
 
     if not (src / "config.json").is_file():
         raise FormatError(f"{src} has no config.json (not a HuggingFace checkpoint)")
-    out = cache_dir() / "converted" / f"{src.resolve().name}-{dtype}-{_fingerprint(src, dtype)}.cellm"
+    out = (
+        cache_dir() / "converted" / f"{src.resolve().name}-{dtype}-{_fingerprint(src, dtype)}.cellm"
+    )
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         convert_hf(src, out, dtype)

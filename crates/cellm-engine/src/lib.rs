@@ -30,7 +30,12 @@ pub struct EngineOptions {
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self { threads: None, kv_encoding: KvEncoding::F16, context_length: None, kv_capacity_tokens: None }
+        Self {
+            threads: None,
+            kv_encoding: KvEncoding::F16,
+            context_length: None,
+            kv_capacity_tokens: None,
+        }
     }
 }
 
@@ -62,7 +67,9 @@ impl Engine {
         let cfg = model.config();
         let context_length = opts.context_length.unwrap_or(cfg.max_position_embeddings);
         if context_length == 0 {
-            return Err(Error::InvalidArgument("context_length must be at least 1".into()));
+            return Err(Error::InvalidArgument(
+                "context_length must be at least 1".into(),
+            ));
         }
         let threads = match opts.threads {
             Some(0) => return Err(Error::InvalidArgument("threads must be at least 1".into())),
@@ -75,7 +82,9 @@ impl Engine {
             .build()
             .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
         let layout = model.cache_layout();
-        let capacity = opts.kv_capacity_tokens.unwrap_or(context_length * DEFAULT_KV_SESSIONS);
+        let capacity = opts
+            .kv_capacity_tokens
+            .unwrap_or(context_length * DEFAULT_KV_SESSIONS);
         let pool = PagePool::new(KvConfig {
             num_layers: layout.num_layers,
             kv_heads: layout.kv_heads,
@@ -84,7 +93,15 @@ impl Engine {
             max_pages: capacity.div_ceil(PAGE_SIZE).max(1) * layout.num_layers,
             encoding: opts.kv_encoding,
         });
-        Ok(Self { file, model, pool, sessions: HashMap::new(), next_session: 1, workers, context_length })
+        Ok(Self {
+            file,
+            model,
+            pool,
+            sessions: HashMap::new(),
+            next_session: 1,
+            workers,
+            context_length,
+        })
     }
 
     pub fn file(&self) -> &CellmFile {
@@ -134,7 +151,11 @@ impl Engine {
     /// Runs one forward over the new tokens of each `(session, tokens)` pair and returns the
     /// requested logits (`rows x vocab`, row-major) with the row count. All-or-nothing: on an
     /// error no session changes.
-    pub fn step(&mut self, batch: &[(SessionId, &[u32])], mode: LogitsMode) -> Result<(Vec<f32>, usize)> {
+    pub fn step(
+        &mut self,
+        batch: &[(SessionId, &[u32])],
+        mode: LogitsMode,
+    ) -> Result<(Vec<f32>, usize)> {
         self.validate(batch)?;
         for (i, &(id, tokens)) in batch.iter().enumerate() {
             let seq = self.sessions.get_mut(&id).expect("validated");
@@ -154,14 +175,23 @@ impl Engine {
         let mut row0 = 0;
         for &(id, t) in batch {
             let kv = &self.sessions[&id];
-            spans.push(SeqSpan { kv, start: kv.len(), len: t.len(), row0 });
+            spans.push(SeqSpan {
+                kv,
+                start: kv.len(),
+                len: t.len(),
+                row0,
+            });
             match mode {
                 LogitsMode::Last => logit_rows.push(row0 + t.len() - 1),
                 LogitsMode::All => logit_rows.extend(row0..row0 + t.len()),
             }
             row0 += t.len();
         }
-        let step = Step { tokens: &tokens, spans: &spans, logit_rows: &logit_rows };
+        let step = Step {
+            tokens: &tokens,
+            spans: &spans,
+            logit_rows: &logit_rows,
+        };
         let (model, pool) = (&self.model, &mut self.pool);
         let logits = self.workers.install(|| model.forward(&step, pool));
         drop(spans);
@@ -175,19 +205,27 @@ impl Engine {
 
     fn validate(&self, batch: &[(SessionId, &[u32])]) -> Result<()> {
         if batch.is_empty() {
-            return Err(Error::InvalidArgument("a step needs at least one session".into()));
+            return Err(Error::InvalidArgument(
+                "a step needs at least one session".into(),
+            ));
         }
         let vocab = self.model.config().vocab_size;
         for (i, &(id, tokens)) in batch.iter().enumerate() {
             let seq = self.sessions.get(&id).ok_or_else(|| unknown(id))?;
             if batch[..i].iter().any(|(other, _)| *other == id) {
-                return Err(Error::InvalidArgument(format!("session {id} appears twice in one step")));
+                return Err(Error::InvalidArgument(format!(
+                    "session {id} appears twice in one step"
+                )));
             }
             if tokens.is_empty() {
-                return Err(Error::InvalidArgument(format!("session {id}: no tokens to process")));
+                return Err(Error::InvalidArgument(format!(
+                    "session {id}: no tokens to process"
+                )));
             }
             if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-                return Err(Error::InvalidArgument(format!("token id {bad} is outside the vocabulary ({vocab})")));
+                return Err(Error::InvalidArgument(format!(
+                    "token id {bad} is outside the vocabulary ({vocab})"
+                )));
             }
             if seq.len() + tokens.len() > self.context_length {
                 return Err(Error::ContextOverflow(format!(

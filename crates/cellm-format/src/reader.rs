@@ -63,7 +63,9 @@ impl CellmFile {
             _ => Error::format(format!("{shown}: cannot open: {e}")),
         })?;
         if file.metadata().map(|m| m.is_dir()).unwrap_or(false) {
-            return Err(Error::format(format!("{shown} is a directory, not a .cellm file")));
+            return Err(Error::format(format!(
+                "{shown} is a directory, not a .cellm file"
+            )));
         }
         // SAFETY: the map is read-only; a file changed underneath us while mapped is outside
         // what any mmap-based loader can defend against.
@@ -94,7 +96,13 @@ impl CellmFile {
             )));
         }
         let tensors = validate_table(&header)?;
-        Ok(Self { map, header, header_json, data_offset, tensors })
+        Ok(Self {
+            map,
+            header,
+            header_json,
+            data_offset,
+            tensors,
+        })
     }
 
     pub fn header(&self) -> &Header {
@@ -180,7 +188,10 @@ fn validate_table(h: &Header) -> Result<HashMap<String, usize>> {
             )));
         }
         if t.offset % ALIGN != 0 || t.offset % format.alignment() != 0 {
-            return Err(Error::format(format!("tensor {}: offset {} is not aligned", t.name, t.offset)));
+            return Err(Error::format(format!(
+                "tensor {}: offset {} is not aligned",
+                t.name, t.offset
+            )));
         }
         if index.insert(t.name.clone(), i).is_some() {
             return Err(Error::format(format!("tensor {} appears twice", t.name)));
@@ -213,7 +224,7 @@ mod tests {
         let mut v = b"CELLM\x02\0\0".to_vec();
         v.extend_from_slice(&(header.len() as u64).to_le_bytes());
         v.extend_from_slice(header.as_bytes());
-        while v.len() % ALIGN != 0 {
+        while !v.len().is_multiple_of(ALIGN) {
             v.push(0);
         }
         v.extend_from_slice(data);
@@ -239,7 +250,10 @@ mod tests {
     #[test]
     fn rejects_truncation_bad_magic_and_bad_sizes() {
         let bytes = file_with(ONE_TENSOR, &[0; 8]);
-        assert!(matches!(parse(&bytes[..bytes.len() - 1]), Err(Error::Format(_))));
+        assert!(matches!(
+            parse(&bytes[..bytes.len() - 1]),
+            Err(Error::Format(_))
+        ));
         assert!(matches!(parse(&bytes[..10]), Err(Error::Format(_))));
         let mut bad = bytes.clone();
         bad[0] = b'X';
@@ -257,6 +271,9 @@ mod tests {
         let e = parse(&bytes).err().unwrap().to_string();
         assert!(e.contains("version 1"), "{e}");
         let q = ONE_TENSOR.replace("\"f32\"", "\"q9_9\"");
-        assert!(matches!(parse(&file_with(&q, &[0; 8])), Err(Error::Unsupported(_))));
+        assert!(matches!(
+            parse(&file_with(&q, &[0; 8])),
+            Err(Error::Unsupported(_))
+        ));
     }
 }

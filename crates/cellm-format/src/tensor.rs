@@ -65,7 +65,13 @@ pub struct Tensor {
 
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Tensor({} {:?} {})", self.name, self.shape, self.format.name())
+        write!(
+            f,
+            "Tensor({} {:?} {})",
+            self.name,
+            self.shape,
+            self.format.name()
+        )
     }
 }
 
@@ -79,7 +85,14 @@ impl Tensor {
         format: TensorFormat,
         shape: Vec<usize>,
     ) -> Self {
-        Self { map, start, len, name, format, shape }
+        Self {
+            map,
+            start,
+            len,
+            name,
+            format,
+            shape,
+        }
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -101,7 +114,11 @@ impl Tensor {
         self.expect(TensorFormat::F32)?;
         // SAFETY: the reader checked that the range lies in the map, that its length is
         // 4 * numel and that the start is 64-byte aligned (the map itself is page aligned).
-        Ok(unsafe { std::slice::from_raw_parts(self.bytes().as_ptr().cast::<f32>(), self.numel()) })
+        Ok(
+            unsafe {
+                std::slice::from_raw_parts(self.bytes().as_ptr().cast::<f32>(), self.numel())
+            },
+        )
     }
 
     /// The raw 16-bit words of an `f16` or `bf16` tensor.
@@ -110,7 +127,11 @@ impl Tensor {
             return Err(self.wrong_format("f16 or bf16"));
         }
         // SAFETY: as in `as_f32`, with 2-byte elements.
-        Ok(unsafe { std::slice::from_raw_parts(self.bytes().as_ptr().cast::<u16>(), self.numel()) })
+        Ok(
+            unsafe {
+                std::slice::from_raw_parts(self.bytes().as_ptr().cast::<u16>(), self.numel())
+            },
+        )
     }
 
     fn expect(&self, format: TensorFormat) -> Result<()> {

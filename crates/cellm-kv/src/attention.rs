@@ -48,12 +48,22 @@ impl PagePool {
     ) {
         let hd = shape.head_dim;
         let kv_width = shape.n_kv_heads * hd;
-        assert_eq!(kv_width, self.config().kv_heads * self.config().head_dim, "KV shape");
+        assert_eq!(
+            kv_width,
+            self.config().kv_heads * self.config().head_dim,
+            "KV shape"
+        );
         let mut row_of = Vec::with_capacity(q.len() / (shape.n_heads * hd));
         for (si, s) in spans.iter().enumerate() {
             for i in 0..s.len {
                 let r = s.row0 + i;
-                self.write(s.kv, layer, s.start + i, &k[r * kv_width..][..kv_width], &v[r * kv_width..][..kv_width]);
+                self.write(
+                    s.kv,
+                    layer,
+                    s.start + i,
+                    &k[r * kv_width..][..kv_width],
+                    &v[r * kv_width..][..kv_width],
+                );
                 row_of.push((r, si, s.start + i));
             }
         }
@@ -63,7 +73,15 @@ impl PagePool {
             let (row, head) = (idx / shape.n_heads, idx % shape.n_heads);
             let (_, si, pos) = row_of[row];
             let qh = &q[idx * hd..(idx + 1) * hd];
-            pool.attend_one(spans[si].kv, layer, qh, head / (shape.n_heads / shape.n_kv_heads), pos, shape, o);
+            pool.attend_one(
+                spans[si].kv,
+                layer,
+                qh,
+                head / (shape.n_heads / shape.n_kv_heads),
+                pos,
+                shape,
+                o,
+            );
         });
     }
 
@@ -131,16 +149,34 @@ mod tests {
         let v: Vec<f32> = (0..len * n_kv * hd).map(|i| val(i + 29)).collect();
         let mut seq = pool.new_seq();
         pool.reserve(&mut seq, len).unwrap();
-        let shape = AttentionShape { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: 0.35, window: None, softcap: None };
+        let shape = AttentionShape {
+            n_heads,
+            n_kv_heads: n_kv,
+            head_dim: hd,
+            scale: 0.35,
+            window: None,
+            softcap: None,
+        };
         let mut out = vec![0.0; q.len()];
-        let spans = [SeqSpan { kv: &seq, start: 0, len, row0: 0 }];
+        let spans = [SeqSpan {
+            kv: &seq,
+            start: 0,
+            len,
+            row0: 0,
+        }];
         pool.attention(0, &spans, &q, &k, &v, &mut out, &shape);
         for t in 0..len {
             for h in 0..n_heads {
                 let g = h / 2;
                 let qh = &q[(t * n_heads + h) * hd..][..hd];
                 let scores: Vec<f32> = (0..=t)
-                    .map(|p| qh.iter().zip(&k[(p * n_kv + g) * hd..][..hd]).map(|(a, b)| a * b).sum::<f32>() * 0.35)
+                    .map(|p| {
+                        qh.iter()
+                            .zip(&k[(p * n_kv + g) * hd..][..hd])
+                            .map(|(a, b)| a * b)
+                            .sum::<f32>()
+                            * 0.35
+                    })
                     .collect();
                 let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
                 let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
@@ -148,7 +184,10 @@ mod tests {
                 for d in 0..hd {
                     let want: f32 = (0..=t).map(|p| e[p] / z * v[(p * n_kv + g) * hd + d]).sum();
                     let got = out[(t * n_heads + h) * hd + d];
-                    assert!((want - got).abs() < 1e-5, "t={t} h={h} d={d}: {want} vs {got}");
+                    assert!(
+                        (want - got).abs() < 1e-5,
+                        "t={t} h={h} d={d}: {want} vs {got}"
+                    );
                 }
             }
         }

@@ -17,7 +17,10 @@ impl Weights<'_> {
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         let t = self.file.tensor(name)?;
         if t.shape != shape {
-            return Err(Error::format(format!("tensor {name} has shape {:?}, expected {shape:?}", t.shape)));
+            return Err(Error::format(format!(
+                "tensor {name} has shape {:?}, expected {shape:?}",
+                t.shape
+            )));
         }
         Ok(t)
     }
@@ -31,12 +34,19 @@ impl Weights<'_> {
 
     pub fn linear(&self, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
         let weight = self.tensor(&format!("{prefix}.weight"), &[out, inp])?;
-        let bias = if bias { Some(self.vector(&format!("{prefix}.bias"), out)?) } else { None };
+        let bias = if bias {
+            Some(self.vector(&format!("{prefix}.bias"), out)?)
+        } else {
+            None
+        };
         Ok(Linear { weight, bias })
     }
 
     pub fn norm(&self, name: &str, dim: usize, eps: f32) -> Result<RmsNorm> {
-        Ok(RmsNorm { weight: self.vector(name, dim)?, eps })
+        Ok(RmsNorm {
+            weight: self.vector(name, dim)?,
+            eps,
+        })
     }
 }
 
@@ -90,7 +100,9 @@ impl Embedding {
         let mut x = vec![0.0; tokens.len() * dim];
         for (row, &t) in x.chunks_exact_mut(dim).zip(tokens) {
             if t as usize >= vocab {
-                return Err(Error::InvalidArgument(format!("token id {t} is outside the vocabulary ({vocab})")));
+                return Err(Error::InvalidArgument(format!(
+                    "token id {t} is outside the vocabulary ({vocab})"
+                )));
             }
             decode_row(&self.table, t as usize, row);
         }
@@ -116,7 +128,10 @@ impl Rope {
             for (cs, &f) in cos_sin.iter_mut().zip(&self.inv_freq) {
                 // The angle is rounded to f32 first, as the reference computes it.
                 let angle = f64::from(pos as f32 * f);
-                *cs = ((angle.cos() as f32) * self.attention_factor, (angle.sin() as f32) * self.attention_factor);
+                *cs = (
+                    (angle.cos() as f32) * self.attention_factor,
+                    (angle.sin() as f32) * self.attention_factor,
+                );
             }
             for head in row.chunks_exact_mut(head_dim) {
                 let (a, b) = head[..2 * half].split_at_mut(half);
@@ -138,7 +153,13 @@ pub struct GatedMlp {
 }
 
 impl GatedMlp {
-    pub fn load(w: &Weights, prefix: &str, hidden: usize, inter: usize, bias: bool) -> Result<Self> {
+    pub fn load(
+        w: &Weights,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        bias: bool,
+    ) -> Result<Self> {
         Ok(Self {
             gate: w.linear(&format!("{prefix}.gate_proj"), inter, hidden, bias)?,
             up: w.linear(&format!("{prefix}.up_proj"), inter, hidden, bias)?,
@@ -176,7 +197,11 @@ impl Attention {
     ) -> Vec<f32> {
         let tokens = step.tokens.len();
         let hd = self.shape.head_dim;
-        let (mut q, mut k, v) = (self.q.forward(x, tokens), self.k.forward(x, tokens), self.v.forward(x, tokens));
+        let (mut q, mut k, v) = (
+            self.q.forward(x, tokens),
+            self.k.forward(x, tokens),
+            self.v.forward(x, tokens),
+        );
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             qn.apply(&mut q);
             kn.apply(&mut k);
@@ -193,5 +218,7 @@ impl Attention {
 
 /// Copies the given rows of a `rows x width` matrix.
 pub fn gather_rows(x: &[f32], width: usize, rows: &[usize]) -> Vec<f32> {
-    rows.iter().flat_map(|&r| x[r * width..(r + 1) * width].iter().copied()).collect()
+    rows.iter()
+        .flat_map(|&r| x[r * width..(r + 1) * width].iter().copied())
+        .collect()
 }

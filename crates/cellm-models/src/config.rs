@@ -68,23 +68,41 @@ impl ModelConfig {
 
     fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::format(format!("bad model description: {m}")));
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
-            return bad(format!("{} heads cannot share {} kv heads", self.num_heads, self.num_kv_heads));
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || !self.num_heads.is_multiple_of(self.num_kv_heads)
+        {
+            return bad(format!(
+                "{} heads cannot share {} kv heads",
+                self.num_heads, self.num_kv_heads
+            ));
         }
         if self.rope.inv_freq.len() * 2 > self.head_dim {
-            return bad(format!("rotary dim {} > head_dim {}", self.rope.inv_freq.len() * 2, self.head_dim));
+            return bad(format!(
+                "rotary dim {} > head_dim {}",
+                self.rope.inv_freq.len() * 2,
+                self.head_dim
+            ));
         }
-        if self.rope_layers.as_ref().is_some_and(|r| r.len() != self.num_layers) {
+        if self
+            .rope_layers
+            .as_ref()
+            .is_some_and(|r| r.len() != self.num_layers)
+        {
             return bad("rope_layers must have one entry per layer".into());
         }
         if self.hidden_act != "silu" {
-            return Err(Error::Unsupported(format!("activation '{}' is not supported", self.hidden_act)));
+            return Err(Error::Unsupported(format!(
+                "activation '{}' is not supported",
+                self.hidden_act
+            )));
         }
         Ok(())
     }
 
     pub fn attention_scale(&self) -> f32 {
-        self.attention_scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt())
+        self.attention_scale
+            .unwrap_or(1.0 / (self.head_dim as f32).sqrt())
     }
 
     pub fn layer_uses_rope(&self, layer: usize) -> bool {

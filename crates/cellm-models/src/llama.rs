@@ -41,29 +41,68 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
         .map(|i| {
             let p = format!("model.layers.{i}");
             let a = format!("{p}.self_attn");
-            let qk_norm = |n: &str| cfg.qk_norm.then(|| w.norm(&format!("{a}.{n}.weight"), hd, eps)).transpose();
+            let qk_norm = |n: &str| {
+                cfg.qk_norm
+                    .then(|| w.norm(&format!("{a}.{n}.weight"), hd, eps))
+                    .transpose()
+            };
             Ok(Layer {
                 input_norm: w.norm(&format!("{p}.input_layernorm.weight"), h, eps)?,
                 attn: Attention {
-                    q: w.linear(&format!("{a}.q_proj"), cfg.num_heads * hd, h, cfg.attention_bias)?,
-                    k: w.linear(&format!("{a}.k_proj"), cfg.num_kv_heads * hd, h, cfg.attention_bias)?,
-                    v: w.linear(&format!("{a}.v_proj"), cfg.num_kv_heads * hd, h, cfg.attention_bias)?,
-                    o: w.linear(&format!("{a}.o_proj"), h, cfg.num_heads * hd, cfg.attention_out_bias)?,
+                    q: w.linear(
+                        &format!("{a}.q_proj"),
+                        cfg.num_heads * hd,
+                        h,
+                        cfg.attention_bias,
+                    )?,
+                    k: w.linear(
+                        &format!("{a}.k_proj"),
+                        cfg.num_kv_heads * hd,
+                        h,
+                        cfg.attention_bias,
+                    )?,
+                    v: w.linear(
+                        &format!("{a}.v_proj"),
+                        cfg.num_kv_heads * hd,
+                        h,
+                        cfg.attention_bias,
+                    )?,
+                    o: w.linear(
+                        &format!("{a}.o_proj"),
+                        h,
+                        cfg.num_heads * hd,
+                        cfg.attention_out_bias,
+                    )?,
                     q_norm: qk_norm("q_norm")?,
                     k_norm: qk_norm("k_norm")?,
                     shape: shape.clone(),
                 },
                 post_attn_norm: w.norm(&format!("{p}.post_attention_layernorm.weight"), h, eps)?,
-                mlp: GatedMlp::load(&w, &format!("{p}.mlp"), h, cfg.intermediate_size, cfg.mlp_bias)?,
+                mlp: GatedMlp::load(
+                    &w,
+                    &format!("{p}.mlp"),
+                    h,
+                    cfg.intermediate_size,
+                    cfg.mlp_bias,
+                )?,
                 rope: cfg.layer_uses_rope(i),
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
-    let lm_head = if cfg.tie_word_embeddings { None } else { Some(w.linear("lm_head", cfg.vocab_size, h, false)?) };
+    let embed = Embedding {
+        table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?,
+    };
+    let lm_head = if cfg.tie_word_embeddings {
+        None
+    } else {
+        Some(w.linear("lm_head", cfg.vocab_size, h, false)?)
+    };
     Ok(Box::new(Llama {
         norm: w.norm("model.norm.weight", h, eps)?,
-        rope: Rope { inv_freq: cfg.rope.inv_freq.clone(), attention_factor: cfg.rope.attention_factor },
+        rope: Rope {
+            inv_freq: cfg.rope.inv_freq.clone(),
+            attention_factor: cfg.rope.attention_factor,
+        },
         embed,
         layers,
         lm_head,
@@ -77,14 +116,21 @@ impl CausalLm for Llama {
     }
 
     fn cache_layout(&self) -> CacheLayout {
-        CacheLayout { num_layers: self.cfg.num_layers, kv_heads: self.cfg.num_kv_heads, head_dim: self.cfg.head_dim }
+        CacheLayout {
+            num_layers: self.cfg.num_layers,
+            kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+        }
     }
 
     fn forward(&self, step: &Step, kv: &mut PagePool) -> Vec<f32> {
         let c = &self.cfg;
         let h = c.hidden_size;
         let positions = step.positions();
-        let mut x = self.embed.lookup(step.tokens, c.embedding_multiplier).expect("ids checked by the engine");
+        let mut x = self
+            .embed
+            .lookup(step.tokens, c.embedding_multiplier)
+            .expect("ids checked by the engine");
         let mut rows = step.tokens.len();
         for (i, layer) in self.layers.iter().enumerate() {
             let normed = layer.input_norm.applied(&x);

@@ -7,11 +7,26 @@ use cellm_format::TensorFormat;
 use super::{cast, RowKernels};
 
 pub fn kernels(format: TensorFormat) -> RowKernels {
-    assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
+    assert!(
+        crate::Isa::Avx2.supported(),
+        "AVX2 kernels requested on a CPU without AVX2"
+    );
     match format {
-        TensorFormat::F32 => RowKernels { dot: dot_f32, decode: decode_f32, axpy: axpy_f32 },
-        TensorFormat::F16 => RowKernels { dot: dot_f16, decode: decode_f16, axpy: axpy_f16 },
-        TensorFormat::BF16 => RowKernels { dot: dot_bf16, decode: decode_bf16, axpy: axpy_bf16 },
+        TensorFormat::F32 => RowKernels {
+            dot: dot_f32,
+            decode: decode_f32,
+            axpy: axpy_f32,
+        },
+        TensorFormat::F16 => RowKernels {
+            dot: dot_f16,
+            decode: decode_f16,
+            axpy: axpy_f16,
+        },
+        TensorFormat::BF16 => RowKernels {
+            dot: dot_bf16,
+            decode: decode_bf16,
+            axpy: axpy_bf16,
+        },
     }
 }
 
@@ -72,6 +87,11 @@ impl Lanes for Bf16 {
 }
 
 #[inline(always)]
+fn widen(e: impl Into<Widen>) -> f32 {
+    e.into().0
+}
+
+#[inline(always)]
 unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -99,7 +119,7 @@ unsafe fn dot<L: Lanes>(w: &[L::Elem], x: &[f32]) -> f32 {
     let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
     let mut total = hsum(sum);
     for k in i..n {
-        total += Widen::from(w[k].into()).0 * x[k];
+        total += widen(w[k]) * x[k];
     }
     total
 }
@@ -113,7 +133,7 @@ unsafe fn decode<L: Lanes>(w: &[L::Elem], out: &mut [f32]) {
         i += 8;
     }
     for k in i..n {
-        out[k] = Widen::from(w[k].into()).0;
+        out[k] = widen(w[k]);
     }
 }
 
@@ -124,11 +144,14 @@ unsafe fn axpy<L: Lanes>(a: f32, w: &[L::Elem], acc: &mut [f32]) {
     let mut i = 0;
     while i + 8 <= n {
         let p = acc.as_mut_ptr().add(i);
-        _mm256_storeu_ps(p, _mm256_fmadd_ps(av, L::load8(w.as_ptr().add(i)), _mm256_loadu_ps(p)));
+        _mm256_storeu_ps(
+            p,
+            _mm256_fmadd_ps(av, L::load8(w.as_ptr().add(i)), _mm256_loadu_ps(p)),
+        );
         i += 8;
     }
     for k in i..n {
-        acc[k] += a * Widen::from(w[k].into()).0;
+        acc[k] += a * widen(w[k]);
     }
 }
 

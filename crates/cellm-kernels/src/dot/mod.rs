@@ -1,9 +1,9 @@
 //! Row kernels: dot product of one stored weight row with f32 activations, and decoding a
 //! stored row to f32. One table per (format, ISA); every SIMD entry has a scalar twin.
 
-mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod scalar;
 
 use cellm_format::TensorFormat;
 
@@ -36,7 +36,8 @@ pub fn kernels(format: TensorFormat, isa: Isa) -> RowKernels {
 pub(crate) fn cast<T>(bytes: &[u8]) -> &[T] {
     let size = std::mem::size_of::<T>();
     assert!(
-        (bytes.as_ptr() as usize) % std::mem::align_of::<T>() == 0 && bytes.len() % size == 0,
+        (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
+            && bytes.len().is_multiple_of(size),
         "misaligned row"
     );
     // SAFETY: alignment and length checked above; T is a plain number type.
@@ -50,19 +51,27 @@ mod tests {
     fn encode(format: TensorFormat, v: &[f32]) -> Vec<u8> {
         match format {
             TensorFormat::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            TensorFormat::F16 => {
-                v.iter().flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes()).collect()
-            }
-            TensorFormat::BF16 => {
-                v.iter().flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes()).collect()
-            }
+            TensorFormat::F16 => v
+                .iter()
+                .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
+                .collect(),
+            TensorFormat::BF16 => v
+                .iter()
+                .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
+                .collect(),
         }
     }
 
     fn aligned(bytes: &[u8]) -> Vec<u32> {
         let mut words = vec![0u32; bytes.len().div_ceil(4)];
         // SAFETY: the u32 buffer is at least as long as `bytes`.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), words.as_mut_ptr().cast::<u8>(), bytes.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                words.as_mut_ptr().cast::<u8>(),
+                bytes.len(),
+            )
+        };
         words
     }
 
@@ -92,16 +101,28 @@ mod tests {
             for format in formats {
                 let reference = kernels(format, Isa::Scalar);
                 let k = kernels(format, isa);
-                for (n, seed) in [(1, 1), (7, 2), (8, 3), (31, 4), (64, 5), (333, 6), (1024, 7)] {
+                for (n, seed) in [
+                    (1, 1),
+                    (7, 2),
+                    (8, 3),
+                    (31, 4),
+                    (64, 5),
+                    (333, 6),
+                    (1024, 7),
+                ] {
                     for scale in [0.0f32, 1.0e-6, 1.0, 3.0e4] {
-                        let w: Vec<f32> = pseudo_random(n, seed).iter().map(|v| v * scale).collect();
+                        let w: Vec<f32> =
+                            pseudo_random(n, seed).iter().map(|v| v * scale).collect();
                         let x = pseudo_random(n, seed + 100);
                         let bytes = encode(format, &w);
                         let words = aligned(&bytes);
                         let row = as_bytes(&words, bytes.len());
                         let (a, b) = ((reference.dot)(row, &x), (k.dot)(row, &x));
                         let mag: f32 = w.iter().zip(&x).map(|(p, q)| (p * q).abs()).sum();
-                        assert!((a - b).abs() <= 1e-5 * mag.max(1.0), "{isa:?} {format:?} n={n}: {a} vs {b}");
+                        assert!(
+                            (a - b).abs() <= 1e-5 * mag.max(1.0),
+                            "{isa:?} {format:?} n={n}: {a} vs {b}"
+                        );
                         let (mut da, mut db) = (vec![0.0; n], vec![0.0; n]);
                         (reference.decode)(row, &mut da);
                         (k.decode)(row, &mut db);
@@ -110,7 +131,10 @@ mod tests {
                         (reference.axpy)(0.37, row, &mut aa);
                         (k.axpy)(0.37, row, &mut ab);
                         for (p, q) in aa.iter().zip(&ab) {
-                            assert!((p - q).abs() <= 1e-6 * p.abs().max(1.0), "{isa:?} {format:?} axpy");
+                            assert!(
+                                (p - q).abs() <= 1e-6 * p.abs().max(1.0),
+                                "{isa:?} {format:?} axpy"
+                            );
                         }
                     }
                 }

@@ -1,0 +1,50 @@
+"""Shared fixtures: the tiny HF reference checkpoints, converted once per session."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "hf-tiny"
+LLAMA_LIKE = ["llama", "qwen2", "qwen3", "granite", "smollm3"]
+
+
+class Reference:
+    """One fixture's HF transformers outputs: prompts, greedy ids and per-position logits."""
+
+    def __init__(self, name: str) -> None:
+        self.dir = FIXTURES / name
+        self.data = json.loads((self.dir / "reference.json").read_text())
+        logits = np.load(self.dir / "logits.npz")
+        self.logits = [logits[f"logits_{i}"] for i in range(len(self.data["prompts"]))]
+
+    @property
+    def prompts(self) -> list[dict]:
+        return self.data["prompts"]
+
+    def sequence(self, i: int) -> list[int]:
+        """The ids whose next-token logits the reference holds: prompt + greedy[:-1]."""
+        p = self.prompts[i]
+        return p["input_ids"] + p["greedy_ids"][:-1]
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """`converted(name, dtype)` -> path of the fixture converted once at that dtype."""
+    from cellm.convert import convert_hf
+
+    cache: dict[tuple[str, str], Path] = {}
+    root = tmp_path_factory.mktemp("converted")
+
+    def get(name: str, dtype: str) -> Path:
+        if (name, dtype) not in cache:
+            cache[(name, dtype)] = convert_hf(
+                FIXTURES / name, root / f"{name}-{dtype}.cellm", dtype
+            )
+        return cache[(name, dtype)]
+
+    return get

@@ -1,0 +1,87 @@
+"""Sessions share one KV page pool without seeing each other."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cellm import LLM, ContextOverflow, InvalidArgument
+from conftest import Reference
+
+
+@pytest.fixture(scope="module")
+def llm(converted):
+    return LLM(converted("qwen2", "f32"), kv_encoding="f32", context_length=512)
+
+
+def alone(llm, ids):
+    return llm.logits(ids)
+
+
+def test_interleaved_sessions_match_each_alone(llm):
+    ref = Reference("qwen2")
+    a_ids, b_ids = ref.sequence(0), ref.sequence(1)
+    want_a, want_b = alone(llm, a_ids), alone(llm, b_ids)
+    e = llm._engine
+    a, b = e.create_session(), e.create_session()
+    # Prefill a chunk of each, then decode both in one batched step per token, with the
+    # rest of b's prompt going in as a multi-token chunk beside a's single tokens.
+    got_a = [e.step([(a, a_ids[:5])], all_logits=True)]
+    got_b = [e.step([(b, b_ids[:7])], all_logits=True)]
+    pos_a, pos_b = 5, 7
+    while pos_a < len(a_ids) or pos_b < len(b_ids):
+        batch = []
+        if pos_a < len(a_ids):
+            batch.append((a, a_ids[pos_a : pos_a + 1]))
+        if pos_b < len(b_ids):
+            batch.append((b, b_ids[pos_b : pos_b + 50]))
+        rows = e.step(batch, all_logits=True)
+        offset = 0
+        for sid, toks in batch:
+            chunk = rows[offset : offset + len(toks)]
+            offset += len(toks)
+            (got_a if sid == a else got_b).append(chunk)
+        pos_a += 1
+        pos_b += 50
+    assert np.abs(np.concatenate(got_a) - want_a).max() < 1e-5
+    assert np.abs(np.concatenate(got_b) - want_b).max() < 1e-5
+    e.free_session(a)
+    e.free_session(b)
+
+
+def test_truncate_rewinds_a_session(llm):
+    ids = Reference("qwen2").sequence(1)[:40]
+    e = llm._engine
+    s = e.create_session()
+    e.step([(s, ids)])
+    e.truncate_session(s, 20)
+    assert e.session_len(s) == 20
+    again = e.step([(s, ids[20:])], all_logits=True)
+    e.free_session(s)
+    assert np.abs(again - alone(llm, ids)[20:]).max() < 1e-5
+
+
+def test_pages_return_to_the_pool(llm):
+    e = llm._engine
+    in_use_before = e.kv_stats()[0]
+    s = e.create_session()
+    e.step([(s, list(range(100)))])
+    assert e.kv_stats()[0] > in_use_before
+    e.free_session(s)
+    assert e.kv_stats()[0] == in_use_before
+
+
+def test_bad_steps_change_nothing(llm):
+    e = llm._engine
+    s = e.create_session()
+    e.step([(s, [1, 2, 3])])
+    with pytest.raises(ContextOverflow, match="context length of 512"):
+        e.step([(s, [1] * 510)])
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        e.step([(s, [llm.vocab_size])])
+    with pytest.raises(InvalidArgument, match="no session"):
+        e.step([(s + 1000, [1])])
+    with pytest.raises(InvalidArgument, match="twice"):
+        e.step([(s, [1]), (s, [2])])
+    assert e.session_len(s) == 3
+    e.free_session(s)

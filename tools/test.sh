@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole test suite: formatting, lints, Rust tests, Python tests. Run after `pip install -e ".[test]"`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo test --workspace --locked
+ruff check python tests
+ruff format --check python tests
+python -m pytest -q
