@@ -9,7 +9,7 @@ use cellm_kv::{KvConfig, PagePool, SeqKv, SeqSpan};
 use cellm_models::{CausalLm, Step};
 
 pub use cellm_format;
-pub use cellm_kernels::isa;
+pub use cellm_kernels::{dot, isa};
 pub use cellm_kv::KvEncoding;
 
 /// Tokens per KV page.
@@ -67,9 +67,7 @@ impl Engine {
         let cfg = model.config();
         let context_length = opts.context_length.unwrap_or(cfg.max_position_embeddings);
         if context_length == 0 {
-            return Err(Error::InvalidArgument(
-                "context_length must be at least 1".into(),
-            ));
+            return Err(Error::InvalidArgument("context_length must be at least 1".into()));
         }
         let threads = match opts.threads {
             Some(0) => return Err(Error::InvalidArgument("threads must be at least 1".into())),
@@ -82,9 +80,7 @@ impl Engine {
             .build()
             .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
         let layout = model.cache_layout();
-        let capacity = opts
-            .kv_capacity_tokens
-            .unwrap_or(context_length * DEFAULT_KV_SESSIONS);
+        let capacity = opts.kv_capacity_tokens.unwrap_or(context_length * DEFAULT_KV_SESSIONS);
         let pool = PagePool::new(KvConfig {
             num_layers: layout.num_layers,
             kv_heads: layout.kv_heads,
@@ -175,23 +171,14 @@ impl Engine {
         let mut row0 = 0;
         for &(id, t) in batch {
             let kv = &self.sessions[&id];
-            spans.push(SeqSpan {
-                kv,
-                start: kv.len(),
-                len: t.len(),
-                row0,
-            });
+            spans.push(SeqSpan { kv, start: kv.len(), len: t.len(), row0 });
             match mode {
                 LogitsMode::Last => logit_rows.push(row0 + t.len() - 1),
                 LogitsMode::All => logit_rows.extend(row0..row0 + t.len()),
             }
             row0 += t.len();
         }
-        let step = Step {
-            tokens: &tokens,
-            spans: &spans,
-            logit_rows: &logit_rows,
-        };
+        let step = Step { tokens: &tokens, spans: &spans, logit_rows: &logit_rows };
         let (model, pool) = (&self.model, &mut self.pool);
         let logits = self.workers.install(|| model.forward(&step, pool));
         drop(spans);
@@ -205,9 +192,7 @@ impl Engine {
 
     fn validate(&self, batch: &[(SessionId, &[u32])]) -> Result<()> {
         if batch.is_empty() {
-            return Err(Error::InvalidArgument(
-                "a step needs at least one session".into(),
-            ));
+            return Err(Error::InvalidArgument("a step needs at least one session".into()));
         }
         let vocab = self.model.config().vocab_size;
         for (i, &(id, tokens)) in batch.iter().enumerate() {
@@ -218,9 +203,7 @@ impl Engine {
                 )));
             }
             if tokens.is_empty() {
-                return Err(Error::InvalidArgument(format!(
-                    "session {id}: no tokens to process"
-                )));
+                return Err(Error::InvalidArgument(format!("session {id}: no tokens to process")));
             }
             if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
                 return Err(Error::InvalidArgument(format!(

@@ -63,9 +63,7 @@ impl CellmFile {
             _ => Error::format(format!("{shown}: cannot open: {e}")),
         })?;
         if file.metadata().map(|m| m.is_dir()).unwrap_or(false) {
-            return Err(Error::format(format!(
-                "{shown} is a directory, not a .cellm file"
-            )));
+            return Err(Error::format(format!("{shown} is a directory, not a .cellm file")));
         }
         // SAFETY: the map is read-only; a file changed underneath us while mapped is outside
         // what any mmap-based loader can defend against.
@@ -96,13 +94,7 @@ impl CellmFile {
             )));
         }
         let tensors = validate_table(&header)?;
-        Ok(Self {
-            map,
-            header,
-            header_json,
-            data_offset,
-            tensors,
-        })
+        Ok(Self { map, header, header_json, data_offset, tensors })
     }
 
     pub fn header(&self) -> &Header {
@@ -179,9 +171,7 @@ fn validate_table(h: &Header) -> Result<HashMap<String, usize>> {
     let mut index = HashMap::new();
     for (i, t) in h.tensors.iter().enumerate() {
         let format = TensorFormat::parse(&t.format)?;
-        let numel = t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-        let want = numel.and_then(|n| format.nbytes(n));
-        if want != Some(t.nbytes) {
+        if format.nbytes(&t.shape) != Some(t.nbytes) {
             return Err(Error::format(format!(
                 "tensor {}: {} bytes do not match shape {:?} in {}",
                 t.name, t.nbytes, t.shape, t.format
@@ -250,10 +240,7 @@ mod tests {
     #[test]
     fn rejects_truncation_bad_magic_and_bad_sizes() {
         let bytes = file_with(ONE_TENSOR, &[0; 8]);
-        assert!(matches!(
-            parse(&bytes[..bytes.len() - 1]),
-            Err(Error::Format(_))
-        ));
+        assert!(matches!(parse(&bytes[..bytes.len() - 1]), Err(Error::Format(_))));
         assert!(matches!(parse(&bytes[..10]), Err(Error::Format(_))));
         let mut bad = bytes.clone();
         bad[0] = b'X';
@@ -271,9 +258,6 @@ mod tests {
         let e = parse(&bytes).err().unwrap().to_string();
         assert!(e.contains("version 1"), "{e}");
         let q = ONE_TENSOR.replace("\"f32\"", "\"q9_9\"");
-        assert!(matches!(
-            parse(&file_with(&q, &[0; 8])),
-            Err(Error::Unsupported(_))
-        ));
+        assert!(matches!(parse(&file_with(&q, &[0; 8])), Err(Error::Unsupported(_))));
     }
 }

@@ -7,47 +7,81 @@ use memmap2::Mmap;
 use crate::{Error, Result};
 
 /// Storage format of one tensor, as named in the file's tensor table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TensorFormat {
     F32,
     F16,
     BF16,
+    /// GGUF blocks, kept byte for byte as llama.cpp stores them.
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q4K,
+    Q5K,
+    Q6K,
 }
 
+/// Every format: file name, elements per block, bytes per block.
+const FORMATS: &[(TensorFormat, &str, usize, usize)] = &[
+    (TensorFormat::F32, "f32", 1, 4),
+    (TensorFormat::F16, "f16", 1, 2),
+    (TensorFormat::BF16, "bf16", 1, 2),
+    (TensorFormat::Q8_0, "q8_0", 32, 34),
+    (TensorFormat::Q4_0, "q4_0", 32, 18),
+    (TensorFormat::Q4_1, "q4_1", 32, 20),
+    (TensorFormat::Q5_0, "q5_0", 32, 22),
+    (TensorFormat::Q4K, "q4_k", 256, 144),
+    (TensorFormat::Q5K, "q5_k", 256, 176),
+    (TensorFormat::Q6K, "q6_k", 256, 210),
+];
+
 impl TensorFormat {
+    fn entry(self) -> &'static (TensorFormat, &'static str, usize, usize) {
+        FORMATS.iter().find(|e| e.0 == self).expect("every format is in the table")
+    }
+
     pub fn parse(name: &str) -> Result<Self> {
-        match name {
-            "f32" => Ok(Self::F32),
-            "f16" => Ok(Self::F16),
-            "bf16" => Ok(Self::BF16),
-            other => Err(Error::Unsupported(format!(
-                "tensor format '{other}' is not supported by this version of cellm"
-            ))),
-        }
+        FORMATS.iter().find(|e| e.1 == name).map(|e| e.0).ok_or_else(|| {
+            Error::Unsupported(format!(
+                "tensor format '{name}' is not supported by this version of cellm"
+            ))
+        })
     }
 
     pub fn name(self) -> &'static str {
-        match self {
-            Self::F32 => "f32",
-            Self::F16 => "f16",
-            Self::BF16 => "bf16",
-        }
+        self.entry().1
     }
 
-    /// Bytes needed for `elements` values, or None when the count is not representable
-    /// (block formats add a divisibility rule here).
-    pub fn nbytes(self, elements: usize) -> Option<usize> {
-        match self {
-            Self::F32 => elements.checked_mul(4),
-            Self::F16 | Self::BF16 => elements.checked_mul(2),
-        }
+    /// Elements per block (1 for plain floats).
+    pub fn block_len(self) -> usize {
+        self.entry().2
     }
 
-    /// Required alignment of the data pointer for typed access.
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        self.entry().3
+    }
+
+    /// Bytes of a tensor of this shape, or None when its rows do not split into whole blocks
+    /// (blocks never cross rows) or the size overflows.
+    pub fn nbytes(self, shape: &[usize]) -> Option<usize> {
+        let cols = shape.last().copied().unwrap_or(1);
+        let rows = shape[..shape.len().saturating_sub(1)]
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))?;
+        if !cols.is_multiple_of(self.block_len()) {
+            return None;
+        }
+        rows.checked_mul(cols / self.block_len())?.checked_mul(self.block_bytes())
+    }
+
+    /// Required alignment of the data pointer for typed access (blocks are read unaligned).
     pub fn alignment(self) -> usize {
         match self {
             Self::F32 => 4,
             Self::F16 | Self::BF16 => 2,
+            _ => 1,
         }
     }
 }
@@ -65,13 +99,7 @@ pub struct Tensor {
 
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "Tensor({} {:?} {})",
-            self.name,
-            self.shape,
-            self.format.name()
-        )
+        write!(f, "Tensor({} {:?} {})", self.name, self.shape, self.format.name())
     }
 }
 
@@ -85,14 +113,7 @@ impl Tensor {
         format: TensorFormat,
         shape: Vec<usize>,
     ) -> Self {
-        Self {
-            map,
-            start,
-            len,
-            name,
-            format,
-            shape,
-        }
+        Self { map, start, len, name, format, shape }
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -114,11 +135,7 @@ impl Tensor {
         self.expect(TensorFormat::F32)?;
         // SAFETY: the reader checked that the range lies in the map, that its length is
         // 4 * numel and that the start is 64-byte aligned (the map itself is page aligned).
-        Ok(
-            unsafe {
-                std::slice::from_raw_parts(self.bytes().as_ptr().cast::<f32>(), self.numel())
-            },
-        )
+        Ok(unsafe { std::slice::from_raw_parts(self.bytes().as_ptr().cast::<f32>(), self.numel()) })
     }
 
     /// The raw 16-bit words of an `f16` or `bf16` tensor.
@@ -127,11 +144,7 @@ impl Tensor {
             return Err(self.wrong_format("f16 or bf16"));
         }
         // SAFETY: as in `as_f32`, with 2-byte elements.
-        Ok(
-            unsafe {
-                std::slice::from_raw_parts(self.bytes().as_ptr().cast::<u16>(), self.numel())
-            },
-        )
+        Ok(unsafe { std::slice::from_raw_parts(self.bytes().as_ptr().cast::<u16>(), self.numel()) })
     }
 
     fn expect(&self, format: TensorFormat) -> Result<()> {

@@ -44,10 +44,7 @@ impl Isa {
 
     /// Every path this CPU can run, narrowest first.
     pub fn available() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2]
-            .into_iter()
-            .filter(|i| i.supported())
-            .collect()
+        [Isa::Scalar, Isa::Avx2].into_iter().filter(|i| i.supported()).collect()
     }
 }
 

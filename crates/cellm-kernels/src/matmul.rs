@@ -29,11 +29,7 @@ impl SharedOut {
 /// `out` (`tokens x rows(w)`) = `x` (`tokens x cols(w)`) times `w` transposed.
 pub fn matmul(x: &[f32], tokens: usize, w: &Tensor, out: &mut [f32]) {
     let (n, k) = w.rows_cols();
-    assert_eq!(
-        x.len(),
-        tokens * k,
-        "matmul: activations do not match {w:?}"
-    );
+    assert_eq!(x.len(), tokens * k, "matmul: activations do not match {w:?}");
     assert_eq!(out.len(), tokens * n, "matmul: output does not match {w:?}");
     let kern = kernels(w.format, isa::selected());
     let bytes = w.bytes();
@@ -42,9 +38,7 @@ pub fn matmul(x: &[f32], tokens: usize, w: &Tensor, out: &mut [f32]) {
     let run_block = |rows: std::ops::Range<usize>| {
         // SAFETY: `rows` is a distinct block for each task and every index stays below
         // tokens * n, the length of `out`.
-        block(&kern, bytes, stride, rows, x, k, tokens, n, |i, v| unsafe {
-            *dst.at(i) = v
-        });
+        block(&kern, bytes, stride, rows, x, k, tokens, n, |i, v| unsafe { *dst.at(i) = v });
     };
     if n * k * tokens < PARALLEL_MIN_WORK || rayon::current_num_threads() == 1 {
         run_block(0..n);
@@ -52,9 +46,7 @@ pub fn matmul(x: &[f32], tokens: usize, w: &Tensor, out: &mut [f32]) {
     }
     let tasks = rayon::current_num_threads() * 4;
     let per = n.div_ceil(tasks).next_multiple_of(8).max(8);
-    (0..n.div_ceil(per))
-        .into_par_iter()
-        .for_each(|b| run_block(b * per..((b + 1) * per).min(n)));
+    (0..n.div_ceil(per)).into_par_iter().for_each(|b| run_block(b * per..((b + 1) * per).min(n)));
 }
 
 #[allow(clippy::too_many_arguments)]

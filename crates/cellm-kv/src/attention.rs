@@ -48,11 +48,7 @@ impl PagePool {
     ) {
         let hd = shape.head_dim;
         let kv_width = shape.n_kv_heads * hd;
-        assert_eq!(
-            kv_width,
-            self.config().kv_heads * self.config().head_dim,
-            "KV shape"
-        );
+        assert_eq!(kv_width, self.config().kv_heads * self.config().head_dim, "KV shape");
         let mut row_of = Vec::with_capacity(q.len() / (shape.n_heads * hd));
         for (si, s) in spans.iter().enumerate() {
             for i in 0..s.len {
@@ -99,7 +95,7 @@ impl PagePool {
         out: &mut [f32],
     ) {
         let kern = kernels(self.config().encoding.format(), isa::selected());
-        let head_bytes = shape.head_dim * self.config().encoding.format().nbytes(1).expect("1");
+        let head_bytes = self.config().encoding.format().nbytes(&[shape.head_dim]).expect("small");
         let head = kv_head * head_bytes..(kv_head + 1) * head_bytes;
         let first = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         out.fill(0.0);
@@ -158,12 +154,7 @@ mod tests {
             softcap: None,
         };
         let mut out = vec![0.0; q.len()];
-        let spans = [SeqSpan {
-            kv: &seq,
-            start: 0,
-            len,
-            row0: 0,
-        }];
+        let spans = [SeqSpan { kv: &seq, start: 0, len, row0: 0 }];
         pool.attention(0, &spans, &q, &k, &v, &mut out, &shape);
         for t in 0..len {
             for h in 0..n_heads {
@@ -184,10 +175,7 @@ mod tests {
                 for d in 0..hd {
                     let want: f32 = (0..=t).map(|p| e[p] / z * v[(p * n_kv + g) * hd + d]).sum();
                     let got = out[(t * n_heads + h) * hd + d];
-                    assert!(
-                        (want - got).abs() < 1e-5,
-                        "t={t} h={h} d={d}: {want} vs {got}"
-                    );
+                    assert!((want - got).abs() < 1e-5, "t={t} h={h} d={d}: {want} vs {got}");
                 }
             }
         }

@@ -81,12 +81,7 @@ pub struct PagePool {
 impl PagePool {
     pub fn new(cfg: KvConfig) -> Self {
         let row_bytes = cfg.kv_heads * cfg.head_dim * cfg.encoding.bytes();
-        Self {
-            cfg,
-            row_bytes,
-            pages: Vec::new(),
-            free: Vec::new(),
-        }
+        Self { cfg, row_bytes, pages: Vec::new(), free: Vec::new() }
     }
 
     pub fn config(&self) -> &KvConfig {
@@ -94,10 +89,7 @@ impl PagePool {
     }
 
     pub fn new_seq(&self) -> SeqKv {
-        SeqKv {
-            len: 0,
-            pages: vec![Vec::new(); self.cfg.num_layers],
-        }
+        SeqKv { len: 0, pages: vec![Vec::new(); self.cfg.num_layers] }
     }
 
     /// Pages handed out to sessions right now.
@@ -144,10 +136,7 @@ impl PagePool {
 
     /// Marks positions `..new_len` filled (after their keys and values were written).
     pub fn commit(&self, seq: &mut SeqKv, new_len: usize) {
-        debug_assert!(seq
-            .pages
-            .iter()
-            .all(|t| t.len() * self.cfg.page_size >= new_len));
+        debug_assert!(seq.pages.iter().all(|t| t.len() * self.cfg.page_size >= new_len));
         seq.len = new_len;
     }
 
@@ -168,10 +157,7 @@ impl PagePool {
 
     /// Stores the key and value rows of position `pos`.
     pub fn write(&mut self, seq: &SeqKv, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let (page, slot) = (
-            seq.page(layer, pos / self.cfg.page_size),
-            pos % self.cfg.page_size,
-        );
+        let (page, slot) = (seq.page(layer, pos / self.cfg.page_size), pos % self.cfg.page_size);
         let (rb, ps, enc) = (self.row_bytes, self.cfg.page_size, self.cfg.encoding);
         let bytes = words_as_bytes_mut(&mut self.pages[page as usize]);
         encode_row(enc, k, &mut bytes[slot * rb..(slot + 1) * rb]);
@@ -180,16 +166,10 @@ impl PagePool {
 
     /// The stored key and value rows of `pos` in `layer`, as raw encoded bytes.
     pub(crate) fn rows(&self, seq: &SeqKv, layer: usize, pos: usize) -> (&[u8], &[u8]) {
-        let (page, slot) = (
-            seq.page(layer, pos / self.cfg.page_size),
-            pos % self.cfg.page_size,
-        );
+        let (page, slot) = (seq.page(layer, pos / self.cfg.page_size), pos % self.cfg.page_size);
         let (rb, ps) = (self.row_bytes, self.cfg.page_size);
         let bytes = words_as_bytes(&self.pages[page as usize]);
-        (
-            &bytes[slot * rb..(slot + 1) * rb],
-            &bytes[(ps + slot) * rb..(ps + slot + 1) * rb],
-        )
+        (&bytes[slot * rb..(slot + 1) * rb], &bytes[(ps + slot) * rb..(ps + slot + 1) * rb])
     }
 }
 
@@ -239,10 +219,7 @@ mod tests {
         let (mut a, mut b) = (p.new_seq(), p.new_seq());
         p.reserve(&mut a, 5).unwrap(); // 2 pages x 2 layers
         assert_eq!(p.pages_in_use(), 4);
-        assert!(
-            p.reserve(&mut b, 8).is_err(),
-            "needs 4 more pages, only 2 left"
-        );
+        assert!(p.reserve(&mut b, 8).is_err(), "needs 4 more pages, only 2 left");
         assert_eq!(p.pages_in_use(), 4, "a failed reserve changes nothing");
         p.commit(&mut a, 5);
         p.truncate(&mut a, 3);

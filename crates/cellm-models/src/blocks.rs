@@ -34,19 +34,12 @@ impl Weights<'_> {
 
     pub fn linear(&self, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
         let weight = self.tensor(&format!("{prefix}.weight"), &[out, inp])?;
-        let bias = if bias {
-            Some(self.vector(&format!("{prefix}.bias"), out)?)
-        } else {
-            None
-        };
+        let bias = if bias { Some(self.vector(&format!("{prefix}.bias"), out)?) } else { None };
         Ok(Linear { weight, bias })
     }
 
     pub fn norm(&self, name: &str, dim: usize, eps: f32) -> Result<RmsNorm> {
-        Ok(RmsNorm {
-            weight: self.vector(name, dim)?,
-            eps,
-        })
+        Ok(RmsNorm { weight: self.vector(name, dim)?, eps })
     }
 }
 
@@ -197,11 +190,8 @@ impl Attention {
     ) -> Vec<f32> {
         let tokens = step.tokens.len();
         let hd = self.shape.head_dim;
-        let (mut q, mut k, v) = (
-            self.q.forward(x, tokens),
-            self.k.forward(x, tokens),
-            self.v.forward(x, tokens),
-        );
+        let (mut q, mut k, v) =
+            (self.q.forward(x, tokens), self.k.forward(x, tokens), self.v.forward(x, tokens));
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             qn.apply(&mut q);
             kn.apply(&mut k);
@@ -218,7 +208,5 @@ impl Attention {
 
 /// Copies the given rows of a `rows x width` matrix.
 pub fn gather_rows(x: &[f32], width: usize, rows: &[usize]) -> Vec<f32> {
-    rows.iter()
-        .flat_map(|&r| x[r * width..(r + 1) * width].iter().copied())
-        .collect()
+    rows.iter().flat_map(|&r| x[r * width..(r + 1) * width].iter().copied()).collect()
 }

@@ -84,11 +84,7 @@ impl ModelConfig {
                 self.head_dim
             ));
         }
-        if self
-            .rope_layers
-            .as_ref()
-            .is_some_and(|r| r.len() != self.num_layers)
-        {
+        if self.rope_layers.as_ref().is_some_and(|r| r.len() != self.num_layers) {
             return bad("rope_layers must have one entry per layer".into());
         }
         if self.hidden_act != "silu" {
@@ -101,8 +97,7 @@ impl ModelConfig {
     }
 
     pub fn attention_scale(&self) -> f32 {
-        self.attention_scale
-            .unwrap_or(1.0 / (self.head_dim as f32).sqrt())
+        self.attention_scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt())
     }
 
     pub fn layer_uses_rope(&self, layer: usize) -> bool {

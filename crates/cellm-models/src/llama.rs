@@ -42,19 +42,12 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
             let p = format!("model.layers.{i}");
             let a = format!("{p}.self_attn");
             let qk_norm = |n: &str| {
-                cfg.qk_norm
-                    .then(|| w.norm(&format!("{a}.{n}.weight"), hd, eps))
-                    .transpose()
+                cfg.qk_norm.then(|| w.norm(&format!("{a}.{n}.weight"), hd, eps)).transpose()
             };
             Ok(Layer {
                 input_norm: w.norm(&format!("{p}.input_layernorm.weight"), h, eps)?,
                 attn: Attention {
-                    q: w.linear(
-                        &format!("{a}.q_proj"),
-                        cfg.num_heads * hd,
-                        h,
-                        cfg.attention_bias,
-                    )?,
+                    q: w.linear(&format!("{a}.q_proj"), cfg.num_heads * hd, h, cfg.attention_bias)?,
                     k: w.linear(
                         &format!("{a}.k_proj"),
                         cfg.num_kv_heads * hd,
@@ -89,9 +82,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let embed = Embedding {
-        table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?,
-    };
+    let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
     let lm_head = if cfg.tie_word_embeddings {
         None
     } else {

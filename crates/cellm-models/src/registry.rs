@@ -13,10 +13,8 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama"];
 /// Builds the model a validated file describes.
 pub fn load(file: &CellmFile) -> Result<Box<dyn CausalLm>> {
     let config = ModelConfig::from_json(&file.header().model)?;
-    let (_, loader) = FAMILIES
-        .iter()
-        .find(|(name, _)| *name == config.architecture)
-        .ok_or_else(|| {
+    let (_, loader) =
+        FAMILIES.iter().find(|(name, _)| *name == config.architecture).ok_or_else(|| {
             Error::Unsupported(format!(
                 "architecture '{}' is not supported (supported: {})",
                 config.architecture,

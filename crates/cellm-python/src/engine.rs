@@ -2,8 +2,7 @@
 
 use std::path::PathBuf;
 
-use cellm_engine::cellm_format::Error;
-use cellm_engine::{isa, Engine as Inner, EngineOptions, LogitsMode, SessionId};
+use cellm_engine::{Engine as Inner, EngineOptions, LogitsMode, SessionId};
 use numpy::{IntoPyArray, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -96,39 +95,10 @@ impl Engine {
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let refs: Vec<(SessionId, &[u32])> =
             batch.iter().map(|(s, t)| (*s, t.as_slice())).collect();
-        let mode = if all_logits {
-            LogitsMode::All
-        } else {
-            LogitsMode::Last
-        };
+        let mode = if all_logits { LogitsMode::All } else { LogitsMode::Last };
         let inner = &mut self.inner;
         let (logits, rows) = py.detach(|| inner.step(&refs, mode)).map_err(to_py)?;
         let vocab = self.inner.model().config().vocab_size;
         logits.into_pyarray(py).reshape([rows, vocab])
     }
-}
-
-/// The kernel path in use (`scalar`, `avx2`, ...).
-#[pyfunction]
-pub fn selected_isa() -> &'static str {
-    isa::selected().name()
-}
-
-/// Every kernel path this CPU can run.
-#[pyfunction]
-pub fn available_isas() -> Vec<&'static str> {
-    isa::Isa::available()
-        .into_iter()
-        .map(|i| i.name())
-        .collect()
-}
-
-/// Forces a kernel path (tests and debugging).
-#[pyfunction]
-pub fn set_isa(name: &str) -> PyResult<()> {
-    let chosen = isa::Isa::parse(name)
-        .ok_or_else(|| Error::InvalidArgument(format!("unknown ISA '{name}'")));
-    chosen
-        .and_then(|i| isa::set_override(i).map_err(Error::InvalidArgument))
-        .map_err(to_py)
 }

@@ -7,26 +7,12 @@ use cellm_format::TensorFormat;
 use super::{cast, RowKernels};
 
 pub fn kernels(format: TensorFormat) -> RowKernels {
-    assert!(
-        crate::Isa::Avx2.supported(),
-        "AVX2 kernels requested on a CPU without AVX2"
-    );
+    assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
     match format {
-        TensorFormat::F32 => RowKernels {
-            dot: dot_f32,
-            decode: decode_f32,
-            axpy: axpy_f32,
-        },
-        TensorFormat::F16 => RowKernels {
-            dot: dot_f16,
-            decode: decode_f16,
-            axpy: axpy_f16,
-        },
-        TensorFormat::BF16 => RowKernels {
-            dot: dot_bf16,
-            decode: decode_bf16,
-            axpy: axpy_bf16,
-        },
+        TensorFormat::F32 => RowKernels { dot: dot_f32, decode: decode_f32, axpy: axpy_f32 },
+        TensorFormat::F16 => RowKernels { dot: dot_f16, decode: decode_f16, axpy: axpy_f16 },
+        TensorFormat::BF16 => RowKernels { dot: dot_bf16, decode: decode_bf16, axpy: axpy_bf16 },
+        other => unreachable!("{other:?} is a block format"),
     }
 }
 
@@ -144,10 +130,7 @@ unsafe fn axpy<L: Lanes>(a: f32, w: &[L::Elem], acc: &mut [f32]) {
     let mut i = 0;
     while i + 8 <= n {
         let p = acc.as_mut_ptr().add(i);
-        _mm256_storeu_ps(
-            p,
-            _mm256_fmadd_ps(av, L::load8(w.as_ptr().add(i)), _mm256_loadu_ps(p)),
-        );
+        _mm256_storeu_ps(p, _mm256_fmadd_ps(av, L::load8(w.as_ptr().add(i)), _mm256_loadu_ps(p)));
         i += 8;
     }
     for k in i..n {

@@ -3,6 +3,7 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod blocks;
 mod scalar;
 
 use cellm_format::TensorFormat;
@@ -25,6 +26,11 @@ pub struct RowKernels {
 
 /// The kernel table for a format on an ISA path.
 pub fn kernels(format: TensorFormat, isa: Isa) -> RowKernels {
+    // Block formats have only the scalar reference so far; SIMD paths come with the
+    // integer-dot kernels.
+    if let Some(k) = blocks::kernels(format) {
+        return k;
+    }
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2::kernels(format),
@@ -51,14 +57,13 @@ mod tests {
     fn encode(format: TensorFormat, v: &[f32]) -> Vec<u8> {
         match format {
             TensorFormat::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            TensorFormat::F16 => v
-                .iter()
-                .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
-                .collect(),
-            TensorFormat::BF16 => v
-                .iter()
-                .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
-                .collect(),
+            TensorFormat::F16 => {
+                v.iter().flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes()).collect()
+            }
+            TensorFormat::BF16 => {
+                v.iter().flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes()).collect()
+            }
+            other => unreachable!("{other:?} is covered by the block tests"),
         }
     }
 
@@ -101,15 +106,7 @@ mod tests {
             for format in formats {
                 let reference = kernels(format, Isa::Scalar);
                 let k = kernels(format, isa);
-                for (n, seed) in [
-                    (1, 1),
-                    (7, 2),
-                    (8, 3),
-                    (31, 4),
-                    (64, 5),
-                    (333, 6),
-                    (1024, 7),
-                ] {
+                for (n, seed) in [(1, 1), (7, 2), (8, 3), (31, 4), (64, 5), (333, 6), (1024, 7)] {
                     for scale in [0.0f32, 1.0e-6, 1.0, 3.0e4] {
                         let w: Vec<f32> =
                             pseudo_random(n, seed).iter().map(|v| v * scale).collect();

@@ -1,0 +1,245 @@
+//! GGUF block formats, decoded exactly as ggml defines them. Row kernels decode one block at a
+//! time into a stack buffer, so weights stay in their file layout (no load-time dequantize).
+//! These are the scalar reference; integer-dot SIMD paths compare against them.
+
+use cellm_format::TensorFormat;
+use half::f16;
+
+use super::RowKernels;
+
+/// Largest block (the K-quants' 256 elements).
+const MAX_BLOCK: usize = 256;
+
+type DecodeBlock = fn(&[u8], &mut [f32]);
+
+fn half_at(b: &[u8], i: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
+}
+
+fn q8_0(b: &[u8], y: &mut [f32]) {
+    let d = half_at(b, 0);
+    for (y, &q) in y.iter_mut().zip(&b[2..34]) {
+        *y = f32::from(q as i8) * d;
+    }
+}
+
+fn q4_0(b: &[u8], y: &mut [f32]) {
+    let d = half_at(b, 0);
+    for (j, &q) in b[2..18].iter().enumerate() {
+        y[j] = (i32::from(q & 0xF) - 8) as f32 * d;
+        y[j + 16] = (i32::from(q >> 4) - 8) as f32 * d;
+    }
+}
+
+fn q4_1(b: &[u8], y: &mut [f32]) {
+    let (d, m) = (half_at(b, 0), half_at(b, 2));
+    for (j, &q) in b[4..20].iter().enumerate() {
+        y[j] = f32::from(q & 0xF) * d + m;
+        y[j + 16] = f32::from(q >> 4) * d + m;
+    }
+}
+
+fn q5_0(b: &[u8], y: &mut [f32]) {
+    let d = half_at(b, 0);
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    for (j, &q) in b[6..22].iter().enumerate() {
+        let hi0 = ((qh >> j) << 4) & 0x10;
+        let hi1 = (qh >> (j + 12)) & 0x10;
+        y[j] = ((u32::from(q & 0xF) | hi0) as i32 - 16) as f32 * d;
+        y[j + 16] = ((u32::from(q >> 4) | hi1) as i32 - 16) as f32 * d;
+    }
+}
+
+/// The 6-bit scale and min of sub-block `j` in a K-quant's 12 packed scale bytes.
+fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
+    let (sc, m) = if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    };
+    (f32::from(sc), f32::from(m))
+}
+
+fn q4_k(b: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+    let (scales, qs) = (&b[4..16], &b[16..144]);
+    for chunk in 0..4 {
+        let (s1, m1) = scale_min_k4(2 * chunk, scales);
+        let (s2, m2) = scale_min_k4(2 * chunk + 1, scales);
+        let q = &qs[32 * chunk..32 * chunk + 32];
+        let out = &mut y[64 * chunk..64 * chunk + 64];
+        for l in 0..32 {
+            out[l] = d * s1 * f32::from(q[l] & 0xF) - dmin * m1;
+            out[l + 32] = d * s2 * f32::from(q[l] >> 4) - dmin * m2;
+        }
+    }
+}
+
+fn q5_k(b: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+    let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
+    for chunk in 0..4 {
+        let (s1, m1) = scale_min_k4(2 * chunk, scales);
+        let (s2, m2) = scale_min_k4(2 * chunk + 1, scales);
+        let (u1, u2) = (1u8 << (2 * chunk), 2u8 << (2 * chunk));
+        let q = &qs[32 * chunk..32 * chunk + 32];
+        let out = &mut y[64 * chunk..64 * chunk + 64];
+        for l in 0..32 {
+            let h1 = if qh[l] & u1 != 0 { 16.0 } else { 0.0 };
+            let h2 = if qh[l] & u2 != 0 { 16.0 } else { 0.0 };
+            out[l] = d * s1 * (f32::from(q[l] & 0xF) + h1) - dmin * m1;
+            out[l + 32] = d * s2 * (f32::from(q[l] >> 4) + h2) - dmin * m2;
+        }
+    }
+}
+
+fn q6_k(b: &[u8], y: &mut [f32]) {
+    let d = half_at(b, 208);
+    for half in 0..2 {
+        let ql = &b[64 * half..64 * half + 64];
+        let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+        let sc = &b[192 + 8 * half..192 + 8 * half + 8];
+        let out = &mut y[128 * half..128 * half + 128];
+        for l in 0..32 {
+            let is = l / 16;
+            let q = [
+                (ql[l] & 0xF) | ((qh[l] & 3) << 4),
+                (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4),
+                (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
+                (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
+            ];
+            for (k, &qk) in q.iter().enumerate() {
+                let scale = f32::from(sc[is + 2 * k] as i8);
+                out[l + 32 * k] = d * scale * (i32::from(qk) - 32) as f32;
+            }
+        }
+    }
+}
+
+fn block_decoder(format: TensorFormat) -> Option<DecodeBlock> {
+    Some(match format {
+        TensorFormat::Q8_0 => q8_0,
+        TensorFormat::Q4_0 => q4_0,
+        TensorFormat::Q4_1 => q4_1,
+        TensorFormat::Q5_0 => q5_0,
+        TensorFormat::Q4K => q4_k,
+        TensorFormat::Q5K => q5_k,
+        TensorFormat::Q6K => q6_k,
+        TensorFormat::F32 | TensorFormat::F16 | TensorFormat::BF16 => return None,
+    })
+}
+
+/// Walks a row block by block, handing each decoded block and its element offset to `f`.
+#[inline(always)]
+fn for_each_block(format: TensorFormat, row: &[u8], mut f: impl FnMut(usize, &[f32])) {
+    let decode = block_decoder(format).expect("block format");
+    let (n, bytes) = (format.block_len(), format.block_bytes());
+    let mut buf = [0.0f32; MAX_BLOCK];
+    for (i, block) in row.chunks_exact(bytes).enumerate() {
+        decode(block, &mut buf[..n]);
+        f(i * n, &buf[..n]);
+    }
+}
+
+macro_rules! block_kernels {
+    ($($name:ident => $format:path),* $(,)?) => {
+        $(
+            mod $name {
+                use super::*;
+                pub fn dot(row: &[u8], x: &[f32]) -> f32 {
+                    let mut sum = 0.0;
+                    for_each_block($format, row, |at, w| {
+                        sum += w.iter().zip(&x[at..at + w.len()]).map(|(a, b)| a * b).sum::<f32>();
+                    });
+                    sum
+                }
+                pub fn decode(row: &[u8], out: &mut [f32]) {
+                    for_each_block($format, row, |at, w| out[at..at + w.len()].copy_from_slice(w));
+                }
+                pub fn axpy(a: f32, row: &[u8], acc: &mut [f32]) {
+                    for_each_block($format, row, |at, w| {
+                        acc[at..at + w.len()].iter_mut().zip(w).for_each(|(o, v)| *o += a * v);
+                    });
+                }
+            }
+        )*
+        /// The scalar kernel table of a block format, or None for plain float formats.
+        pub fn kernels(format: TensorFormat) -> Option<RowKernels> {
+            match format {
+                $($format => Some(RowKernels { dot: $name::dot, decode: $name::decode, axpy: $name::axpy }),)*
+                _ => None,
+            }
+        }
+    };
+}
+
+block_kernels! {
+    k_q8_0 => TensorFormat::Q8_0,
+    k_q4_0 => TensorFormat::Q4_0,
+    k_q4_1 => TensorFormat::Q4_1,
+    k_q5_0 => TensorFormat::Q5_0,
+    k_q4_k => TensorFormat::Q4K,
+    k_q5_k => TensorFormat::Q5K,
+    k_q6_k => TensorFormat::Q6K,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn noise(n: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 24) as u8
+            })
+            .collect()
+    }
+
+    /// Random blocks with finite f16 scales (d and dmin set to small normal values).
+    fn random_row(format: TensorFormat, blocks: usize, seed: u64) -> Vec<u8> {
+        let mut row = noise(blocks * format.block_bytes(), seed);
+        let scale_at: &[usize] = match format {
+            TensorFormat::Q6K => &[208],
+            TensorFormat::Q4_1 | TensorFormat::Q4K | TensorFormat::Q5K => &[0, 2],
+            _ => &[0],
+        };
+        for (b, block) in row.chunks_exact_mut(format.block_bytes()).enumerate() {
+            for &at in scale_at {
+                let v = f16::from_f32(0.01 + 0.001 * (b + at) as f32).to_bits().to_le_bytes();
+                block[at..at + 2].copy_from_slice(&v);
+            }
+        }
+        row
+    }
+
+    /// dot and axpy agree with the decoded row, block for block.
+    #[test]
+    fn dot_and_axpy_agree_with_decode() {
+        for format in [
+            TensorFormat::Q8_0,
+            TensorFormat::Q4_0,
+            TensorFormat::Q4_1,
+            TensorFormat::Q5_0,
+            TensorFormat::Q4K,
+            TensorFormat::Q5K,
+            TensorFormat::Q6K,
+        ] {
+            let k = kernels(format).unwrap();
+            let row = random_row(format, 3, format.block_bytes() as u64);
+            let n = 3 * format.block_len();
+            let x: Vec<f32> = (0..n).map(|i| ((i * 37) % 11) as f32 - 5.0).collect();
+            let mut w = vec![0.0; n];
+            (k.decode)(&row, &mut w);
+            let want: f32 = w.iter().zip(&x).map(|(a, b)| a * b).sum();
+            let got = (k.dot)(&row, &x);
+            assert!((want - got).abs() <= 1e-4 * want.abs().max(1.0), "{format:?}: {want} {got}");
+            let mut acc = x.clone();
+            (k.axpy)(2.0, &row, &mut acc);
+            assert!(acc.iter().zip(&x).zip(&w).all(|((a, x), w)| (a - (x + 2.0 * w)).abs() < 1e-4));
+        }
+    }
+}

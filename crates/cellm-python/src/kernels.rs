@@ -1,0 +1,61 @@
+//! Kernel-level functions: which ISA path runs, and decoding stored weights for inspection
+//! and for tests against independent dequantizers.
+
+use cellm_engine::cellm_format::{Error, TensorFormat};
+use cellm_engine::isa;
+use numpy::{IntoPyArray, PyArray2, PyArrayMethods};
+use pyo3::prelude::*;
+
+use crate::errors::to_py;
+
+/// The kernel path in use (`scalar`, `avx2`, ...).
+#[pyfunction]
+pub fn selected_isa() -> &'static str {
+    isa::selected().name()
+}
+
+/// Every kernel path this CPU can run.
+#[pyfunction]
+pub fn available_isas() -> Vec<&'static str> {
+    isa::Isa::available().into_iter().map(|i| i.name()).collect()
+}
+
+/// Forces a kernel path (tests and debugging).
+#[pyfunction]
+pub fn set_isa(name: &str) -> PyResult<()> {
+    let chosen = isa::Isa::parse(name)
+        .ok_or_else(|| Error::InvalidArgument(format!("unknown ISA '{name}'")));
+    chosen.and_then(|i| isa::set_override(i).map_err(Error::InvalidArgument)).map_err(to_py)
+}
+
+/// Decodes `rows x cols` values stored in `format` (e.g. GGUF `q4_k` blocks) to float32 with
+/// the engine's own row kernels.
+#[pyfunction]
+pub fn dequantize<'py>(
+    py: Python<'py>,
+    format: &str,
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    let fmt = TensorFormat::parse(format).map_err(to_py)?;
+    let need = fmt.nbytes(&[rows, cols]).ok_or_else(|| {
+        to_py(Error::InvalidArgument(format!("{cols} columns do not split into {format} blocks")))
+    })?;
+    if data.len() != need {
+        let msg = format!("{format} {rows}x{cols} needs {need} bytes, got {}", data.len());
+        return Err(to_py(Error::InvalidArgument(msg)));
+    }
+    // Copy into word-aligned storage: float rows are read as typed slices.
+    let mut words = vec![0u32; need.div_ceil(4)];
+    // SAFETY: `words` holds at least `need` bytes.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), need) };
+    bytes.copy_from_slice(data);
+    let decode = cellm_engine::dot::kernels(fmt, isa::selected()).decode;
+    let mut out = vec![0.0f32; rows * cols];
+    let stride = need / rows.max(1);
+    for (r, row) in out.chunks_exact_mut(cols).enumerate() {
+        decode(&bytes[r * stride..(r + 1) * stride], row);
+    }
+    out.into_pyarray(py).reshape([rows, cols])
+}
