@@ -2,6 +2,7 @@
 //! activations, row decode) with a scalar reference and SIMD variants chosen once at run time
 //! from the CPU's features; `matmul` spreads rows over the current rayon pool.
 
+pub mod acts;
 pub mod dot;
 pub mod isa;
 pub mod matmul;

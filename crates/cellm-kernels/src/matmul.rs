@@ -6,7 +6,8 @@
 use cellm_format::Tensor;
 use rayon::prelude::*;
 
-use crate::dot::{kernels, RowKernels};
+use crate::acts::{Q8Acts, QBLOCK};
+use crate::dot::kernels;
 use crate::isa;
 
 /// Below this many multiply-adds a call runs on the calling thread: fork-join costs more.
@@ -26,19 +27,43 @@ impl SharedOut {
     }
 }
 
-/// `out` (`tokens x rows(w)`) = `x` (`tokens x cols(w)`) times `w` transposed.
+/// `out` (`tokens x rows(w)`) = `x` (`tokens x cols(w)`) times `w` transposed. Formats with an
+/// integer kernel get `x` quantized to int8 blocks once, here, for all their rows.
 pub fn matmul(x: &[f32], tokens: usize, w: &Tensor, out: &mut [f32]) {
     let (n, k) = w.rows_cols();
     assert_eq!(x.len(), tokens * k, "matmul: activations do not match {w:?}");
     assert_eq!(out.len(), tokens * n, "matmul: output does not match {w:?}");
     let kern = kernels(w.format, isa::selected());
+    match kern.qdot {
+        Some(qdot) if k.is_multiple_of(QBLOCK) => {
+            let acts = Q8Acts::quantize(x, k);
+            rows_times_tokens(w, tokens, out, |row, t| qdot(row, acts.row(t)));
+        }
+        _ => rows_times_tokens(w, tokens, out, |row, t| (kern.dot)(row, &x[t * k..(t + 1) * k])),
+    }
+}
+
+/// `out[t, r] = f(row r of w, t)`, split over blocks of weight rows so each row is read from
+/// memory once and reused for every token while it sits in L1.
+fn rows_times_tokens(
+    w: &Tensor,
+    tokens: usize,
+    out: &mut [f32],
+    f: impl Fn(&[u8], usize) -> f32 + Sync,
+) {
+    let (n, k) = w.rows_cols();
     let bytes = w.bytes();
     let stride = bytes.len() / n.max(1);
     let dst = SharedOut(out.as_mut_ptr());
     let run_block = |rows: std::ops::Range<usize>| {
-        // SAFETY: `rows` is a distinct block for each task and every index stays below
-        // tokens * n, the length of `out`.
-        block(&kern, bytes, stride, rows, x, k, tokens, n, |i, v| unsafe { *dst.at(i) = v });
+        for r in rows {
+            let row = &bytes[r * stride..(r + 1) * stride];
+            for t in 0..tokens {
+                // SAFETY: each task owns a distinct block of rows `r`, and t * n + r is below
+                // tokens * n, the length of `out`.
+                unsafe { *dst.at(t * n + r) = f(row, t) };
+            }
+        }
     };
     if n * k * tokens < PARALLEL_MIN_WORK || rayon::current_num_threads() == 1 {
         run_block(0..n);
@@ -47,27 +72,6 @@ pub fn matmul(x: &[f32], tokens: usize, w: &Tensor, out: &mut [f32]) {
     let tasks = rayon::current_num_threads() * 4;
     let per = n.div_ceil(tasks).next_multiple_of(8).max(8);
     (0..n.div_ceil(per)).into_par_iter().for_each(|b| run_block(b * per..((b + 1) * per).min(n)));
-}
-
-#[allow(clippy::too_many_arguments)]
-#[inline]
-fn block(
-    kern: &RowKernels,
-    bytes: &[u8],
-    stride: usize,
-    rows: std::ops::Range<usize>,
-    x: &[f32],
-    k: usize,
-    tokens: usize,
-    n: usize,
-    mut store: impl FnMut(usize, f32),
-) {
-    for r in rows {
-        let row = &bytes[r * stride..(r + 1) * stride];
-        for t in 0..tokens {
-            store(t * n + r, (kern.dot)(row, &x[t * k..(t + 1) * k]));
-        }
-    }
 }
 
 /// Decodes row `r` of `w` into `out` (embedding lookup).

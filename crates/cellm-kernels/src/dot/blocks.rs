@@ -166,7 +166,7 @@ macro_rules! block_kernels {
         /// The scalar kernel table of a block format, or None for plain float formats.
         pub fn kernels(format: TensorFormat) -> Option<RowKernels> {
             match format {
-                $($format => Some(RowKernels { dot: $name::dot, decode: $name::decode, axpy: $name::axpy }),)*
+                $($format => Some(RowKernels { dot: $name::dot, decode: $name::decode, axpy: $name::axpy, qdot: None }),)*
                 _ => None,
             }
         }
@@ -240,6 +240,47 @@ mod tests {
             let mut acc = x.clone();
             (k.axpy)(2.0, &row, &mut acc);
             assert!(acc.iter().zip(&x).zip(&w).all(|((a, x), w)| (a - (x + 2.0 * w)).abs() < 1e-4));
+        }
+    }
+
+    /// Every ISA's integer kernel equals the scalar integer reference, and that reference
+    /// equals the float dot of the decoded row with the dequantized activations.
+    #[test]
+    fn integer_kernels_match_references() {
+        use crate::acts::Q8Acts;
+        use crate::Isa;
+        for format in [
+            TensorFormat::Q8_0,
+            TensorFormat::Q4_0,
+            TensorFormat::Q4_1,
+            TensorFormat::Q5_0,
+            TensorFormat::Q4K,
+            TensorFormat::Q5K,
+            TensorFormat::Q6K,
+        ] {
+            let n = 2 * format.block_len().max(256);
+            let row = random_row(format, n / format.block_len(), 7 + format.block_bytes() as u64);
+            let x: Vec<f32> = (0..n).map(|i| (((i * 7919) % 251) as f32 - 125.0) / 31.0).collect();
+            let acts = Q8Acts::quantize(&x, n);
+            let xq: Vec<f32> =
+                acts.qs.iter().enumerate().map(|(i, &q)| f32::from(q) * acts.d[i / 32]).collect();
+            let mut w = vec![0.0; n];
+            (kernels(format).unwrap().decode)(&row, &mut w);
+            let float_ref: f32 = w.iter().zip(&xq).map(|(a, b)| a * b).sum();
+            let mag: f32 = w.iter().zip(&xq).map(|(a, b)| (a * b).abs()).sum();
+            let scalar =
+                super::super::kernels(format, Isa::Scalar).qdot.unwrap()(&row, acts.row(0));
+            assert!(
+                (scalar - float_ref).abs() <= 1e-5 * mag,
+                "{format:?}: {scalar} vs {float_ref}"
+            );
+            for isa in Isa::available() {
+                let got = super::super::kernels(format, isa).qdot.unwrap()(&row, acts.row(0));
+                assert!(
+                    (got - scalar).abs() <= 1e-5 * mag,
+                    "{format:?} {isa:?}: {got} vs {scalar}"
+                );
+            }
         }
     }
 }

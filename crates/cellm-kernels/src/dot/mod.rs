@@ -4,10 +4,14 @@
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 mod blocks;
+#[cfg(target_arch = "x86_64")]
+mod int_avx2;
+mod int_scalar;
 mod scalar;
 
 use cellm_format::TensorFormat;
 
+use crate::acts::Q8Row;
 use crate::isa::Isa;
 
 /// Dot product of a stored row (raw bytes) with `x` (same length in elements).
@@ -16,20 +20,28 @@ pub type DotFn = fn(&[u8], &[f32]) -> f32;
 pub type DecodeFn = fn(&[u8], &mut [f32]);
 /// `acc += w * row`, for attention's weighted sum of values.
 pub type AxpyFn = fn(f32, &[u8], &mut [f32]);
+/// Dot product of a stored row with int8-quantized activations.
+pub type QDotFn = fn(&[u8], Q8Row) -> f32;
 
 #[derive(Clone, Copy)]
 pub struct RowKernels {
     pub dot: DotFn,
     pub decode: DecodeFn,
     pub axpy: AxpyFn,
+    /// Integer kernel, for formats that take int8 activations.
+    pub qdot: Option<QDotFn>,
 }
 
 /// The kernel table for a format on an ISA path.
 pub fn kernels(format: TensorFormat, isa: Isa) -> RowKernels {
-    // Block formats have only the scalar reference so far; SIMD paths come with the
-    // integer-dot kernels.
+    // Block formats decode with the scalar reference and multiply with integer kernels.
     if let Some(k) = blocks::kernels(format) {
-        return k;
+        let qdot = match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => int_avx2::qdot(format),
+            _ => int_scalar::qdot(format),
+        };
+        return RowKernels { qdot, ..k };
     }
     match isa {
         #[cfg(target_arch = "x86_64")]

@@ -7,9 +7,15 @@ use super::{cast, RowKernels};
 
 pub fn kernels(format: TensorFormat) -> RowKernels {
     match format {
-        TensorFormat::F32 => RowKernels { dot: dot_f32, decode: decode_f32, axpy: axpy_f32 },
-        TensorFormat::F16 => RowKernels { dot: dot_f16, decode: decode_f16, axpy: axpy_f16 },
-        TensorFormat::BF16 => RowKernels { dot: dot_bf16, decode: decode_bf16, axpy: axpy_bf16 },
+        TensorFormat::F32 => {
+            RowKernels { dot: dot_f32, decode: decode_f32, axpy: axpy_f32, qdot: None }
+        }
+        TensorFormat::F16 => {
+            RowKernels { dot: dot_f16, decode: decode_f16, axpy: axpy_f16, qdot: None }
+        }
+        TensorFormat::BF16 => {
+            RowKernels { dot: dot_bf16, decode: decode_bf16, axpy: axpy_bf16, qdot: None }
+        }
         other => unreachable!("{other:?} is a block format"),
     }
 }

@@ -1,0 +1,143 @@
+//! Scalar reference of the integer kernels: weight blocks times int8 activation blocks, with
+//! integer sums per block and one float multiply-add per (sub-)block, as the SIMD paths do.
+
+use cellm_format::TensorFormat;
+
+use super::QDotFn;
+use crate::acts::Q8Row;
+
+fn half(b: &[u8], i: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
+}
+
+fn idot(w: impl Iterator<Item = i32>, x: &[i8]) -> i32 {
+    w.zip(x).map(|(a, &b)| a * i32::from(b)).sum()
+}
+
+/// Unpacks a 32-element nibble block in ggml order: low nibbles first, then high nibbles.
+fn nibbles(qs: &[u8]) -> impl Iterator<Item = i32> + '_ {
+    qs.iter().map(|q| i32::from(q & 0xF)).chain(qs.iter().map(|q| i32::from(q >> 4)))
+}
+
+pub fn q8_0(row: &[u8], x: Q8Row) -> f32 {
+    let mut sum = 0.0;
+    for (b, blk) in row.chunks_exact(34).enumerate() {
+        let s = idot(blk[2..].iter().map(|&q| i32::from(q as i8)), &x.qs[32 * b..32 * b + 32]);
+        sum += half(blk, 0) * x.d[b] * s as f32;
+    }
+    sum
+}
+
+pub fn q4_0(row: &[u8], x: Q8Row) -> f32 {
+    let mut sum = 0.0;
+    for (b, blk) in row.chunks_exact(18).enumerate() {
+        let s = idot(nibbles(&blk[2..18]).map(|q| q - 8), &x.qs[32 * b..32 * b + 32]);
+        sum += half(blk, 0) * x.d[b] * s as f32;
+    }
+    sum
+}
+
+pub fn q4_1(row: &[u8], x: Q8Row) -> f32 {
+    let mut sum = 0.0;
+    for (b, blk) in row.chunks_exact(20).enumerate() {
+        let s = idot(nibbles(&blk[4..20]), &x.qs[32 * b..32 * b + 32]);
+        sum += half(blk, 0) * x.d[b] * s as f32 + half(blk, 2) * x.d[b] * x.sums[b] as f32;
+    }
+    sum
+}
+
+pub fn q5_0(row: &[u8], x: Q8Row) -> f32 {
+    let mut sum = 0.0;
+    for (b, blk) in row.chunks_exact(22).enumerate() {
+        let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+        let q = nibbles(&blk[6..22]).enumerate().map(|(j, q)| q | (((qh >> j) & 1) << 4) as i32);
+        let s = idot(q.map(|q| q - 16), &x.qs[32 * b..32 * b + 32]);
+        sum += half(blk, 0) * x.d[b] * s as f32;
+    }
+    sum
+}
+
+/// The 6-bit scale and min of sub-block `j` of a q4_k/q5_k block.
+pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+/// q4_k and q5_k: 8 sub-blocks of 32 with 6-bit scales and mins; q5_k adds a high bit.
+fn k_quant(row: &[u8], x: Q8Row, bytes: usize, five: bool) -> f32 {
+    let mut sum = 0.0;
+    for (b, blk) in row.chunks_exact(bytes).enumerate() {
+        let (d, dmin) = (half(blk, 0), half(blk, 2));
+        let scales = &blk[4..16];
+        let (qh, qs) =
+            if five { (&blk[16..48], &blk[48..176]) } else { (&blk[0..0], &blk[16..144]) };
+        for j in 0..8 {
+            let (sc, m) = scale_min_k4(j, scales);
+            let chunk = &qs[32 * (j / 2)..32 * (j / 2) + 32];
+            let q = chunk.iter().enumerate().map(|(l, &v)| {
+                let nib = if j % 2 == 0 { v & 0xF } else { v >> 4 };
+                let hi = if five { (qh[l] >> j) & 1 } else { 0 };
+                i32::from(nib | (hi << 4))
+            });
+            let xb = 8 * b + j;
+            let s = idot(q, &x.qs[32 * xb..32 * xb + 32]);
+            sum +=
+                x.d[xb] * (d * f32::from(sc) * s as f32 - dmin * f32::from(m) * x.sums[xb] as f32);
+        }
+    }
+    sum
+}
+
+pub fn q4_k(row: &[u8], x: Q8Row) -> f32 {
+    k_quant(row, x, 144, false)
+}
+
+pub fn q5_k(row: &[u8], x: Q8Row) -> f32 {
+    k_quant(row, x, 176, true)
+}
+
+/// The 6-bit value of element `32k + l` of half `h` of a q6_k block (0..64, offset 32).
+pub fn q6_k_value(ql: &[u8], qh: &[u8], k: usize, l: usize) -> i32 {
+    // Quarters 0 and 2 read ql[l], 1 and 3 read ql[l + 32]; quarters 0 and 1 the low nibble.
+    let byte = ql[l + 32 * (k % 2)];
+    let nib = if k < 2 { byte & 0xF } else { byte >> 4 };
+    i32::from(nib | (((qh[l] >> (2 * k)) & 3) << 4))
+}
+
+pub fn q6_k(row: &[u8], x: Q8Row) -> f32 {
+    let mut sum = 0.0;
+    for (b, blk) in row.chunks_exact(210).enumerate() {
+        let d = half(blk, 208);
+        for h in 0..2 {
+            let (ql, qh) = (&blk[64 * h..64 * h + 64], &blk[128 + 32 * h..128 + 32 * h + 32]);
+            let sc = &blk[192 + 8 * h..200 + 8 * h];
+            for k in 0..4 {
+                let xb = 8 * b + 4 * h + k;
+                let xq = &x.qs[32 * xb..32 * xb + 32];
+                let mut total = 0i32;
+                for g in 0..2 {
+                    let q = (16 * g..16 * g + 16).map(|l| q6_k_value(ql, qh, k, l) - 32);
+                    total += i32::from(sc[2 * k + g] as i8) * idot(q, &xq[16 * g..16 * g + 16]);
+                }
+                sum += d * x.d[xb] * total as f32;
+            }
+        }
+    }
+    sum
+}
+
+pub fn qdot(format: TensorFormat) -> Option<QDotFn> {
+    Some(match format {
+        TensorFormat::Q8_0 => q8_0,
+        TensorFormat::Q4_0 => q4_0,
+        TensorFormat::Q4_1 => q4_1,
+        TensorFormat::Q5_0 => q5_0,
+        TensorFormat::Q4K => q4_k,
+        TensorFormat::Q5K => q5_k,
+        TensorFormat::Q6K => q6_k,
+        TensorFormat::F32 | TensorFormat::F16 | TensorFormat::BF16 => return None,
+    })
+}
