@@ -9,7 +9,7 @@ use cellm_kv::{KvConfig, PagePool, SeqKv, SeqSpan};
 use cellm_models::{CausalLm, Step};
 
 pub use cellm_format;
-pub use cellm_kernels::{dot, isa};
+pub use cellm_kernels::{dot, isa, matmul_raw, WeightRows};
 pub use cellm_kv::KvEncoding;
 
 /// Tokens per KV page.

@@ -1,9 +1,38 @@
-//! Activations quantized to int8 once per matmul, in blocks of 32 with one f32 scale each (and
-//! the block's integer sum, for formats with an offset term). Weight formats with integer
-//! kernels then run on integer dot products.
+//! Activations quantized to int8 once per matmul, in blocks of 32 with one f32 scale `d` and
+//! the block's scaled sum `s = d * sum(q)` (for formats with an offset term). Weight formats with
+//! integer kernels then run on integer dot products.
+//!
+//! The quantization follows llama.cpp's activation formats for the same weight format, so a
+//! GGUF model computes what llama.cpp computes: q8_0 (f16 scale) for q4_0/q5_0/q8_0 weights,
+//! q8_1 (f16 scale and sum) for q4_1, and q8_K (one f32 scale per 256 values, set by the
+//! signed extreme) for the K-quants.
+
+use cellm_format::TensorFormat;
+use half::f16;
 
 /// Elements per activation block; every integer-kernel format's blocks are multiples of it.
 pub const QBLOCK: usize = 32;
+
+/// How activations are quantized for a weight format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActScheme {
+    /// Per 32: d = max|x| / 127 rounded to f16.
+    Q8_0,
+    /// As Q8_0, and s = d * sum(q) rounded to f16.
+    Q8_1,
+    /// Per 256: d = -max/127 for the value of largest magnitude (so it maps to -127), f32.
+    Q8K,
+}
+
+impl ActScheme {
+    pub fn for_format(format: TensorFormat) -> Self {
+        match format {
+            TensorFormat::Q4_1 => Self::Q8_1,
+            TensorFormat::Q4K | TensorFormat::Q5K | TensorFormat::Q6K => Self::Q8K,
+            _ => Self::Q8_0,
+        }
+    }
+}
 
 /// `rows x cols` activations as int8 blocks.
 #[derive(Debug, Default, Clone)]
@@ -11,7 +40,7 @@ pub struct Q8Acts {
     pub cols: usize,
     pub qs: Vec<i8>,
     pub d: Vec<f32>,
-    pub sums: Vec<i32>,
+    pub s: Vec<f32>,
 }
 
 /// One row of quantized activations.
@@ -19,32 +48,58 @@ pub struct Q8Acts {
 pub struct Q8Row<'a> {
     pub qs: &'a [i8],
     pub d: &'a [f32],
-    pub sums: &'a [i32],
+    pub s: &'a [f32],
+}
+
+fn round_f16(v: f32) -> f32 {
+    f16::from_f32(v).to_f32()
 }
 
 impl Q8Acts {
-    /// Quantizes each `cols`-wide row of `x` (cols a multiple of 32): per block, the scale is
-    /// max|x| / 127 and values round to nearest.
-    pub fn quantize(x: &[f32], cols: usize) -> Self {
-        assert!(cols.is_multiple_of(QBLOCK) && x.len().is_multiple_of(cols.max(1)));
+    /// Quantizes each `cols`-wide row of `x`; `cols` must be a multiple of 32, and of 256 for
+    /// the K scheme.
+    pub fn quantize(x: &[f32], cols: usize, scheme: ActScheme) -> Self {
+        let group = if scheme == ActScheme::Q8K { 256 } else { QBLOCK };
+        assert!(cols.is_multiple_of(group) && x.len().is_multiple_of(cols.max(1)));
         let blocks = x.len() / QBLOCK;
         let mut acts = Self {
             cols,
             qs: vec![0; x.len()],
             d: Vec::with_capacity(blocks),
-            sums: Vec::with_capacity(blocks),
+            s: Vec::with_capacity(blocks),
         };
-        for (src, dst) in x.chunks_exact(QBLOCK).zip(acts.qs.chunks_exact_mut(QBLOCK)) {
-            let amax = src.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
+        for (src, dst) in x.chunks_exact(group).zip(acts.qs.chunks_exact_mut(group)) {
+            let (d, inv) = match scheme {
+                ActScheme::Q8K => {
+                    let max =
+                        src.iter().fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+                    if max == 0.0 {
+                        (0.0, 0.0)
+                    } else {
+                        let iscale = -127.0 / max;
+                        (1.0 / iscale, iscale)
+                    }
+                }
+                _ => {
+                    let amax = src.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    let d = amax / 127.0;
+                    (d, if d > 0.0 { 1.0 / d } else { 0.0 })
+                }
+            };
             for (q, v) in dst.iter_mut().zip(src) {
-                *q = (v * inv).round() as i8;
-                sum += i32::from(*q);
+                // Round half away from zero, like C's roundf; the K scheme's +128 clamps to 127.
+                *q = (v * inv).round().min(127.0) as i8;
             }
-            acts.d.push(d);
-            acts.sums.push(sum);
+            for block in dst.chunks_exact(QBLOCK) {
+                let sum: i32 = block.iter().map(|&q| i32::from(q)).sum();
+                let (bd, bs) = match scheme {
+                    ActScheme::Q8_0 => (round_f16(d), 0.0),
+                    ActScheme::Q8_1 => (round_f16(d), round_f16(d * sum as f32)),
+                    ActScheme::Q8K => (d, d * sum as f32),
+                };
+                acts.d.push(bd);
+                acts.s.push(bs);
+            }
         }
         acts
     }
@@ -54,7 +109,7 @@ impl Q8Acts {
         Q8Row {
             qs: &self.qs[r * self.cols..(r + 1) * self.cols],
             d: &self.d[r * b..(r + 1) * b],
-            sums: &self.sums[r * b..(r + 1) * b],
+            s: &self.s[r * b..(r + 1) * b],
         }
     }
 }

@@ -9,4 +9,4 @@ pub mod matmul;
 pub mod ops;
 
 pub use isa::Isa;
-pub use matmul::{decode_row, matmul};
+pub use matmul::{decode_row, matmul, matmul_raw, WeightRows};

@@ -3,10 +3,10 @@
 //! Work is split over blocks of weight rows so each row is read from memory once per call and
 //! reused for every token of the batch while it sits in L1.
 
-use cellm_format::Tensor;
+use cellm_format::{Tensor, TensorFormat};
 use rayon::prelude::*;
 
-use crate::acts::{Q8Acts, QBLOCK};
+use crate::acts::{ActScheme, Q8Acts, QBLOCK};
 use crate::dot::kernels;
 use crate::isa;
 
@@ -31,12 +31,28 @@ impl SharedOut {
 /// integer kernel get `x` quantized to int8 blocks once, here, for all their rows.
 pub fn matmul(x: &[f32], tokens: usize, w: &Tensor, out: &mut [f32]) {
     let (n, k) = w.rows_cols();
-    assert_eq!(x.len(), tokens * k, "matmul: activations do not match {w:?}");
-    assert_eq!(out.len(), tokens * n, "matmul: output does not match {w:?}");
+    matmul_raw(x, tokens, WeightRows { format: w.format, bytes: w.bytes(), rows: n, cols: k }, out);
+}
+
+/// A weight matrix as stored: `rows` rows of `cols` elements in `format`.
+#[derive(Clone, Copy)]
+pub struct WeightRows<'a> {
+    pub format: TensorFormat,
+    pub bytes: &'a [u8],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// [`matmul`] on raw stored rows (`bytes` must hold exactly `rows` rows).
+pub fn matmul_raw(x: &[f32], tokens: usize, w: WeightRows, out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    assert_eq!(w.format.nbytes(&[n, k]), Some(w.bytes.len()), "matmul: weight size");
+    assert_eq!(x.len(), tokens * k, "matmul: activations do not match the weight");
+    assert_eq!(out.len(), tokens * n, "matmul: output does not match the weight");
     let kern = kernels(w.format, isa::selected());
     match kern.qdot {
-        Some(qdot) if k.is_multiple_of(QBLOCK) => {
-            let acts = Q8Acts::quantize(x, k);
+        Some(qdot) if k.is_multiple_of(w.format.block_len().max(QBLOCK)) => {
+            let acts = Q8Acts::quantize(x, k, ActScheme::for_format(w.format));
             rows_times_tokens(w, tokens, out, |row, t| qdot(row, acts.row(t)));
         }
         _ => rows_times_tokens(w, tokens, out, |row, t| (kern.dot)(row, &x[t * k..(t + 1) * k])),
@@ -46,13 +62,12 @@ pub fn matmul(x: &[f32], tokens: usize, w: &Tensor, out: &mut [f32]) {
 /// `out[t, r] = f(row r of w, t)`, split over blocks of weight rows so each row is read from
 /// memory once and reused for every token while it sits in L1.
 fn rows_times_tokens(
-    w: &Tensor,
+    w: WeightRows,
     tokens: usize,
     out: &mut [f32],
     f: impl Fn(&[u8], usize) -> f32 + Sync,
 ) {
-    let (n, k) = w.rows_cols();
-    let bytes = w.bytes();
+    let (n, k, bytes) = (w.rows, w.cols, w.bytes);
     let stride = bytes.len() / n.max(1);
     let dst = SharedOut(out.as_mut_ptr());
     let run_block = |rows: std::ops::Range<usize>| {

@@ -3,7 +3,7 @@
 
 use cellm_engine::cellm_format::{Error, TensorFormat};
 use cellm_engine::isa;
-use numpy::{IntoPyArray, PyArray2, PyArrayMethods};
+use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyReadonlyArray2};
 use pyo3::prelude::*;
 
 use crate::errors::to_py;
@@ -46,11 +46,8 @@ pub fn dequantize<'py>(
         let msg = format!("{format} {rows}x{cols} needs {need} bytes, got {}", data.len());
         return Err(to_py(Error::InvalidArgument(msg)));
     }
-    // Copy into word-aligned storage: float rows are read as typed slices.
-    let mut words = vec![0u32; need.div_ceil(4)];
-    // SAFETY: `words` holds at least `need` bytes.
-    let bytes = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), need) };
-    bytes.copy_from_slice(data);
+    let words = aligned_copy(data);
+    let bytes = &as_bytes(&words)[..need];
     let decode = cellm_engine::dot::kernels(fmt, isa::selected()).decode;
     let mut out = vec![0.0f32; rows * cols];
     let stride = need / rows.max(1);
@@ -58,4 +55,47 @@ pub fn dequantize<'py>(
         decode(&bytes[r * stride..(r + 1) * stride], row);
     }
     out.into_pyarray(py).reshape([rows, cols])
+}
+
+/// `x @ W.T` for `W` stored as `rows x cols` in `format`, with the engine's kernels (int8
+/// activations for block formats): for tests against independent references and benches.
+#[pyfunction]
+pub fn matmul<'py>(
+    py: Python<'py>,
+    format: &str,
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+    x: PyReadonlyArray2<'py, f32>,
+) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    let fmt = TensorFormat::parse(format).map_err(to_py)?;
+    let x = x.as_array();
+    if fmt.nbytes(&[rows, cols]) != Some(data.len()) || x.ncols() != cols {
+        return Err(to_py(Error::InvalidArgument(format!(
+            "shapes do not match {format} {rows}x{cols}"
+        ))));
+    }
+    let words = aligned_copy(data);
+    let bytes = &as_bytes(&words)[..data.len()];
+    let xs: Vec<f32> = x.iter().copied().collect();
+    let tokens = x.nrows();
+    let mut out = vec![0.0f32; tokens * rows];
+    let w = cellm_engine::WeightRows { format: fmt, bytes, rows, cols };
+    py.detach(|| cellm_engine::matmul_raw(&xs, tokens, w, &mut out));
+    out.into_pyarray(py).reshape([tokens, rows])
+}
+
+/// Copies bytes into word-aligned storage: float rows are read as typed slices.
+fn aligned_copy(data: &[u8]) -> Vec<u32> {
+    let mut words = vec![0u32; data.len().div_ceil(4)];
+    // SAFETY: `words` holds at least `data.len()` bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(data.as_ptr(), words.as_mut_ptr().cast::<u8>(), data.len())
+    };
+    words
+}
+
+fn as_bytes(words: &[u32]) -> &[u8] {
+    // SAFETY: any u32 storage is valid as bytes.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), words.len() * 4) }
 }

@@ -248,6 +248,7 @@ mod tests {
     #[test]
     fn integer_kernels_match_references() {
         use crate::acts::Q8Acts;
+
         use crate::Isa;
         for format in [
             TensorFormat::Q8_0,
@@ -261,7 +262,7 @@ mod tests {
             let n = 2 * format.block_len().max(256);
             let row = random_row(format, n / format.block_len(), 7 + format.block_bytes() as u64);
             let x: Vec<f32> = (0..n).map(|i| (((i * 7919) % 251) as f32 - 125.0) / 31.0).collect();
-            let acts = Q8Acts::quantize(&x, n);
+            let acts = Q8Acts::quantize(&x, n, crate::acts::ActScheme::for_format(format));
             let xq: Vec<f32> =
                 acts.qs.iter().enumerate().map(|(i, &q)| f32::from(q) * acts.d[i / 32]).collect();
             let mut w = vec![0.0; n];

@@ -86,7 +86,7 @@ unsafe fn q4_1(row: &[u8], x: Q8Row) -> f32 {
     for (b, blk) in row.chunks_exact(20).enumerate() {
         let p = _mm256_cvtepi32_ps(dot_u8_i8(nibbles32(blk.as_ptr().add(4)), xblock(&x, b)));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(half(blk, 0) * x.d[b]), p, acc);
-        offset += half(blk, 2) * x.d[b] * x.sums[b] as f32;
+        offset += half(blk, 2) * x.s[b];
     }
     hsum(acc) + offset
 }
@@ -132,7 +132,7 @@ unsafe fn k_quant(row: &[u8], x: Q8Row, bytes: usize, five: bool) -> f32 {
                 let xb = 8 * b + j;
                 let p = _mm256_cvtepi32_ps(dot_u8_i8(q, xblock(&x, xb)));
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(d * f32::from(sc) * x.d[xb]), p, acc);
-                mins += dmin * f32::from(m) * x.d[xb] * x.sums[xb] as f32;
+                mins += dmin * f32::from(m) * x.s[xb];
             }
         }
     }
@@ -197,7 +197,7 @@ macro_rules! safe_entry {
             fn $name(row: &[u8], x: Q8Row) -> f32 {
                 let f = $format;
                 let elems = row.len() / f.block_bytes() * f.block_len();
-                assert!(x.qs.len() >= elems && x.d.len() * 32 >= elems && x.sums.len() * 32 >= elems);
+                assert!(x.qs.len() >= elems && x.d.len() * 32 >= elems && x.s.len() * 32 >= elems);
                 // SAFETY: `qdot` hands these out only after checking AVX2, FMA and F16C; every
                 // activation load stays below `elems`, checked above.
                 unsafe { $inner(row, x) }

@@ -41,7 +41,7 @@ pub fn q4_1(row: &[u8], x: Q8Row) -> f32 {
     let mut sum = 0.0;
     for (b, blk) in row.chunks_exact(20).enumerate() {
         let s = idot(nibbles(&blk[4..20]), &x.qs[32 * b..32 * b + 32]);
-        sum += half(blk, 0) * x.d[b] * s as f32 + half(blk, 2) * x.d[b] * x.sums[b] as f32;
+        sum += half(blk, 0) * x.d[b] * s as f32 + half(blk, 2) * x.s[b];
     }
     sum
 }
@@ -84,8 +84,7 @@ fn k_quant(row: &[u8], x: Q8Row, bytes: usize, five: bool) -> f32 {
             });
             let xb = 8 * b + j;
             let s = idot(q, &x.qs[32 * xb..32 * xb + 32]);
-            sum +=
-                x.d[xb] * (d * f32::from(sc) * s as f32 - dmin * f32::from(m) * x.sums[xb] as f32);
+            sum += x.d[xb] * d * f32::from(sc) * s as f32 - dmin * f32::from(m) * x.s[xb];
         }
     }
     sum
