@@ -7,7 +7,7 @@ so that a model's embedded template renders byte-for-byte as it does under trans
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -37,8 +37,21 @@ def _tojson(
 ) -> str:
     # Jinja's own tojson escapes HTML characters and sorts keys; templates expect plain json.dumps.
     return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        x,
+        ensure_ascii=ensure_ascii,
+        indent=indent,
+        separators=separators,
+        sort_keys=sort_keys,
+        default=_json_default,
     )
+
+
+def _json_default(x: Any) -> Any:
+    # Filters such as map/select/reject yield generators; `tools | map(attribute='function') |
+    # tojson` (llama.cpp's templates) means the list they produce.
+    if isinstance(x, Iterator):
+        return list(x)
+    raise TypeError(f"Object of type {type(x).__name__} is not JSON serializable")
 
 
 def _strftime_now(format: str) -> str:
@@ -75,9 +88,28 @@ class _TemplateNamespace(jinja2.utils.Namespace):
             )
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` marks assistant text for transformers'
+    return_assistant_tokens_mask (its AssistantTracker); rendering, it is just its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_render_body")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _render_body(caller: Any) -> str:
+        return caller()
+
+
 def _make_env() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

@@ -1,4 +1,5 @@
-"""Turning what a user passes as a model (a .cellm file, a HF directory) into a .cellm path."""
+"""Turning what a user passes as a model (a .cellm file, a HF directory, a .gguf file or a
+registry name) into a .cellm path."""
 
 from __future__ import annotations
 
@@ -20,14 +21,21 @@ def cache_dir() -> Path:
 
 
 def resolve_model(path: str | os.PathLike, dtype: str = "f16") -> Path:
-    """A .cellm file for `path`: the file itself, or a cached conversion of a HF directory."""
+    """A .cellm file for `path`: the file itself, a cached conversion of a HF directory or a
+    GGUF file, or a registry model (`cellm.fetch`) fetched and converted on first use."""
     p = Path(path).expanduser()
     if not p.exists():
+        name = str(path)
+        if os.sep not in name and "/" not in name:
+            from cellm.fetch import fetch, registry_names
+
+            if name in registry_names():
+                return fetch(name)
         raise FormatError(f"{p}: no such file or directory")
     if p.is_dir():
         return _converted(p, dtype)
     if p.suffix.lower() == ".gguf":
-        raise FormatError(f"{p}: GGUF files are not supported by this version of cellm yet")
+        return _converted_gguf(p)
     return p
 
 
@@ -42,6 +50,19 @@ def _converted(src: Path, dtype: str) -> Path:
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         convert_hf(src, out, dtype)
+    return out
+
+
+def _converted_gguf(src: Path) -> Path:
+    from cellm.convert import convert_gguf
+
+    st = src.stat()
+    key = json.dumps([str(src.resolve()), st.st_size, st.st_mtime_ns, CONVERTER_VERSION])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    out = cache_dir() / "converted" / f"{src.stem}-{digest}.cellm"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        convert_gguf(src, out)
     return out
 
 

@@ -1,4 +1,5 @@
-"""HF checkpoint directory -> `.cellm` v2 file (docs/format.md), in pure Python + numpy."""
+"""HF checkpoint directory or GGUF file -> `.cellm` v2 file (docs/format.md), in pure Python +
+numpy. `convert` dispatches on the input; `convert_hf` and `convert_gguf` are the two paths."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from ..errors import FormatError
+from ..errors import FormatError, InvalidArgument
 from .dtypes import check_format, convert_chunks
+from .gguf import MAGIC as GGUF_MAGIC
+from .gguf_convert import convert_gguf
 from .hf_config import family_of, load_config, normalise_config
 from .progress import ProgressBar
 from .safetensors import Checkpoint, open_checkpoint
@@ -15,11 +18,44 @@ from .tokenizer_files import TOKENIZER_BLOB, load_tokenizer_files
 from .weights import plan_tensors
 from .writer import TensorEntry, read_header, write_cellm
 
-__all__ = ["convert_hf", "read_header"]
+__all__ = ["convert", "convert_gguf", "convert_hf", "is_gguf", "read_header"]
 
 # In automatic mode, only models at least this large get a progress bar: small ones convert
 # in well under a second and the bar would be noise.
 _AUTO_PROGRESS_BYTES = 64 << 20
+
+
+def is_gguf(path: Union[str, os.PathLike]) -> bool:
+    """Whether `path` is a file that starts with the GGUF magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except (IsADirectoryError, FileNotFoundError, PermissionError):
+        return False
+
+
+def convert(
+    input_path: Union[str, os.PathLike],
+    output_path: Union[str, os.PathLike],
+    dtype: Optional[str] = None,
+    progress: Optional[bool] = None,
+) -> Path:
+    """Convert a HF checkpoint directory or a GGUF file to a `.cellm` file; return its path.
+
+    `dtype` (default f16) applies to HF checkpoints only: GGUF tensors keep their formats.
+    """
+    src = Path(input_path)
+    if not src.exists():
+        raise FormatError(f"{src}: no such file or directory")
+    if src.is_dir():
+        return convert_hf(src, output_path, dtype or "f16", progress=progress)
+    if src.suffix.lower() == ".gguf" or is_gguf(src):
+        if dtype is not None:
+            raise InvalidArgument(
+                "--dtype applies to HuggingFace checkpoints only; GGUF tensors keep their formats"
+            )
+        return convert_gguf(src, output_path, progress=progress)
+    raise FormatError(f"{src} is neither a HuggingFace checkpoint directory nor a GGUF file")
 
 
 def convert_hf(

@@ -1,4 +1,4 @@
-"""`python -m cellm.convert --input HF_DIR --output M.cellm [--dtype f32|f16|bf16]`."""
+"""`python -m cellm.convert --input HF_DIR|M.gguf --output M.cellm [--dtype f32|f16|bf16]`."""
 
 from __future__ import annotations
 
@@ -7,22 +7,29 @@ import sys
 from typing import Optional
 
 from ..cli import Parser, run
-from . import convert_hf
+from . import convert, read_header
 from .dtypes import FORMATS
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m cellm.convert",
-        description="Convert a HuggingFace checkpoint directory to a .cellm file.",
+        description="Convert a HuggingFace checkpoint directory or a GGUF file to a .cellm file.",
     )
-    p.add_argument("--input", "-i", required=True, metavar="HF_DIR", help="checkpoint directory")
+    p.add_argument(
+        "--input",
+        "-i",
+        required=True,
+        metavar="HF_DIR|M.gguf",
+        help="HF checkpoint directory or GGUF file (llama, qwen2)",
+    )
     p.add_argument("--output", "-o", required=True, metavar="M.cellm", help="file to write")
     p.add_argument(
         "--dtype",
         choices=FORMATS,
-        default="f16",
-        help="storage format of 2-D+ tensors (1-D ones are always f32); default f16",
+        default=None,
+        help="HF only: storage format of 2-D+ tensors (1-D ones are always f32); default f16. "
+        "GGUF tensors keep their formats",
     )
     p.add_argument(
         "--progress",
@@ -37,9 +44,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        path = convert_hf(args.input, args.output, args.dtype, progress=args.progress)
+        path = convert(args.input, args.output, args.dtype, progress=args.progress)
         size = path.stat().st_size
-        print(f"wrote {path} ({size / (1 << 20):,.1f} MiB, {args.dtype})")
+        source = read_header(path)["source"]
+        kind = source.get("dtype") if source.get("kind") == "hf" else "from GGUF"
+        print(f"wrote {path} ({size / (1 << 20):,.1f} MiB, {kind})")
         return 0
 
     return run(body)

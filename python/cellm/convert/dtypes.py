@@ -12,6 +12,17 @@ from .safetensors import to_f32
 # `.cellm` format name -> numpy dtype of its stored elements (bf16 kept as raw uint16 bits).
 FORMAT_DTYPE = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2")}
 FORMATS = tuple(FORMAT_DTYPE)
+# GGUF (ggml) block formats, stored as the source's raw blocks (bytes, hence uint8 chunks):
+# name -> (elements per block, bytes per block). Layouts in docs/format.md.
+BLOCK_FORMATS = {
+    "q4_0": (32, 18),
+    "q4_1": (32, 20),
+    "q5_0": (32, 22),
+    "q8_0": (32, 34),
+    "q4_k": (256, 144),
+    "q5_k": (256, 176),
+    "q6_k": (256, 210),
+}
 
 # Source dtype that already *is* a given format, so it can be copied bit for bit.
 _SAME = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
@@ -28,7 +39,26 @@ def check_format(fmt: str) -> str:
 
 
 def format_nbytes(fmt: str, shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * FORMAT_DTYPE[fmt].itemsize
+    n = int(np.prod(shape, dtype=np.int64))
+    if fmt in BLOCK_FORMATS:
+        block, block_bytes = BLOCK_FORMATS[fmt]
+        return n // block * block_bytes
+    return n * FORMAT_DTYPE[fmt].itemsize
+
+
+def storage_dtype(fmt: str) -> np.dtype:
+    """The dtype of the chunks a tensor of `fmt` is written as (raw bytes for block formats)."""
+    return np.dtype("u1") if fmt in BLOCK_FORMATS else FORMAT_DTYPE[fmt]
+
+
+def check_block_format(fmt: str, shape: tuple[int, ...]) -> None:
+    """A block-format tensor's rows must hold whole blocks (blocks never cross rows)."""
+    block = BLOCK_FORMATS[fmt][0]
+    if len(shape) < 2 or shape[-1] % block:
+        raise InvalidArgument(
+            f"a {fmt} tensor needs 2+ dimensions with rows of whole {block}-element blocks, "
+            f"got shape {list(shape)}"
+        )
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:

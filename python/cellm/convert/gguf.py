@@ -103,8 +103,9 @@ class _Cursor:
             item, count = self.scalar("I"), self.scalar("Q")
             if item in _NUMPY:
                 dt = np.dtype(_NUMPY[item])
+                # A copy: views would pin the mmap open (close() raises BufferError).
                 arr = np.frombuffer(self.take(count * dt.itemsize), dtype=dt)
-                return arr.astype(bool) if item == 7 else arr
+                return arr.astype(bool) if item == 7 else arr.copy()
             return [self.value(item) for _ in range(count)]
         raise FormatError(f"{self.path}: unknown GGUF metadata value type {vtype}")
 

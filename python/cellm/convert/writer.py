@@ -18,7 +18,16 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from ..errors import FormatError, InvalidArgument
-from .dtypes import FORMAT_DTYPE, check_format, convert_chunks, format_nbytes, numpy_format
+from .dtypes import (
+    BLOCK_FORMATS,
+    FORMAT_DTYPE,
+    check_block_format,
+    check_format,
+    convert_chunks,
+    format_nbytes,
+    numpy_format,
+    storage_dtype,
+)
 from .progress import ProgressBar
 from .safetensors import to_f32
 
@@ -45,7 +54,8 @@ class TensorEntry:
     name: str
     format: str
     shape: tuple[int, ...]
-    # Yields the tensor's elements in row-major order, already in `format`'s dtype.
+    # Yields the tensor's elements in row-major order, already in `format`'s dtype (block
+    # formats: the raw blocks as uint8).
     chunks: Callable[[], Iterable[np.ndarray]]
     params: dict[str, Any] = field(default_factory=dict)
 
@@ -133,7 +143,10 @@ def _layout(
     pos = 0
     tensor_table = []
     for e in entries:
-        check_format(e.format)
+        if e.format in BLOCK_FORMATS:
+            check_block_format(e.format, e.shape)
+        else:
+            check_format(e.format)
         offset = align_up(pos)
         tensor_table.append(
             {
@@ -172,7 +185,7 @@ def _check_output(path: Path) -> None:
 
 
 def _write_tensor(f: Any, entry: TensorEntry, progress: Optional[ProgressBar]) -> None:
-    expected_dtype = FORMAT_DTYPE[entry.format]
+    expected_dtype = storage_dtype(entry.format)
     written = 0
     for chunk in entry.chunks():
         if chunk.dtype != expected_dtype:

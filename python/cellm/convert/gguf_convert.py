@@ -1,0 +1,395 @@
+"""GGUF file -> `.cellm` v2 file (docs/format.md) for the llama and qwen2 architectures.
+
+The GGUF metadata is translated into the HF config keys it was made from, so the model
+description comes from the same `normalise_config` as the HF path. Tensors keep their stored
+format: quantized ones are copied block for block, 1-D ones (norms, biases) become f32.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from ..errors import FormatError, UnsupportedArchitecture
+from .dtypes import CHUNK_BYTES, storage_dtype
+from .gguf import GGUFFile, GGUFTensor
+from .hf_config import normalise_config
+from .progress import ProgressBar
+from .safetensors import to_f32
+from .tokenizer_files import TOKENIZER_BLOB
+from .weights import expected_tensors
+from .writer import TensorEntry, write_cellm
+
+__all__ = ["convert_gguf", "GGUF_ARCHITECTURES", "gguf_to_hf_config", "hf_tensor_name"]
+
+# Same rule as convert_hf: a progress bar on a terminal only for models at least this large.
+_AUTO_PROGRESS_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    model_type: str  # the HF model_type, i.e. the hf_config family
+    # llama.cpp's convert_hf_to_gguf.py `LlamaModel.permute`s the rows of q and k (weights and
+    # biases) from HF's half-split rotary layout to interleaved pairs; Qwen2Model does not.
+    permuted_qk: bool
+
+
+# The one `general.architecture` -> conversion table.
+GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
+    "llama": GGUFArch("llama", permuted_qk=True),
+    "qwen2": GGUFArch("qwen2", permuted_qk=False),
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# Tensors consumed by conversion itself rather than copied.
+_ROPE_FREQS = "rope_freqs.weight"
+_FLOAT_FORMATS = ("f32", "f16", "bf16")
+
+
+def hf_tensor_name(name: str) -> Optional[str]:
+    """The HF name of a GGUF tensor name, or None for names outside the table."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_TENSOR.match(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def convert_gguf(
+    input_path: Union[str, os.PathLike],
+    output_path: Union[str, os.PathLike],
+    progress: Optional[bool] = None,
+) -> Path:
+    """Convert a GGUF file (llama, qwen2) to a `.cellm` file and return its path.
+
+    Tensors keep their GGUF formats (f32, f16, bf16 or ggml blocks such as q8_0, q4_k);
+    1-D tensors are stored as f32. `progress` as for `convert_hf`.
+    """
+    src = Path(input_path)
+    if src.is_dir():
+        raise FormatError(f"{src} is a directory, not a GGUF file")
+    gg = GGUFFile(src)
+    try:
+        md = gg.metadata
+        arch_name = md.get("general.architecture")
+        arch = GGUF_ARCHITECTURES.get(arch_name) if isinstance(arch_name, str) else None
+        if arch is None:
+            raise UnsupportedArchitecture(
+                f"{src}: GGUF architecture {arch_name!r} is not supported "
+                f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
+            )
+        config = gguf_to_hf_config(md, gg.tensors, arch_name, arch, str(src))
+        model = normalise_config(config, None, str(src))
+        if _ROPE_FREQS in gg.tensors:
+            model["rope"] = _with_freq_factors(model["rope"], _float_vector(gg, _ROPE_FREQS))
+        entries = _plan(gg, model, arch)
+        tokens = md.get("tokenizer.ggml.tokens")
+        if tokens is not None and len(tokens) > model["vocab_size"]:
+            raise FormatError(
+                f"{src}: the tokenizer has {len(tokens)} tokens but token_embd.weight only "
+                f"{model['vocab_size']} rows"
+            )
+        from .gguf_tokenizer import tokenizer_from_gguf  # only the GGUF path needs it
+
+        tok = tokenizer_from_gguf(md)
+        header = {
+            "model": model,
+            "hf_config": None,
+            "tokenizer": _tokenizer_section(tok, md),
+            "generation": _generation_section(tok, md),
+            "source": {
+                "kind": "gguf",
+                "path": src.name,
+                "general.name": md.get("general.name"),
+                "file_type": _plain(md.get("general.file_type")),
+            },
+        }
+        total = sum(e.nbytes for e in entries)
+        bar = None
+        if progress or (progress is None and total >= _AUTO_PROGRESS_BYTES):
+            bar = ProgressBar(total, f"converting {src.name}", force=bool(progress))
+        try:
+            blobs = [(TOKENIZER_BLOB, tok.json.encode("utf-8"))]
+            return write_cellm(output_path, header, entries, blobs, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+    finally:
+        _close_quietly(gg)
+
+
+def _close_quietly(gg: GGUFFile) -> None:
+    """Close the mmap unless numpy views of it are still alive (metadata arrays, or tensor
+    chunks held by an exception's traceback): then it closes when they are collected, and the
+    original exception, if any, is not replaced by a BufferError."""
+    try:
+        gg.close()
+    except BufferError:
+        pass
+
+
+# -- model description -------------------------------------------------------------------
+
+
+def gguf_to_hf_config(
+    md: Mapping[str, Any],
+    tensors: Mapping[str, GGUFTensor],
+    arch_name: str,
+    arch: GGUFArch,
+    source: str,
+) -> dict[str, Any]:
+    """The HF config.json keys that the GGUF metadata encodes (absent ones left out, so the
+    family defaults apply as they would for a config.json without them)."""
+
+    def get(key: str, required: bool = False) -> Any:
+        value = md.get(f"{arch_name}.{key}")
+        if value is None and required:
+            raise FormatError(f"{source}: GGUF metadata lacks {arch_name}.{key}")
+        return _plain(value)
+
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise FormatError(f"{source}: GGUF file has no token_embd.weight tensor")
+    heads = get("attention.head_count", required=True)
+    kv_heads = _uniform(get("attention.head_count_kv"), "attention.head_count_kv", source)
+    config: dict[str, Any] = {
+        "model_type": arch.model_type,
+        "vocab_size": embed.shape[0],
+        "hidden_size": get("embedding_length", required=True),
+        "intermediate_size": _uniform(
+            get("feed_forward_length", required=True), "feed_forward_length", source
+        ),
+        "num_hidden_layers": get("block_count", required=True),
+        "num_attention_heads": _uniform(heads, "attention.head_count", source),
+        "num_key_value_heads": kv_heads,
+        "head_dim": get("attention.key_length"),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+        "max_position_embeddings": get("context_length"),
+        "rope_theta": get("rope.freq_base"),
+        # llama.cpp ties the output projection by leaving out output.weight.
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": "blk.0.ffn_gate.bias" in tensors,
+    }
+    value_length = get("attention.value_length")
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config["head_dim"] or _maybe_div(hidden, heads)
+    if value_length is not None and value_length != head_dim:
+        raise UnsupportedArchitecture(
+            f"{source}: attention.value_length {value_length} differs from key_length {head_dim}"
+        )
+    rope_dim = get("rope.dimension_count")
+    if rope_dim is not None and head_dim and rope_dim != head_dim:
+        # normalise_config rejects partial rotary embeddings with a clear message.
+        config["partial_rotary_factor"] = rope_dim / head_dim
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        config["rope_scaling"] = {
+            "rope_type": scaling,
+            "factor": get("rope.scaling.factor"),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "beta_fast": get("rope.scaling.yarn_beta_fast"),
+            "beta_slow": get("rope.scaling.yarn_beta_slow"),
+        }
+        config["rope_scaling"] = {k: v for k, v in config["rope_scaling"].items() if v is not None}
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def _with_freq_factors(rope: dict[str, Any], factors: np.ndarray) -> dict[str, Any]:
+    """Apply llama3-style `rope_freqs` (per-frequency divisors, as llama.cpp does)."""
+    inv = np.asarray(rope["inv_freq"], dtype=np.float32)
+    if factors.shape != inv.shape:
+        raise FormatError(
+            f"rope_freqs.weight has {factors.size} values, expected head_dim/2 = {inv.size}"
+        )
+    # llama.cpp writes these factors only for llama3 rope scaling, on default frequencies.
+    rope_type = "llama3" if rope["type"] == "default" else rope["type"]
+    return {**rope, "type": rope_type, "inv_freq": [float(x) for x in inv / factors]}
+
+
+def _plain(value: Any) -> Any:
+    """GGUF scalars as JSON-friendly Python values; f32 floats by their shortest repr, so
+    1e-5 stored as f32 reads back as 1e-05 like the config.json it came from."""
+    if isinstance(value, float):
+        return float(str(np.float32(value)))
+    if isinstance(value, np.ndarray):
+        return [_plain(v.item()) for v in value]
+    return value
+
+
+def _uniform(value: Any, key: str, source: str) -> Any:
+    """Per-layer arrays (some GGUFs store head counts per layer) must hold one value."""
+    if isinstance(value, list):
+        if not value or any(v != value[0] for v in value):
+            raise UnsupportedArchitecture(f"{source}: per-layer {key} {value} is not supported")
+        return value[0]
+    return value
+
+
+def _maybe_div(a: Any, b: Any) -> Optional[int]:
+    if isinstance(a, int) and isinstance(b, int) and b > 0 and a % b == 0:
+        return a // b
+    return None
+
+
+# -- tensors ---------------------------------------------------------------------------------
+
+
+def _plan(gg: GGUFFile, model: Mapping[str, Any], arch: GGUFArch) -> list[TensorEntry]:
+    """One entry per tensor the engine reads, in its order, checked against the GGUF file."""
+    by_hf = {hf_tensor_name(name): name for name in gg.tensors}
+    plan = expected_tensors(model)
+    for hf, _ in plan:
+        if hf not in by_hf:
+            raise FormatError(f"{gg.path} is missing tensor {_gguf_name(hf)} ({hf})")
+    wanted = {hf for hf, _ in plan}
+    extra = sorted(n for n in gg.tensors if n != _ROPE_FREQS and hf_tensor_name(n) not in wanted)
+    if extra:
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        raise FormatError(
+            f"{gg.path} has tensors a {model['model_type']} model does not use: "
+            f"{', '.join(extra[:3])}{more}"
+        )
+    entries = []
+    for hf, shape in plan:
+        name = by_hf[hf]
+        t = gg.tensors[name]
+        if t.shape != shape:
+            raise FormatError(
+                f"{gg.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)} "
+                "from the GGUF metadata"
+            )
+        heads = None
+        if arch.permuted_qk and hf.endswith(("q_proj.weight", "q_proj.bias")):
+            heads = model["num_heads"]
+        elif arch.permuted_qk and hf.endswith(("k_proj.weight", "k_proj.bias")):
+            heads = model["num_kv_heads"]
+        entries.append(_entry(gg, t, hf, heads))
+    return entries
+
+
+def _gguf_name(hf: str) -> str:
+    for gguf_name, name in _GLOBAL_NAMES.items():
+        if name == hf:
+            return gguf_name
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf)
+    if m:
+        for short, long in _LAYER_NAMES.items():
+            if long == m.group(2):
+                return f"blk.{m.group(1)}.{short}.{m.group(3)}"
+    return hf
+
+
+def unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation: within each head, GGUF stores row
+    (i, j) of HF's (2, half) rotary layout at position (j, i) of a (half, 2) layout."""
+    if rows % (2 * heads):
+        raise FormatError(f"{rows} q/k rows do not split into {heads} heads of rotary pairs")
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)
+
+
+def _entry(gg: GGUFFile, t: GGUFTensor, hf: str, heads: Optional[int]) -> TensorEntry:
+    order = unpermute_rows(t.shape[0], heads) if heads is not None else None
+    if len(t.shape) == 1:
+
+        def vector() -> Iterator[np.ndarray]:
+            v = _float_vector(gg, t.name)
+            yield v if order is None else v[order]
+
+        return TensorEntry(hf, "f32", t.shape, vector)
+
+    # Rows are contiguous and whole blocks (gguf.py checks), so any row order is a byte copy.
+    fmt = t.format
+    n_rows = t.shape[0]
+    row_bytes = t.nbytes // n_rows
+    dtype = storage_dtype(fmt)
+
+    def chunks() -> Iterator[np.ndarray]:
+        raw = np.frombuffer(gg.data(t.name), dtype=np.uint8).reshape(n_rows, row_bytes)
+        step = max(1, CHUNK_BYTES // max(1, row_bytes))
+        for start in range(0, n_rows, step):
+            sel = raw[start : start + step] if order is None else raw[order[start : start + step]]
+            yield np.ascontiguousarray(sel).view(dtype)
+
+    return TensorEntry(hf, fmt, t.shape, chunks)
+
+
+def _float_vector(gg: GGUFFile, name: str) -> np.ndarray:
+    t = gg.tensors[name]
+    if t.format not in _FLOAT_FORMATS or len(t.shape) != 1:
+        raise FormatError(f"{gg.path}: tensor {name} must be a 1-D f32/f16/bf16 vector")
+    raw = np.frombuffer(gg.data(name), dtype=storage_dtype(t.format))
+    return np.asarray(to_f32(raw, t.format.upper()), dtype=np.float32)
+
+
+# -- tokenizer and generation ------------------------------------------------------------------
+
+
+def _tokenizer_section(tok: Any, md: Mapping[str, Any]) -> dict[str, Any]:
+    template = tok.chat_template
+    if template is None:
+        template = md.get("tokenizer.chat_template")
+    return {
+        "blob": TOKENIZER_BLOB,
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "pad_token": _token_text(md, "tokenizer.ggml.padding_token_id"),
+        "add_bos_token": bool(tok.add_bos_token),
+        "add_eos_token": bool(tok.add_eos_token),
+        "chat_template": template,
+        "config": {},
+    }
+
+
+def _generation_section(tok: Any, md: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "eos_token_ids": [int(i) for i in tok.end_of_turn_ids],
+        "bos_token_id": _token_id(md, "tokenizer.ggml.bos_token_id"),
+        "pad_token_id": _token_id(md, "tokenizer.ggml.padding_token_id"),
+    }
+
+
+def _token_id(md: Mapping[str, Any], key: str) -> Optional[int]:
+    value = md.get(key)
+    if value is None:
+        return None
+    tokens = md.get("tokenizer.ggml.tokens")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise FormatError(f"GGUF metadata {key} must be a token id, got {value!r}")
+    if tokens is not None and value >= len(tokens):
+        return None  # some files carry ids past the vocabulary; treat them as absent
+    return int(value)
+
+
+def _token_text(md: Mapping[str, Any], key: str) -> Optional[str]:
+    token_id = _token_id(md, key)
+    tokens = md.get("tokenizer.ggml.tokens")
+    if token_id is None or tokens is None:
+        return None
+    return str(tokens[token_id])
