@@ -28,7 +28,7 @@ else:  # pragma: no cover - exercised on Python < 3.11 only
     import tomli as tomllib
 
 from cellm.errors import FormatError, InvalidArgument
-from cellm.resolve import cache_dir
+from cellm.resolve import CONVERTER_VERSION, cache_dir
 
 REGISTRY_PATH = Path(__file__).with_name("registry.toml")
 _REQUIRED = ("name", "architecture", "license", "file", "size", "sha256", "parts")
@@ -64,7 +64,8 @@ class ModelEntry:
 
     @property
     def cellm_path(self) -> Path:
-        return self.directory / f"{self.name}.cellm"
+        # Versioned, so a converter change re-converts instead of reusing a stale file.
+        return self.directory / f"{self.name}.v{CONVERTER_VERSION}.cellm"
 
 
 def load_registry(path: Optional[Path] = None) -> tuple[dict[str, ModelEntry], str]:
@@ -111,6 +112,11 @@ def _is_sha256(value: Any) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(c in hexdigits for c in value)
 
 
+def default_model() -> str:
+    """The registry's default model name."""
+    return load_registry()[1]
+
+
 def registry_names() -> list[str]:
     return list(load_registry()[0])
 
@@ -128,7 +134,7 @@ def fetch(name: Optional[str] = None, progress: bool = True) -> Path:
     from cellm.convert import convert_gguf  # only needed on first use
 
     if name is None:
-        name = load_registry()[1]
+        name = default_model()
     entry = lookup(name)
     if entry.cellm_path.is_file():
         return entry.cellm_path

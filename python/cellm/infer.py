@@ -7,12 +7,17 @@ from typing import Optional
 
 from cellm.chat import CHAT_FORMATS
 from cellm.cli import Parser, bounded, int_list, run
+from cellm.fetch import default_model
 from cellm.llm import BACKENDS, KV_ENCODINGS, LLM, GenerationResult
 
 
 def build_parser() -> Parser:
     p = Parser(prog="python -m cellm.infer", description="Generate text with a cellm model.")
-    p.add_argument("--model", required=True, help=".cellm file or HuggingFace checkpoint dir")
+    p.add_argument(
+        "--model",
+        help=".cellm or .gguf file, HuggingFace checkpoint dir, or a registry name "
+        "(`python -m cellm.fetch --list`); default: the registry's default model",
+    )
     p.add_argument("--tokenizer", help="tokenizer.json to use instead of the embedded one")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
@@ -79,7 +84,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def body() -> int:
         llm = LLM(
-            args.model,
+            args.model or default_model(),
             backend=args.backend,
             kv_encoding=args.kv_encoding,
             threads=args.threads,

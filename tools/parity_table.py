@@ -1,0 +1,34 @@
+"""Print the cellm vs llama.cpp parity table for the registry's real models.
+
+usage: python tools/parity_table.py [NAME ...]    (needs llama-cpp-python; see .ci/run)
+"""
+
+from __future__ import annotations
+
+import sys
+
+from cellm import LLM
+from cellm.fetch import fetch, fetch_gguf
+from cellm.parity import LlamaCpp, run
+
+DEFAULT = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+
+
+def main(names: list[str]) -> None:
+    print("| model | positions | argmax agreement | mean KL | max KL | greedy (5 x 64) |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name in names:
+        llm = LLM(fetch(name), threads=2)
+        r = run(llm, LlamaCpp(fetch_gguf(name), threads=2))
+        lg = r["logits"]
+        greedy = ", ".join(
+            "same" if g.identical else f"@{g.diverged_at} gap {g.gap:.3f}" for g in r["greedy"]
+        )
+        print(
+            f"| {name} | {lg.positions} | {lg.argmax_agreement:.2%} | {lg.mean_kl:.5f} "
+            f"| {lg.max_kl:.4f} | {greedy} |"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or DEFAULT)
