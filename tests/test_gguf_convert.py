@@ -418,10 +418,14 @@ def test_quant_engine_q8_0_model_runs(from_gguf):
     0.4% of its block's max), which moves these logits by ~0.1; a wrong kernel moves them by
     whole units and breaks the argmax agreement."""
     ref = Reference("llama")
-    want = LLM(from_gguf("llama", dequantized=True), kv_encoding="f32").logits(ref.sequence(0))
-    got = LLM(from_gguf("llama", quant=True), kv_encoding="f32").logits(ref.sequence(0))
+    want = LLM(from_gguf("llama", dequantized=True), kv_encoding="f32").logits(ref.sequence(1))
+    got = LLM(from_gguf("llama", quant=True), kv_encoding="f32").logits(ref.sequence(1))
     assert float(np.abs(got - want).max()) < 0.25
-    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+    # Random weights give near-uniform logits; require the argmax wherever it is clear.
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.1
+    assert clear.sum() >= 100, clear.sum()
+    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
 
 
 # -- dispatch, resolution and the CLI ----------------------------------------------------------

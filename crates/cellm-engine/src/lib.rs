@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use cellm_format::{CellmFile, Error, Result};
+use cellm_kernels::pool::ThreadPool;
 use cellm_kv::{KvConfig, PagePool, SeqKv, SeqSpan};
 use cellm_models::{CausalLm, Step};
 
@@ -19,7 +20,7 @@ const DEFAULT_KV_SESSIONS: usize = 8;
 
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
-    /// Worker threads; default: physical cores (rayon's count of logical CPUs halved when SMT).
+    /// Worker threads (the caller included); default: physical cores.
     pub threads: Option<usize>,
     pub kv_encoding: KvEncoding,
     /// Longest sequence a session may hold; default: the model's trained context.
@@ -56,7 +57,7 @@ pub struct Engine {
     pool: PagePool,
     sessions: HashMap<SessionId, SeqKv>,
     next_session: SessionId,
-    workers: rayon::ThreadPool,
+    workers: ThreadPool,
     context_length: usize,
 }
 
@@ -74,10 +75,7 @@ impl Engine {
             Some(n) => n,
             None => default_threads(),
         };
-        let workers = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("cellm-{i}"))
-            .build()
+        let workers = ThreadPool::new(threads)
             .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
         let layout = model.cache_layout();
         let capacity = opts.kv_capacity_tokens.unwrap_or(context_length * DEFAULT_KV_SESSIONS);
@@ -117,7 +115,7 @@ impl Engine {
     }
 
     pub fn threads(&self) -> usize {
-        self.workers.current_num_threads()
+        self.workers.threads()
     }
 
     pub fn create_session(&mut self) -> SessionId {

@@ -1,12 +1,13 @@
 //! CPU kernels. Each weight format has a row kernel table (dot product against f32
 //! activations, row decode) with a scalar reference and SIMD variants chosen once at run time
-//! from the CPU's features; `matmul` spreads rows over the current rayon pool.
+//! from the CPU's features; `matmul` spreads rows over the installed worker pool.
 
 pub mod acts;
 pub mod dot;
 pub mod isa;
 pub mod matmul;
 pub mod ops;
+pub mod pool;
 
 pub use isa::Isa;
 pub use matmul::{decode_row, matmul, matmul_raw, WeightRows};

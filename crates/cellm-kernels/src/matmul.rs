@@ -4,28 +4,14 @@
 //! reused for every token of the batch while it sits in L1.
 
 use cellm_format::{Tensor, TensorFormat};
-use rayon::prelude::*;
 
 use crate::acts::{ActScheme, Q8Acts, QBLOCK};
 use crate::dot::kernels;
 use crate::isa;
+use crate::pool::{self, SharedOut};
 
 /// Below this many multiply-adds a call runs on the calling thread: fork-join costs more.
 const PARALLEL_MIN_WORK: usize = 1 << 15;
-
-/// A raw output pointer that blocks of disjoint rows may write through in parallel.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: each parallel task writes only the columns of its own row block.
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    /// Taking `self` whole makes closures capture the Send wrapper, not the raw field.
-    fn at(self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
-    }
-}
 
 /// `out` (`tokens x rows(w)`) = `x` (`tokens x cols(w)`) times `w` transposed. Formats with an
 /// integer kernel get `x` quantized to int8 blocks once, here, for all their rows.
@@ -80,13 +66,15 @@ fn rows_times_tokens(
             }
         }
     };
-    if n * k * tokens < PARALLEL_MIN_WORK || rayon::current_num_threads() == 1 {
+    let threads = pool::current_threads();
+    if n * k * tokens < PARALLEL_MIN_WORK || threads == 1 {
         run_block(0..n);
         return;
     }
-    let tasks = rayon::current_num_threads() * 4;
-    let per = n.div_ceil(tasks).next_multiple_of(8).max(8);
-    (0..n.div_ceil(per)).into_par_iter().for_each(|b| run_block(b * per..((b + 1) * per).min(n)));
+    // A few blocks per thread evens out uneven progress; whole 8-row blocks keep writes to
+    // `out` in separate cache lines.
+    let per = n.div_ceil(threads * 4).next_multiple_of(8);
+    pool::parallel_for(n.div_ceil(per), |b| run_block(b * per..((b + 1) * per).min(n)));
 }
 
 /// Decodes row `r` of `w` into `out` (embedding lookup).

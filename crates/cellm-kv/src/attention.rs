@@ -2,7 +2,7 @@
 
 use cellm_kernels::dot::kernels;
 use cellm_kernels::isa;
-use rayon::prelude::*;
+use cellm_kernels::pool::{parallel_for, SharedOut};
 
 use crate::pool::{PagePool, SeqKv};
 
@@ -64,20 +64,16 @@ impl PagePool {
             }
         }
         row_of.sort_unstable();
-        let pool = &*self;
-        out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
+        let pages = &*self;
+        let dst = SharedOut(out.as_mut_ptr());
+        let group = shape.n_heads / shape.n_kv_heads;
+        parallel_for(out.len() / hd, |idx| {
             let (row, head) = (idx / shape.n_heads, idx % shape.n_heads);
             let (_, si, pos) = row_of[row];
             let qh = &q[idx * hd..(idx + 1) * hd];
-            pool.attend_one(
-                spans[si].kv,
-                layer,
-                qh,
-                head / (shape.n_heads / shape.n_kv_heads),
-                pos,
-                shape,
-                o,
-            );
+            // SAFETY: task `idx` alone writes head `idx`, a distinct `hd`-wide slice of `out`.
+            let o = unsafe { std::slice::from_raw_parts_mut(dst.at(idx * hd), hd) };
+            pages.attend_one(spans[si].kv, layer, qh, head / group, pos, shape, o);
         });
     }
 
