@@ -37,21 +37,33 @@ pub fn matmul_raw(x: &[f32], tokens: usize, w: WeightRows, out: &mut [f32]) {
     assert_eq!(out.len(), tokens * n, "matmul: output does not match the weight");
     let kern = kernels(w.format, isa::selected());
     match kern.qdot {
-        Some(qdot) if k.is_multiple_of(w.format.block_len().max(QBLOCK)) => {
+        Some((one, four)) if k.is_multiple_of(w.format.block_len().max(QBLOCK)) => {
             let acts = Q8Acts::quantize(x, k, ActScheme::for_format(w.format));
-            rows_times_tokens(w, tokens, out, |row, t| qdot(row, acts.row(t)));
+            rows_times_tokens(w, tokens, out, |row, t, n, dst| {
+                if n == 4 {
+                    *dst = four(
+                        row,
+                        &[acts.row(t), acts.row(t + 1), acts.row(t + 2), acts.row(t + 3)],
+                    );
+                } else {
+                    (0..n).for_each(|i| dst[i] = one(row, acts.row(t + i)));
+                }
+            });
         }
-        _ => rows_times_tokens(w, tokens, out, |row, t| (kern.dot)(row, &x[t * k..(t + 1) * k])),
+        _ => rows_times_tokens(w, tokens, out, |row, t, n, dst| {
+            (0..n).for_each(|i| dst[i] = (kern.dot)(row, &x[(t + i) * k..(t + i + 1) * k]));
+        }),
     }
 }
 
-/// `out[t, r] = f(row r of w, t)`, split over blocks of weight rows so each row is read from
-/// memory once and reused for every token while it sits in L1.
+/// `out[t, r]` for every token and weight row: `f(row, t, n, dst)` fills `dst[..n]` with the
+/// results of tokens `t..t + n` (n <= 4). Split over blocks of weight rows so each row is read
+/// from memory once and reused for every token while it sits in L1.
 fn rows_times_tokens(
     w: WeightRows,
     tokens: usize,
     out: &mut [f32],
-    f: impl Fn(&[u8], usize) -> f32 + Sync,
+    f: impl Fn(&[u8], usize, usize, &mut [f32; 4]) + Sync,
 ) {
     let (n, k, bytes) = (w.rows, w.cols, w.bytes);
     let stride = bytes.len() / n.max(1);
@@ -59,10 +71,15 @@ fn rows_times_tokens(
     let run_block = |rows: std::ops::Range<usize>| {
         for r in rows {
             let row = &bytes[r * stride..(r + 1) * stride];
-            for t in 0..tokens {
-                // SAFETY: each task owns a distinct block of rows `r`, and t * n + r is below
-                // tokens * n, the length of `out`.
-                unsafe { *dst.at(t * n + r) = f(row, t) };
+            let mut vals = [0.0f32; 4];
+            for t in (0..tokens).step_by(4) {
+                let count = (tokens - t).min(4);
+                f(row, t, count, &mut vals);
+                for (i, v) in vals[..count].iter().enumerate() {
+                    // SAFETY: each task owns a distinct block of rows `r`, and (t + i) * n + r
+                    // is below tokens * n, the length of `out`.
+                    unsafe { *dst.at((t + i) * n + r) = *v };
+                }
             }
         }
     };

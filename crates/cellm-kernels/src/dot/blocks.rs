@@ -269,18 +269,37 @@ mod tests {
             (kernels(format).unwrap().decode)(&row, &mut w);
             let float_ref: f32 = w.iter().zip(&xq).map(|(a, b)| a * b).sum();
             let mag: f32 = w.iter().zip(&xq).map(|(a, b)| (a * b).abs()).sum();
+            let scheme = crate::acts::ActScheme::for_format(format);
             let scalar =
-                super::super::kernels(format, Isa::Scalar).qdot.unwrap()(&row, acts.row(0));
+                super::super::kernels(format, Isa::Scalar).qdot.unwrap().0(&row, acts.row(0));
             assert!(
                 (scalar - float_ref).abs() <= 1e-5 * mag,
                 "{format:?}: {scalar} vs {float_ref}"
             );
+            // Four activation rows (the same values scaled) for the four-row kernels.
+            let scaled: Vec<Q8Acts> = (1..=4)
+                .map(|k| {
+                    Q8Acts::quantize(
+                        &x.iter().map(|v| v * k as f32 * 0.7).collect::<Vec<_>>(),
+                        n,
+                        scheme,
+                    )
+                })
+                .collect();
+            let rows = [scaled[0].row(0), scaled[1].row(0), scaled[2].row(0), scaled[3].row(0)];
             for isa in Isa::available() {
-                let got = super::super::kernels(format, isa).qdot.unwrap()(&row, acts.row(0));
+                let (one, four) = super::super::kernels(format, isa).qdot.unwrap();
+                let got = one(&row, acts.row(0));
                 assert!(
                     (got - scalar).abs() <= 1e-5 * mag,
                     "{format:?} {isa:?}: {got} vs {scalar}"
                 );
+                let many = four(&row, &rows);
+                for (t, r) in rows.iter().enumerate() {
+                    let single = one(&row, *r);
+                    let tol = 1e-5 * mag * (t + 1) as f32;
+                    assert!((many[t] - single).abs() <= tol, "{format:?} {isa:?} row {t}");
+                }
             }
         }
     }

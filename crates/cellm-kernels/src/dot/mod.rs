@@ -22,14 +22,17 @@ pub type DecodeFn = fn(&[u8], &mut [f32]);
 pub type AxpyFn = fn(f32, &[u8], &mut [f32]);
 /// Dot product of a stored row with int8-quantized activations.
 pub type QDotFn = fn(&[u8], Q8Row) -> f32;
+/// The same for four activation rows at once (each weight block unpacked once).
+pub type QDot4Fn = fn(&[u8], &[Q8Row; 4]) -> [f32; 4];
 
 #[derive(Clone, Copy)]
 pub struct RowKernels {
     pub dot: DotFn,
     pub decode: DecodeFn,
     pub axpy: AxpyFn,
-    /// Integer kernel, for formats that take int8 activations.
-    pub qdot: Option<QDotFn>,
+    /// Integer kernels (one and four activation rows), for formats that take int8
+    /// activations.
+    pub qdot: Option<(QDotFn, QDot4Fn)>,
 }
 
 /// The kernel table for a format on an ISA path.
