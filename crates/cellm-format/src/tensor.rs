@@ -37,6 +37,10 @@ const FORMATS: &[(TensorFormat, &str, usize, usize)] = &[
 ];
 
 impl TensorFormat {
+    /// The GGUF block formats, in one order other tables can index by.
+    pub const BLOCKS: [TensorFormat; 7] =
+        [Self::Q8_0, Self::Q4_0, Self::Q4_1, Self::Q5_0, Self::Q4K, Self::Q5K, Self::Q6K];
+
     fn entry(self) -> &'static (TensorFormat, &'static str, usize, usize) {
         FORMATS.iter().find(|e| e.0 == self).expect("every format is in the table")
     }

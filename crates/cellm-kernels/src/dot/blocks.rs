@@ -219,15 +219,7 @@ mod tests {
     /// dot and axpy agree with the decoded row, block for block.
     #[test]
     fn dot_and_axpy_agree_with_decode() {
-        for format in [
-            TensorFormat::Q8_0,
-            TensorFormat::Q4_0,
-            TensorFormat::Q4_1,
-            TensorFormat::Q5_0,
-            TensorFormat::Q4K,
-            TensorFormat::Q5K,
-            TensorFormat::Q6K,
-        ] {
+        for format in TensorFormat::BLOCKS {
             let k = kernels(format).unwrap();
             let row = random_row(format, 3, format.block_bytes() as u64);
             let n = 3 * format.block_len();
@@ -250,15 +242,7 @@ mod tests {
         use crate::acts::Q8Acts;
 
         use crate::Isa;
-        for format in [
-            TensorFormat::Q8_0,
-            TensorFormat::Q4_0,
-            TensorFormat::Q4_1,
-            TensorFormat::Q5_0,
-            TensorFormat::Q4K,
-            TensorFormat::Q5K,
-            TensorFormat::Q6K,
-        ] {
+        for format in TensorFormat::BLOCKS {
             let n = 2 * format.block_len().max(256);
             let row = random_row(format, n / format.block_len(), 7 + format.block_bytes() as u64);
             let x: Vec<f32> = (0..n).map(|i| (((i * 7919) % 251) as f32 - 125.0) / 31.0).collect();

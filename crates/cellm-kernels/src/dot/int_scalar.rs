@@ -128,42 +128,18 @@ pub fn q6_k(row: &[u8], x: Q8Row) -> f32 {
     sum
 }
 
+/// The single-row kernels, in `TensorFormat::BLOCKS` order.
+const ONE: [QDotFn; 7] = [q8_0, q4_0, q4_1, q5_0, q4_k, q5_k, q6_k];
+
 /// Four rows as four single-row calls: the reference the SIMD four-row kernels match.
-fn four<const F: u8>(row: &[u8], x: &[Q8Row; 4]) -> [f32; 4] {
-    let one = single(F);
-    [one(row, x[0]), one(row, x[1]), one(row, x[2]), one(row, x[3])]
+fn four<const I: usize>(row: &[u8], x: &[Q8Row; 4]) -> [f32; 4] {
+    x.map(|r| ONE[I](row, r))
 }
 
-const FORMATS: [TensorFormat; 7] = [
-    TensorFormat::Q8_0,
-    TensorFormat::Q4_0,
-    TensorFormat::Q4_1,
-    TensorFormat::Q5_0,
-    TensorFormat::Q4K,
-    TensorFormat::Q5K,
-    TensorFormat::Q6K,
-];
-
-fn single(index: u8) -> QDotFn {
-    one(FORMATS[index as usize]).expect("block format")
-}
+const FOUR: [QDot4Fn; 7] =
+    [four::<0>, four::<1>, four::<2>, four::<3>, four::<4>, four::<5>, four::<6>];
 
 pub fn qdot(format: TensorFormat) -> Option<(QDotFn, QDot4Fn)> {
-    let fours: [QDot4Fn; 7] =
-        [four::<0>, four::<1>, four::<2>, four::<3>, four::<4>, four::<5>, four::<6>];
-    let i = FORMATS.iter().position(|&f| f == format)?;
-    Some((one(format)?, fours[i]))
-}
-
-fn one(format: TensorFormat) -> Option<QDotFn> {
-    Some(match format {
-        TensorFormat::Q8_0 => q8_0,
-        TensorFormat::Q4_0 => q4_0,
-        TensorFormat::Q4_1 => q4_1,
-        TensorFormat::Q5_0 => q5_0,
-        TensorFormat::Q4K => q4_k,
-        TensorFormat::Q5K => q5_k,
-        TensorFormat::Q6K => q6_k,
-        TensorFormat::F32 | TensorFormat::F16 | TensorFormat::BF16 => return None,
-    })
+    let i = TensorFormat::BLOCKS.iter().position(|&f| f == format)?;
+    Some((ONE[i], FOUR[i]))
 }
