@@ -16,7 +16,7 @@ pub const QBLOCK: usize = 32;
 /// How activations are quantized for a weight format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ActScheme {
-    /// Per 32: d = max|x| / 127 rounded to f16.
+    /// Per 32: d = max|x| / 127 rounded to f16 (s = d * sum(q) in f32).
     Q8_0,
     /// As Q8_0, and s = d * sum(q) rounded to f16.
     Q8_1,
@@ -39,16 +39,15 @@ impl ActScheme {
 pub struct Q8Acts {
     pub cols: usize,
     pub qs: Vec<i8>,
-    pub d: Vec<f32>,
-    pub s: Vec<f32>,
+    /// Per block: the scale `d` and the scaled sum `s`, side by side so one load gets both.
+    pub ds: Vec<[f32; 2]>,
 }
 
 /// One row of quantized activations.
 #[derive(Clone, Copy)]
 pub struct Q8Row<'a> {
     pub qs: &'a [i8],
-    pub d: &'a [f32],
-    pub s: &'a [f32],
+    pub ds: &'a [[f32; 2]],
 }
 
 fn round_f16(v: f32) -> f32 {
@@ -62,12 +61,7 @@ impl Q8Acts {
         let group = if scheme == ActScheme::Q8K { 256 } else { QBLOCK };
         assert!(cols.is_multiple_of(group) && x.len().is_multiple_of(cols.max(1)));
         let blocks = x.len() / QBLOCK;
-        let mut acts = Self {
-            cols,
-            qs: vec![0; x.len()],
-            d: Vec::with_capacity(blocks),
-            s: Vec::with_capacity(blocks),
-        };
+        let mut acts = Self { cols, qs: vec![0; x.len()], ds: Vec::with_capacity(blocks) };
         for (src, dst) in x.chunks_exact(group).zip(acts.qs.chunks_exact_mut(group)) {
             let (d, inv) = match scheme {
                 ActScheme::Q8K => {
@@ -93,12 +87,12 @@ impl Q8Acts {
             for block in dst.chunks_exact(QBLOCK) {
                 let sum: i32 = block.iter().map(|&q| i32::from(q)).sum();
                 let (bd, bs) = match scheme {
-                    ActScheme::Q8_0 => (round_f16(d), 0.0),
+                    // llama.cpp's q8_0 has no sum; the unsigned kernels use it for offsets.
+                    ActScheme::Q8_0 => (round_f16(d), round_f16(d) * sum as f32),
                     ActScheme::Q8_1 => (round_f16(d), round_f16(d * sum as f32)),
                     ActScheme::Q8K => (d, d * sum as f32),
                 };
-                acts.d.push(bd);
-                acts.s.push(bs);
+                acts.ds.push([bd, bs]);
             }
         }
         acts
@@ -106,10 +100,6 @@ impl Q8Acts {
 
     pub fn row(&self, r: usize) -> Q8Row<'_> {
         let b = self.cols / QBLOCK;
-        Q8Row {
-            qs: &self.qs[r * self.cols..(r + 1) * self.cols],
-            d: &self.d[r * b..(r + 1) * b],
-            s: &self.s[r * b..(r + 1) * b],
-        }
+        Q8Row { qs: &self.qs[r * self.cols..(r + 1) * self.cols], ds: &self.ds[r * b..(r + 1) * b] }
     }
 }

@@ -247,8 +247,12 @@ mod tests {
             let row = random_row(format, n / format.block_len(), 7 + format.block_bytes() as u64);
             let x: Vec<f32> = (0..n).map(|i| (((i * 7919) % 251) as f32 - 125.0) / 31.0).collect();
             let acts = Q8Acts::quantize(&x, n, crate::acts::ActScheme::for_format(format));
-            let xq: Vec<f32> =
-                acts.qs.iter().enumerate().map(|(i, &q)| f32::from(q) * acts.d[i / 32]).collect();
+            let xq: Vec<f32> = acts
+                .qs
+                .iter()
+                .enumerate()
+                .map(|(i, &q)| f32::from(q) * acts.ds[i / 32][0])
+                .collect();
             let mut w = vec![0.0; n];
             (kernels(format).unwrap().decode)(&row, &mut w);
             let float_ref: f32 = w.iter().zip(&xq).map(|(a, b)| a * b).sum();

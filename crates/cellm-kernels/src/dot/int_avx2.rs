@@ -10,12 +10,6 @@ use super::{QDot4Fn, QDotFn};
 use crate::acts::Q8Row;
 
 #[inline(always)]
-unsafe fn half(b: &[u8], i: usize) -> f32 {
-    let bits = u16::from_le_bytes([b[i], b[i + 1]]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-}
-
-#[inline(always)]
 unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -29,11 +23,12 @@ unsafe fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256i {
 }
 
 /// 16 bytes of nibbles -> 32 bytes: low nibbles, then high nibbles (ggml's element order).
+/// A broadcast load and a per-lane shift avoid the shuffle port an insert would need.
 #[inline(always)]
 unsafe fn nibbles32(p: *const u8) -> __m256i {
-    let t = _mm_loadu_si128(p.cast());
-    let both = _mm256_insertf128_si256::<1>(_mm256_castsi128_si256(t), _mm_srli_epi16::<4>(t));
-    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+    let both = _mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast()));
+    let shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F))
 }
 
 /// 32 bits -> 32 bytes, 0xFF where the bit is set.
@@ -51,90 +46,104 @@ unsafe fn xblock(x: &Q8Row, b: usize) -> __m256i {
     _mm256_loadu_si256(x.qs.as_ptr().add(32 * b).cast())
 }
 
-/// Accumulators for `N` tokens multiplied with the same weight row: each weight block is
-/// unpacked once and used `N` times (prefill), which is where a GEMM beats repeated GEMVs.
-struct Acc<const N: usize> {
-    v: [__m256; N],
-    scalar: [f32; N],
-}
-
-impl<const N: usize> Acc<N> {
-    #[inline(always)]
-    unsafe fn new() -> Self {
-        Self { v: [_mm256_setzero_ps(); N], scalar: [0.0; N] }
-    }
-
-    /// `acc[t] += scale * float(p)` for an i32x8 partial sum `p`.
-    #[inline(always)]
-    unsafe fn add(&mut self, t: usize, scale: f32, p: __m256i) {
-        self.v[t] = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(p), self.v[t]);
-    }
-
-    #[inline(always)]
-    unsafe fn finish(self) -> [f32; N] {
-        let mut out = self.scalar;
-        for (o, v) in out.iter_mut().zip(self.v) {
-            *o += hsum(v);
-        }
-        out
-    }
-}
-
-/// Formats whose 32-value blocks unpack to signed bytes with one f16 scale at offset 0.
+/// Blocks of 32 that unpack to unsigned bytes `u` with value `d * u + c` (c = -8d for q4_0,
+/// the min m for q4_1, -16d for q5_0): `d * dx * sum(u * x) + c * s`, where `s = dx * sum(x)`.
+/// `scales(blk)` gives `[d, c]` in lanes 0 and 1.
 #[inline(always)]
-unsafe fn signed_blocks<const N: usize>(
+unsafe fn unsigned_blocks<const N: usize>(
     row: &[u8],
     x: &[Q8Row; N],
     bytes: usize,
-    unpack: impl Fn(&[u8]) -> __m256i,
+    unpack: impl Fn(*const u8) -> __m256i,
+    scales: impl Fn(*const u8) -> __m128,
 ) -> [f32; N] {
-    let mut acc = Acc::<N>::new();
-    for (b, blk) in row.chunks_exact(bytes).enumerate() {
-        let w = unpack(blk);
-        let (wabs, d) = (_mm256_sign_epi8(w, w), half(blk, 0));
-        for (t, xt) in x.iter().enumerate() {
-            let p = dot_u8_i8(wabs, _mm256_sign_epi8(xblock(xt, b), w));
-            acc.add(t, d * xt.d[b], p);
+    let mut acc = [_mm256_setzero_ps(); N];
+    // Lane 1 of `offset` sums c * s.
+    let mut offset = [_mm_setzero_ps(); N];
+    let base = row.as_ptr();
+    for b in 0..row.len() / bytes {
+        let blk = base.add(bytes * b);
+        let (u, dc) = (unpack(blk), scales(blk));
+        for t in 0..N {
+            let xt = &x[t];
+            // (d * dx, c * s) in one multiply.
+            let ds = _mm_castsi128_ps(_mm_loadl_epi64(xt.ds.as_ptr().add(b).cast()));
+            let prod = _mm_mul_ps(dc, ds);
+            offset[t] = _mm_add_ps(offset[t], prod);
+            let p = _mm256_cvtepi32_ps(dot_u8_i8(u, xblock(xt, b)));
+            acc[t] = _mm256_fmadd_ps(_mm256_broadcastss_ps(prod), p, acc[t]);
         }
     }
-    acc.finish()
+    let mut out = [0.0; N];
+    for t in 0..N {
+        out[t] = hsum(acc[t]) + _mm_cvtss_f32(_mm_shuffle_ps::<1>(offset[t], offset[t]));
+    }
+    out
+}
+
+/// `[d, k * d]` from the f16 scale at `p`.
+#[inline(always)]
+unsafe fn scale_and_multiple(p: *const u8, k: f32) -> __m128 {
+    let bits = i32::from(p.cast::<u16>().read_unaligned());
+    let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(bits | (bits << 16)));
+    _mm_mul_ps(dd, _mm_setr_ps(1.0, k, 0.0, 0.0))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_0<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
-    signed_blocks(row, x, 34, |blk| unsafe { _mm256_loadu_si256(blk.as_ptr().add(2).cast()) })
+    let mut acc = [_mm256_setzero_ps(); N];
+    let base = row.as_ptr();
+    for b in 0..row.len() / 34 {
+        let blk = base.add(34 * b);
+        let w = _mm256_loadu_si256(blk.add(2).cast());
+        let wabs = _mm256_sign_epi8(w, w);
+        let d = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(blk.cast::<u16>().read_unaligned())));
+        for t in 0..N {
+            let xt = &x[t];
+            let scale = _mm_mul_ss(d, _mm_load_ss(xt.ds.as_ptr().add(b).cast()));
+            let p = _mm256_cvtepi32_ps(dot_u8_i8(wabs, _mm256_sign_epi8(xblock(xt, b), w)));
+            acc[t] = _mm256_fmadd_ps(_mm256_broadcastss_ps(scale), p, acc[t]);
+        }
+    }
+    acc.map(|a| hsum(a))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_0<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
-    signed_blocks(row, x, 18, |blk| unsafe {
-        _mm256_sub_epi8(nibbles32(blk.as_ptr().add(2)), _mm256_set1_epi8(8))
-    })
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_0<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
-    signed_blocks(row, x, 22, |blk| unsafe {
-        // A clear high bit makes the byte negative (nibble - 16); a set one leaves the nibble.
-        let hi = _mm256_andnot_si256(bits32(&blk[2..6]), _mm256_set1_epi8(0xF0u8 as i8));
-        _mm256_or_si256(nibbles32(blk.as_ptr().add(6)), hi)
-    })
+    unsigned_blocks(
+        row,
+        x,
+        18,
+        |b| unsafe { nibbles32(b.add(2)) },
+        |b| unsafe { scale_and_multiple(b, -8.0) },
+    )
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_1<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
-    let mut acc = Acc::<N>::new();
-    for (b, blk) in row.chunks_exact(20).enumerate() {
-        let u = nibbles32(blk.as_ptr().add(4));
-        let (d, m) = (half(blk, 0), half(blk, 2));
-        for (t, xt) in x.iter().enumerate() {
-            acc.add(t, d * xt.d[b], dot_u8_i8(u, xblock(xt, b)));
-            acc.scalar[t] += m * xt.s[b];
-        }
-    }
-    acc.finish()
+    // d and m are adjacent f16s: one load, one conversion.
+    unsigned_blocks(
+        row,
+        x,
+        20,
+        |b| unsafe { nibbles32(b.add(4)) },
+        |b| unsafe { _mm_cvtph_ps(_mm_cvtsi32_si128(b.cast::<i32>().read_unaligned())) },
+    )
 }
 
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_0<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    let unpack = |b: *const u8| unsafe {
+        let high = std::slice::from_raw_parts(b.add(2), 4);
+        let fifth = _mm256_and_si256(bits32(high), _mm256_set1_epi8(16));
+        _mm256_or_si256(nibbles32(b.add(6)), fifth)
+    };
+    unsigned_blocks(row, x, 22, unpack, |b| unsafe { scale_and_multiple(b, -16.0) })
+}
+
+/// K-quant activations (the Q8K scheme) share one scale per 256 values, so a super-block's
+/// sub-block products can be summed as integers, weighted by their integer 6-bit scales
+/// (`vpmaddwd` with the scale in place of ones), and turned into floats once.
 #[inline(always)]
 unsafe fn k_quant<const N: usize>(
     row: &[u8],
@@ -142,18 +151,30 @@ unsafe fn k_quant<const N: usize>(
     bytes: usize,
     five: bool,
 ) -> [f32; N] {
-    let mut acc = Acc::<N>::new();
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut mins = [0.0f32; N];
     let low = _mm256_set1_epi8(0x0F);
-    for (b, blk) in row.chunks_exact(bytes).enumerate() {
-        let (d, dmin) = (half(blk, 0), half(blk, 2));
-        let qs = if five { &blk[48..176] } else { &blk[16..144] };
+    let base = row.as_ptr();
+    for b in 0..row.len() / bytes {
+        let blk = std::slice::from_raw_parts(base.add(bytes * b), bytes);
+        let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(blk.as_ptr().cast::<i32>().read_unaligned()));
+        let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_shuffle_ps::<1>(dd, dd)));
+        let mut sc = [0i16; 8];
+        let mut m = [0.0f32; 8];
+        for j in 0..8 {
+            let (s_j, m_j) = scale_min_k4(j, &blk[4..16]);
+            sc[j] = i16::from(s_j);
+            m[j] = dmin * f32::from(m_j);
+        }
+        let qs = blk.as_ptr().add(if five { 48 } else { 16 });
         let qh = if five {
             _mm256_loadu_si256(blk.as_ptr().add(16).cast())
         } else {
             _mm256_setzero_si256()
         };
+        let mut sumi = [_mm256_setzero_si256(); N];
         for c in 0..4 {
-            let q4 = _mm256_loadu_si256(qs.as_ptr().add(32 * c).cast());
+            let q4 = _mm256_loadu_si256(qs.add(32 * c).cast());
             let halves =
                 [_mm256_and_si256(q4, low), _mm256_and_si256(_mm256_srli_epi16::<4>(q4), low)];
             for (i, mut q) in halves.into_iter().enumerate() {
@@ -163,17 +184,25 @@ unsafe fn k_quant<const N: usize>(
                     let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
                     q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
                 }
-                let (sc, m) = scale_min_k4(j, &blk[4..16]);
-                let (dsc, dm) = (d * f32::from(sc), dmin * f32::from(m));
-                let xb = 8 * b + j;
-                for (t, xt) in x.iter().enumerate() {
-                    acc.add(t, dsc * xt.d[xb], dot_u8_i8(q, xblock(xt, xb)));
-                    acc.scalar[t] -= dm * xt.s[xb];
+                let scale = _mm256_set1_epi16(sc[j]);
+                for t in 0..N {
+                    let p = _mm256_maddubs_epi16(q, xblock(&x[t], 8 * b + j));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p, scale));
                 }
             }
         }
+        for t in 0..N {
+            let ds = &x[t].ds[8 * b..8 * b + 8];
+            acc[t] =
+                _mm256_fmadd_ps(_mm256_set1_ps(d * ds[0][0]), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+            mins[t] += m.iter().zip(ds).map(|(m, ds)| m * ds[1]).sum::<f32>();
+        }
     }
-    acc.finish()
+    let mut out = [0.0; N];
+    for t in 0..N {
+        out[t] = hsum(acc[t]) - mins[t];
+    }
+    out
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -194,14 +223,19 @@ unsafe fn high2<const S: i32>(qh: __m256i, m3: __m256i) -> __m256i {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6_k<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
-    let mut acc = Acc::<N>::new();
+    let mut acc = [_mm256_setzero_ps(); N];
     let (m3, m4, k32) = (_mm256_set1_epi8(3), _mm256_set1_epi8(0x0F), _mm256_set1_epi8(32));
-    for (b, blk) in row.chunks_exact(210).enumerate() {
-        let d = half(blk, 208);
+    let base = row.as_ptr();
+    for b in 0..row.len() / 210 {
+        let blk = base.add(210 * b);
+        let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
+            blk.add(208).cast::<u16>().read_unaligned(),
+        ))));
+        let mut sumi = [_mm256_setzero_si256(); N];
         for h in 0..2 {
-            let ql0 = _mm256_loadu_si256(blk.as_ptr().add(64 * h).cast());
-            let ql1 = _mm256_loadu_si256(blk.as_ptr().add(64 * h + 32).cast());
-            let qh = _mm256_loadu_si256(blk.as_ptr().add(128 + 32 * h).cast());
+            let ql0 = _mm256_loadu_si256(blk.add(64 * h).cast());
+            let ql1 = _mm256_loadu_si256(blk.add(64 * h + 32).cast());
+            let qh = _mm256_loadu_si256(blk.add(128 + 32 * h).cast());
             let (lo0, lo1) = (_mm256_srli_epi16::<4>(ql0), _mm256_srli_epi16::<4>(ql1));
             let q = [
                 _mm256_or_si256(_mm256_and_si256(ql0, m4), high2::<0>(qh, m3)),
@@ -209,26 +243,29 @@ unsafe fn q6_k<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
                 _mm256_or_si256(_mm256_and_si256(lo0, m4), high2::<4>(qh, m3)),
                 _mm256_or_si256(_mm256_and_si256(lo1, m4), high2::<6>(qh, m3)),
             ];
-            let sc = &blk[192 + 8 * h..200 + 8 * h];
+            let sc = blk.add(192 + 8 * h).cast::<i8>();
             for (k, qk) in q.into_iter().enumerate() {
                 let scales = _mm256_set_m128i(
-                    _mm_set1_epi16(i16::from(sc[2 * k + 1] as i8)),
-                    _mm_set1_epi16(i16::from(sc[2 * k] as i8)),
+                    _mm_set1_epi16(i16::from(*sc.add(2 * k + 1))),
+                    _mm_set1_epi16(i16::from(*sc.add(2 * k))),
                 );
-                let xb = 8 * b + 4 * h + k;
-                for (t, xt) in x.iter().enumerate() {
-                    let xv = xblock(xt, xb);
+                for t in 0..N {
+                    let xv = xblock(&x[t], 8 * b + 4 * h + k);
                     // (q - 32) * x as q * x - 32 * x, both within i16.
                     let p = _mm256_sub_epi16(
                         _mm256_maddubs_epi16(qk, xv),
                         _mm256_maddubs_epi16(k32, xv),
                     );
-                    acc.add(t, d * xt.d[xb], _mm256_madd_epi16(p, scales));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p, scales));
                 }
             }
         }
+        for t in 0..N {
+            let scale = _mm256_set1_ps(d * x[t].ds[8 * b][0]);
+            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        }
     }
-    acc.finish()
+    acc.map(|a| hsum(a))
 }
 
 macro_rules! safe_entry {
@@ -260,7 +297,7 @@ macro_rules! safe_entry {
 fn check(row: &[u8], x: &[Q8Row], f: TensorFormat) {
     let elems = row.len() / f.block_bytes() * f.block_len();
     for r in x {
-        assert!(r.qs.len() >= elems && r.d.len() * 32 >= elems && r.s.len() * 32 >= elems);
+        assert!(r.qs.len() >= elems && r.ds.len() * 32 >= elems);
     }
 }
 

@@ -23,7 +23,7 @@ pub fn q8_0(row: &[u8], x: Q8Row) -> f32 {
     let mut sum = 0.0;
     for (b, blk) in row.chunks_exact(34).enumerate() {
         let s = idot(blk[2..].iter().map(|&q| i32::from(q as i8)), &x.qs[32 * b..32 * b + 32]);
-        sum += half(blk, 0) * x.d[b] * s as f32;
+        sum += half(blk, 0) * x.ds[b][0] * s as f32;
     }
     sum
 }
@@ -32,7 +32,7 @@ pub fn q4_0(row: &[u8], x: Q8Row) -> f32 {
     let mut sum = 0.0;
     for (b, blk) in row.chunks_exact(18).enumerate() {
         let s = idot(nibbles(&blk[2..18]).map(|q| q - 8), &x.qs[32 * b..32 * b + 32]);
-        sum += half(blk, 0) * x.d[b] * s as f32;
+        sum += half(blk, 0) * x.ds[b][0] * s as f32;
     }
     sum
 }
@@ -41,7 +41,7 @@ pub fn q4_1(row: &[u8], x: Q8Row) -> f32 {
     let mut sum = 0.0;
     for (b, blk) in row.chunks_exact(20).enumerate() {
         let s = idot(nibbles(&blk[4..20]), &x.qs[32 * b..32 * b + 32]);
-        sum += half(blk, 0) * x.d[b] * s as f32 + half(blk, 2) * x.s[b];
+        sum += half(blk, 0) * x.ds[b][0] * s as f32 + half(blk, 2) * x.ds[b][1];
     }
     sum
 }
@@ -52,7 +52,7 @@ pub fn q5_0(row: &[u8], x: Q8Row) -> f32 {
         let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
         let q = nibbles(&blk[6..22]).enumerate().map(|(j, q)| q | (((qh >> j) & 1) << 4) as i32);
         let s = idot(q.map(|q| q - 16), &x.qs[32 * b..32 * b + 32]);
-        sum += half(blk, 0) * x.d[b] * s as f32;
+        sum += half(blk, 0) * x.ds[b][0] * s as f32;
     }
     sum
 }
@@ -84,7 +84,7 @@ fn k_quant(row: &[u8], x: Q8Row, bytes: usize, five: bool) -> f32 {
             });
             let xb = 8 * b + j;
             let s = idot(q, &x.qs[32 * xb..32 * xb + 32]);
-            sum += x.d[xb] * d * f32::from(sc) * s as f32 - dmin * f32::from(m) * x.s[xb];
+            sum += x.ds[xb][0] * d * f32::from(sc) * s as f32 - dmin * f32::from(m) * x.ds[xb][1];
         }
     }
     sum
@@ -121,7 +121,7 @@ pub fn q6_k(row: &[u8], x: Q8Row) -> f32 {
                     let q = (16 * g..16 * g + 16).map(|l| q6_k_value(ql, qh, k, l) - 32);
                     total += i32::from(sc[2 * k + g] as i8) * idot(q, &xq[16 * g..16 * g + 16]);
                 }
-                sum += d * x.d[xb] * total as f32;
+                sum += d * x.ds[xb][0] * total as f32;
             }
         }
     }
