@@ -50,6 +50,31 @@ pub struct Q8Row<'a> {
     pub ds: &'a [[f32; 2]],
 }
 
+/// `dst = round(src * inv)`, ties to even as llama.cpp's SIMD quantizers round; the K
+/// scheme's +128 clamps to 127.
+fn round_block(src: &[f32], inv: f32, dst: &mut [i8]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::Isa::Avx2.supported() {
+        // SAFETY: AVX2 was just checked.
+        return unsafe { round_block_avx2(src, inv, dst) };
+    }
+    round_block_portable(src, inv, dst);
+}
+
+#[inline(always)]
+fn round_block_portable(src: &[f32], inv: f32, dst: &mut [i8]) {
+    for (q, v) in dst.iter_mut().zip(src) {
+        *q = (v * inv).round_ties_even().min(127.0) as i8;
+    }
+}
+
+/// The same loop, compiled with AVX2 so it vectorizes (`vroundps`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn round_block_avx2(src: &[f32], inv: f32, dst: &mut [i8]) {
+    round_block_portable(src, inv, dst);
+}
+
 fn round_f16(v: f32) -> f32 {
     f16::from_f32(v).to_f32()
 }
@@ -80,10 +105,7 @@ impl Q8Acts {
                     (d, if d > 0.0 { 1.0 / d } else { 0.0 })
                 }
             };
-            for (q, v) in dst.iter_mut().zip(src) {
-                // Round half away from zero, like C's roundf; the K scheme's +128 clamps to 127.
-                *q = (v * inv).round().min(127.0) as i8;
-            }
+            round_block(src, inv, dst);
             for block in dst.chunks_exact(QBLOCK) {
                 let sum: i32 = block.iter().map(|&q| i32::from(q)).sum();
                 let (bd, bs) = match scheme {

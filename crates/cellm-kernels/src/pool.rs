@@ -170,8 +170,11 @@ fn worker(sh: &Shared) {
     loop {
         let spin_until = Instant::now() + SPIN;
         let mut gen = unpack(sh.state.load(Ordering::Acquire)).0;
+        let mut spins = 0u32;
         while gen == seen && !sh.shutdown.load(Ordering::Relaxed) {
-            if Instant::now() < spin_until {
+            spins = spins.wrapping_add(1);
+            // Reading the clock costs more than a spin: look at it once in a while.
+            if !spins.is_multiple_of(256) || Instant::now() < spin_until {
                 std::hint::spin_loop();
             } else {
                 let mut guard = sh.lock.lock().expect("pool lock");
