@@ -15,18 +15,25 @@ DEFAULT = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
 
 
 def main(names: list[str]) -> None:
-    print("| model | positions | argmax agreement | mean KL | max KL | greedy (5 x 64) |")
-    print("|---|---:|---:|---:|---:|---|")
+    print(
+        "| model | positions | argmax agreement | mean KL | max KL "
+        "| llama.cpp vs itself (agreement, KL, max top-logit change) | greedy (5 x 64) |"
+    )
+    print("|---|---:|---:|---:|---:|---|---|")
     for name in names:
         llm = LLM(fetch(name), threads=2)
         r = run(llm, LlamaCpp(fetch_gguf(name), threads=2))
-        lg = r["logits"]
+        lg, fl = r["logits"], r["floor"]
+        floor = (
+            f"{fl.logits.argmax_agreement:.2%}, {fl.logits.mean_kl:.5f}, "
+            f"{fl.max_top_logit_change:.3f}"
+        )
         greedy = ", ".join(
             "same" if g.identical else f"@{g.diverged_at} gap {g.gap:.3f}" for g in r["greedy"]
         )
         print(
             f"| {name} | {lg.positions} | {lg.argmax_agreement:.2%} | {lg.mean_kl:.5f} "
-            f"| {lg.max_kl:.4f} | {greedy} |"
+            f"| {lg.max_kl:.4f} | {floor} | {greedy} |"
         )
 
 

@@ -38,10 +38,15 @@ class LlamaCpp:
             verbose=False,
         )
 
-    def logits(self, ids: list[int]) -> np.ndarray:
-        """Next-token logits after every prefix of `ids`: (len(ids), vocab)."""
+    def logits(self, ids: list[int], one_by_one: bool = False) -> np.ndarray:
+        """Next-token logits after every prefix of `ids`: (len(ids), vocab), from one batched
+        evaluation or, with `one_by_one`, token by token."""
         self.model.reset()
-        self.model.eval(ids)
+        if one_by_one:
+            for t in ids:
+                self.model.eval([t])
+        else:
+            self.model.eval(ids)
         return np.array(self.model.scores[: len(ids)], dtype=np.float32)
 
     def greedy(self, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
@@ -85,6 +90,24 @@ def compare_logits(reference: np.ndarray, ours: np.ndarray) -> LogitsParity:
     kl = (np.exp(p) * (p - q)).sum(-1)
     agree = float((reference.argmax(-1) == ours.argmax(-1)).mean())
     return LogitsParity(len(kl), agree, float(kl.mean()), float(kl.max()))
+
+
+@dataclass
+class NoiseFloor:
+    """How far llama.cpp is from itself: batched vs token-by-token evaluation of the same
+    ids. Int8 activations make results depend on rounding, so this is the closest agreement
+    any other engine can be expected to reach."""
+
+    logits: LogitsParity
+    max_top_logit_change: float  # largest change of the chosen token's logit
+
+
+def noise_floor(peer: LlamaCpp, ids: list[int]) -> NoiseFloor:
+    batched, single = peer.logits(ids), peer.logits(ids, one_by_one=True)
+    top = batched.argmax(-1)
+    rows = np.arange(len(top))
+    change = float(np.abs(batched[rows, top] - single[rows, top]).max())
+    return NoiseFloor(compare_logits(batched, single), change)
 
 
 @dataclass
@@ -134,10 +157,11 @@ def run(llm: LLM, peer: LlamaCpp, greedy_tokens: int = 64) -> dict[str, Any]:
     """Everything the parity table reports for one model."""
     ids = parity_text_ids(llm)
     logits = compare_logits(peer.logits(ids), llm.logits(ids))
+    floor = noise_floor(peer, ids)
     greedy = []
     for prompt in CHAT_PROMPTS:
         p = chat_ids(llm, prompt)
         greedy.append(
             compare_greedy(peer.greedy(p, greedy_tokens), cellm_greedy(llm, p, greedy_tokens))
         )
-    return {"logits": logits, "greedy": greedy}
+    return {"logits": logits, "floor": floor, "greedy": greedy}
