@@ -5,11 +5,11 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use cellm_format::{CellmFile, Error, Result};
-use cellm_kernels::pool::ThreadPool;
 use cellm_kv::{KvConfig, PagePool, SeqKv, SeqSpan};
 use cellm_models::{CausalLm, Step};
 
 pub use cellm_format;
+pub use cellm_kernels::pool::{stream_read, ThreadPool};
 pub use cellm_kernels::{dot, isa, matmul_raw, WeightRows};
 pub use cellm_kv::KvEncoding;
 

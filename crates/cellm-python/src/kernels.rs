@@ -99,3 +99,25 @@ fn as_bytes(words: &[u32]) -> &[u8] {
     // SAFETY: any u32 storage is valid as bytes.
     unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), words.len() * 4) }
 }
+
+/// Read bandwidth in GB/s: streams a `mib` MiB buffer `reps` times with `threads` threads
+/// and keeps the best pass (the benchmark's roofline).
+#[pyfunction]
+#[pyo3(signature = (mib=1024, threads=2, reps=5))]
+pub fn read_bandwidth(py: Python<'_>, mib: usize, threads: usize, reps: usize) -> PyResult<f64> {
+    let pool = cellm_engine::ThreadPool::new(threads.max(1))
+        .map_err(|e| to_py(Error::InvalidArgument(format!("cannot start threads: {e}"))))?;
+    let buf: Vec<u64> = (0..mib * (1 << 20) / 8).map(|i| i as u64).collect();
+    let best = py.detach(|| {
+        pool.install(|| {
+            (0..reps.max(1))
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    std::hint::black_box(cellm_engine::stream_read(&buf));
+                    t.elapsed().as_secs_f64()
+                })
+                .fold(f64::INFINITY, f64::min)
+        })
+    });
+    Ok((buf.len() * 8) as f64 / best / 1e9)
+}

@@ -14,6 +14,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::set_isa, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::read_bandwidth, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

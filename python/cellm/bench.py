@@ -1,0 +1,175 @@
+"""`python -m cellm.bench`: cellm and llama.cpp side by side on the same GGUF files, the same
+thread count, alternating runs, each in a fresh process (so peak RSS is per engine).
+
+Per run and engine: prefill tok/s for 128 and 512 tokens, decode tok/s for 64 tokens after a
+128-token prompt and 128 tokens after 512; medians over the runs. The roofline is this
+machine's measured read bandwidth divided by the bytes a decode step must read (weights plus
+the KV cache at that context).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from cellm.cli import Parser, bounded
+
+ENGINES = ("cellm", "llama.cpp")
+SCENARIOS = ((128, 64), (512, 128))  # (prompt tokens, decoded tokens)
+
+
+def _text_ids(n: int) -> list[int]:
+    """Deterministic in-vocabulary ids: the benchmark times arithmetic, not language."""
+    return [(i * 7919 + 13) % 20000 + 100 for i in range(n)]
+
+
+def _worker(engine: str, model: str, threads: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if engine == "cellm":
+        from cellm import LLM
+
+        eng = LLM(model, threads=threads, context_length=1024)._engine
+
+        def prefill(ids: list[int]) -> Any:
+            s = eng.create_session()
+            eng.step([(s, ids)])
+            return s
+
+        def decode(s: Any, ids: list[int]) -> None:
+            for t in ids:
+                eng.step([(s, [t])])
+
+        def done(s: Any) -> None:
+            eng.free_session(s)
+    else:
+        from llama_cpp import Llama
+
+        m = Llama(model_path=model, n_ctx=1024, n_batch=512, n_threads=threads, verbose=False)
+
+        def prefill(ids: list[int]) -> Any:
+            m.reset()
+            m.eval(ids)
+
+        def decode(s: Any, ids: list[int]) -> None:
+            for t in ids:
+                m.eval([t])
+
+        def done(s: Any) -> None:
+            pass
+
+    for prompt, gen in SCENARIOS:
+        ids = _text_ids(prompt + gen)
+        t0 = time.perf_counter()
+        s = prefill(ids[:prompt])
+        t1 = time.perf_counter()
+        decode(s, ids[prompt:])
+        t2 = time.perf_counter()
+        done(s)
+        out[f"prefill_{prompt}"] = prompt / (t1 - t0)
+        out[f"decode_{gen}@{prompt}"] = gen / (t2 - t1)
+    out["peak_rss_mib"] = _peak_rss_mib()
+    return out
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak RSS. VmHWM starts afresh at exec, unlike ru_maxrss, which Linux
+    carries over from the parent."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _run_worker(engine: str, model: Path, threads: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "cellm.bench", "--worker", engine, str(model), str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{engine} worker failed: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def decode_bytes(cellm_path: Path, context: int) -> float:
+    """Bytes one decode step reads at `context` cached tokens: every weight matrix (the
+    embedding only as the tied lm_head) plus the f16 KV cache."""
+    from cellm.convert import read_header
+
+    h = read_header(cellm_path)
+    m = h["model"]
+    weights = sum(
+        t["nbytes"]
+        for t in h["tensors"]
+        if len(t["shape"]) == 2
+        and (t["name"] != "model.embed_tokens.weight" or m["tie_word_embeddings"])
+    )
+    kv = context * m["num_layers"] * 2 * m["num_kv_heads"] * m["head_dim"] * 2
+    return weights + kv
+
+
+def bench_model(name: str, threads: int, runs: int) -> dict[str, Any]:
+    from cellm.fetch import fetch, fetch_gguf
+
+    gguf, cellm_file = fetch_gguf(name), fetch(name)
+    samples: dict[str, list[dict[str, Any]]] = {e: [] for e in ENGINES}
+    for _ in range(runs):  # alternate, so machine noise hits both engines alike
+        samples["cellm"].append(_run_worker("cellm", cellm_file, threads))
+        samples["llama.cpp"].append(_run_worker("llama.cpp", gguf, threads))
+    med = {e: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for e, rs in samples.items()}
+    return {
+        "name": name,
+        "median": med,
+        "bytes": {c: decode_bytes(cellm_file, c) for c in (128, 512)},
+    }
+
+
+def _table(results: list[dict[str, Any]], bandwidth: float, threads: int, runs: int) -> str:
+    keys = ["prefill_128", "prefill_512", "decode_64@128", "decode_128@512"]
+    lines = [
+        f"Read bandwidth ({threads} threads, best of 5 passes over 1 GiB): {bandwidth:.1f} GB/s. "
+        f"Medians of {runs} alternating runs, {threads} threads; tok/s as cellm / llama.cpp "
+        "(ratio).",
+        "",
+        "| model | " + " | ".join(keys) + " | decode roof @128 (cellm share) | peak RSS MiB |",
+        "|---|" + "---:|" * (len(keys) + 2),
+    ]
+    for r in results:
+        c, p = r["median"]["cellm"], r["median"]["llama.cpp"]
+        cells = [f"{c[k]:.1f} / {p[k]:.1f} ({c[k] / p[k]:.2f}x)" for k in keys]
+        roof = bandwidth * 1e9 / r["bytes"][128]
+        share = c["decode_64@128"] / roof
+        rss = f"{c['peak_rss_mib']:.0f} / {p['peak_rss_mib']:.0f}"
+        lines.append(
+            f"| {r['name']} | " + " | ".join(cells) + f" | {roof:.0f} ({share:.0%}) | {rss} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        print(json.dumps(_worker(argv[1], argv[2], int(argv[3]))))
+        return 0
+    p = Parser(prog="python -m cellm.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--threads", type=bounded(int, 1), default=2)
+    p.add_argument("--runs", type=bounded(int, 1), default=5)
+    p.add_argument("--out", help="also write the table to this markdown file")
+    args = p.parse_args(argv)
+    from cellm import _core
+
+    bandwidth = _core.read_bandwidth(1024, args.threads, 5)
+    results = [bench_model(n, args.threads, args.runs) for n in args.models.split(",")]
+    table = _table(results, bandwidth, args.threads, args.runs)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
