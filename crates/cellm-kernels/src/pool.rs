@@ -245,6 +245,26 @@ pub fn current_threads() -> usize {
     }
 }
 
+/// Streams `buf` once on the installed pool and returns a checksum: a read-bandwidth probe
+/// (the roofline of decode), measured with the same threads the engine uses.
+pub fn stream_read(buf: &[u64]) -> u64 {
+    let threads = current_threads();
+    let chunk = buf.len().div_ceil(threads * 8).max(1);
+    let sums: Vec<AtomicU64> = (0..buf.len().div_ceil(chunk)).map(|_| AtomicU64::new(0)).collect();
+    parallel_for(sums.len(), |i| {
+        let part = &buf[i * chunk..((i + 1) * chunk).min(buf.len())];
+        // Four independent lanes so the sum is not one long dependency chain.
+        let mut acc = [0u64; 4];
+        for c in part.chunks_exact(4) {
+            for (a, v) in acc.iter_mut().zip(c) {
+                *a = a.wrapping_add(*v);
+            }
+        }
+        sums[i].store(acc.iter().fold(0, |s, v| s.wrapping_add(*v)), Ordering::Relaxed);
+    });
+    sums.iter().fold(0, |s, v| s.wrapping_add(v.load(Ordering::Relaxed)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -287,24 +307,4 @@ mod tests {
         });
         assert_eq!(n.load(Ordering::Relaxed), 8);
     }
-}
-
-/// Streams `buf` once on the installed pool and returns a checksum: a read-bandwidth probe
-/// (the roofline of decode), measured with the same threads the engine uses.
-pub fn stream_read(buf: &[u64]) -> u64 {
-    let threads = current_threads();
-    let chunk = buf.len().div_ceil(threads * 8).max(1);
-    let sums: Vec<AtomicU64> = (0..buf.len().div_ceil(chunk)).map(|_| AtomicU64::new(0)).collect();
-    parallel_for(sums.len(), |i| {
-        let part = &buf[i * chunk..((i + 1) * chunk).min(buf.len())];
-        // Four independent lanes so the sum is not one long dependency chain.
-        let mut acc = [0u64; 4];
-        for c in part.chunks_exact(4) {
-            for (a, v) in acc.iter_mut().zip(c) {
-                *a = a.wrapping_add(*v);
-            }
-        }
-        sums[i].store(acc.iter().fold(0, |s, v| s.wrapping_add(*v)), Ordering::Relaxed);
-    });
-    sums.iter().fold(0, |s, v| s.wrapping_add(v.load(Ordering::Relaxed)))
 }
