@@ -17,12 +17,19 @@ def read_json(path: Path, *, required: bool) -> Optional[dict[str, Any]]:
         if required:
             raise FormatError(f"{path}: no such file or directory") from None
         return None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise FormatError(f"{path}: cannot read: {e}") from None
+    except UnicodeDecodeError:
+        raise FormatError(f"{path}: not UTF-8 text") from None
+    return parse_json_object(text, str(path))
+
+
+def parse_json_object(raw: str | bytes, where: str) -> dict[str, Any]:
+    """A JSON object from `raw` (UTF-8 bytes or text); FormatError naming `where` if not."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise FormatError(f"{path}: invalid JSON ({e})") from None
+        value = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{where}: invalid JSON ({e})") from None
     if not isinstance(value, dict):
-        raise FormatError(f"{path}: expected a JSON object, found {type(value).__name__}")
+        raise FormatError(f"{where}: expected a JSON object, found {type(value).__name__}")
     return value

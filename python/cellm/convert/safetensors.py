@@ -19,6 +19,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..errors import FormatError
+from .jsonfiles import parse_json_object
 
 # Bytes per element of every dtype the safetensors spec defines: needed to validate sizes even
 # for tensors we never read (an int64 buffer in a checkpoint must not make the file "invalid").
@@ -104,12 +105,7 @@ class SafetensorsFile:
             raise FormatError(f"{path}: no such file or directory") from None
         except OSError as e:
             raise FormatError(f"{path}: cannot read: {e.strerror or e}") from None
-        try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"{path}: safetensors header is not valid JSON ({e})") from None
-        if not isinstance(header, dict):
-            raise FormatError(f"{path}: safetensors header is not a JSON object")
+        header = parse_json_object(raw, f"{path} (safetensors header)")
 
         data_start = 8 + header_len
         for name, entry in header.items():

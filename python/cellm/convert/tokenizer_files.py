@@ -6,14 +6,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import FormatError
-from .jsonfiles import read_json
+from .jsonfiles import parse_json_object, read_json
 
 TOKENIZER_BLOB = "tokenizer.json"
 # Keys that get their own header fields (or are replaced by them) instead of being copied.
@@ -37,12 +36,7 @@ def load_tokenizer_files(directory: Path, config: Mapping[str, Any]) -> Tokenize
         raise FormatError(
             f"{directory} has no tokenizer.json (only fast-tokenizer checkpoints are supported)"
         ) from None
-    try:
-        tok = json.loads(tok_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{tok_path}: invalid JSON ({e})") from None
-    if not isinstance(tok, dict):
-        raise FormatError(f"{tok_path}: expected a JSON object")
+    tok = parse_json_object(tok_bytes, str(tok_path))
 
     tc_path = directory / "tokenizer_config.json"
     tc = read_json(tc_path, required=False) or {}

@@ -28,6 +28,7 @@ from .dtypes import (
     numpy_format,
     storage_dtype,
 )
+from .jsonfiles import parse_json_object
 from .progress import ProgressBar
 from .safetensors import to_f32
 
@@ -261,12 +262,7 @@ def _read_prefix_and_header(path: Path) -> tuple[dict[str, Any], int]:
             raw = f.read(header_len)
     except FileNotFoundError:
         raise FormatError(f"{path}: no such file or directory") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{path}: header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise FormatError(f"{path}: header is not a JSON object")
+    header = parse_json_object(raw, f"{path} (header)")
     offset = align_up(PREFIX_LEN + header_len)
     data_size = header.get("data_size")
     if not isinstance(data_size, int) or offset + data_size != size:
