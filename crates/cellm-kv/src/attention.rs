@@ -67,20 +67,30 @@ impl PagePool {
         let pages = &*self;
         let dst = SharedOut(out.as_mut_ptr());
         let group = shape.n_heads / shape.n_kv_heads;
-        parallel_for(out.len() / hd, |idx| {
-            let (row, head) = (idx / shape.n_heads, idx % shape.n_heads);
+        // One task per (token, kv head): the query heads sharing a kv head read its keys and
+        // values once.
+        parallel_for(row_of.len() * shape.n_kv_heads, |idx| {
+            let (row, kv_head) = (idx / shape.n_kv_heads, idx % shape.n_kv_heads);
             let (_, si, pos) = row_of[row];
-            let qh = &q[idx * hd..(idx + 1) * hd];
-            // SAFETY: task `idx` alone writes head `idx`, a distinct `hd`-wide slice of `out`.
-            let o = unsafe { std::slice::from_raw_parts_mut(dst.at(idx * hd), hd) };
-            pages.attend_one(spans[si].kv, layer, qh, head / group, pos, shape, o);
+            let at = (row * shape.n_heads + kv_head * group) * hd;
+            // SAFETY: task `idx` alone writes these `group` heads of `out`.
+            let o = unsafe { std::slice::from_raw_parts_mut(dst.at(at), group * hd) };
+            pages.attend_group(
+                spans[si].kv,
+                layer,
+                &q[at..at + group * hd],
+                kv_head,
+                pos,
+                shape,
+                o,
+            );
         });
     }
 
-    /// Softmax-weighted sum of values for one query head at `pos`, in one pass with a running
-    /// maximum (no score buffer).
+    /// Softmax-weighted sums of values for the query heads of one kv head at `pos`, a page at
+    /// a time, with a running maximum per head (no score buffer beyond one page).
     #[allow(clippy::too_many_arguments)]
-    fn attend_one(
+    fn attend_group(
         &self,
         seq: &SeqKv,
         layer: usize,
@@ -90,31 +100,55 @@ impl PagePool {
         shape: &AttentionShape,
         out: &mut [f32],
     ) {
+        let hd = shape.head_dim;
+        let group = q.len() / hd;
         let kern = kernels(self.config().encoding.format(), isa::selected());
-        let head_bytes = self.config().encoding.format().nbytes(&[shape.head_dim]).expect("small");
-        let head = kv_head * head_bytes..(kv_head + 1) * head_bytes;
+        let head_bytes = self.config().encoding.format().nbytes(&[hd]).expect("small");
+        let (rb, ps) = (self.row_bytes(), self.config().page_size);
         let first = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         out.fill(0.0);
-        let (mut max, mut denom) = (f32::NEG_INFINITY, 0.0f32);
-        for p in first..=pos {
-            let (krow, vrow) = self.rows(seq, layer, p);
-            let mut s = (kern.dot)(&krow[head.clone()], q) * shape.scale;
-            if let Some(cap) = shape.softcap {
-                s = cap * (s / cap).tanh();
+        let mut max = vec![f32::NEG_INFINITY; group];
+        let mut denom = vec![0.0f32; group];
+        let mut scores = vec![0.0f32; ps];
+        for page in first / ps..=pos / ps {
+            let (krows, vrows) = self.page_rows(seq, layer, page);
+            let slots = page * ps..(page * ps + ps).min(pos + 1);
+            let slots = slots.start.max(first) - page * ps..slots.end - page * ps;
+            let head = |rows, slot| head_of(rows, slot * rb + kv_head * head_bytes, head_bytes);
+            for h in 0..group {
+                let (qh, oh) = (&q[h * hd..(h + 1) * hd], &mut out[h * hd..(h + 1) * hd]);
+                let mut page_max = f32::NEG_INFINITY;
+                for slot in slots.clone() {
+                    let mut s = (kern.dot)(head(krows, slot), qh) * shape.scale;
+                    if let Some(cap) = shape.softcap {
+                        s = cap * (s / cap).tanh();
+                    }
+                    scores[slot] = s;
+                    page_max = page_max.max(s);
+                }
+                if page_max > max[h] {
+                    let rescale = (max[h] - page_max).exp();
+                    oh.iter_mut().for_each(|o| *o *= rescale);
+                    denom[h] *= rescale;
+                    max[h] = page_max;
+                }
+                for slot in slots.clone() {
+                    let w = (scores[slot] - max[h]).exp();
+                    denom[h] += w;
+                    (kern.axpy)(w, head(vrows, slot), oh);
+                }
             }
-            if s > max {
-                let rescale = (max - s).exp();
-                out.iter_mut().for_each(|o| *o *= rescale);
-                denom *= rescale;
-                max = s;
-            }
-            let w = (s - max).exp();
-            denom += w;
-            (kern.axpy)(w, &vrow[head.clone()], out);
         }
-        let inv = 1.0 / denom;
-        out.iter_mut().for_each(|o| *o *= inv);
+        for (oh, d) in out.chunks_exact_mut(hd).zip(&denom) {
+            let inv = 1.0 / d;
+            oh.iter_mut().for_each(|o| *o *= inv);
+        }
     }
+}
+
+/// `len` bytes of `rows` from `at`: one head of one cached row.
+fn head_of(rows: &[u8], at: usize, len: usize) -> &[u8] {
+    &rows[at..at + len]
 }
 
 #[cfg(test)]
@@ -123,9 +157,16 @@ mod tests {
     use crate::{KvConfig, KvEncoding};
 
     /// Paged attention equals a dense softmax(q.K^T * scale) V computed directly, for a
-    /// sequence spanning several pages and with grouped heads.
+    /// sequence spanning several pages and with grouped heads, with and without a sliding
+    /// window that starts inside a page.
     #[test]
     fn matches_dense_attention() {
+        for window in [None, Some(6)] {
+            check_dense(window);
+        }
+    }
+
+    fn check_dense(window: Option<usize>) {
         let (n_heads, n_kv, hd, len) = (4, 2, 8, 11);
         let mut pool = PagePool::new(KvConfig {
             num_layers: 1,
@@ -146,7 +187,7 @@ mod tests {
             n_kv_heads: n_kv,
             head_dim: hd,
             scale: 0.35,
-            window: None,
+            window,
             softcap: None,
         };
         let mut out = vec![0.0; q.len()];
@@ -156,7 +197,8 @@ mod tests {
             for h in 0..n_heads {
                 let g = h / 2;
                 let qh = &q[(t * n_heads + h) * hd..][..hd];
-                let scores: Vec<f32> = (0..=t)
+                let lo = window.map_or(0, |w| (t + 1).saturating_sub(w));
+                let scores: Vec<f32> = (lo..=t)
                     .map(|p| {
                         qh.iter()
                             .zip(&k[(p * n_kv + g) * hd..][..hd])
@@ -169,7 +211,8 @@ mod tests {
                 let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
                 let z: f32 = e.iter().sum();
                 for d in 0..hd {
-                    let want: f32 = (0..=t).map(|p| e[p] / z * v[(p * n_kv + g) * hd + d]).sum();
+                    let want: f32 =
+                        (lo..=t).map(|p| e[p - lo] / z * v[(p * n_kv + g) * hd + d]).sum();
                     let got = out[(t * n_heads + h) * hd + d];
                     assert!((want - got).abs() < 1e-5, "t={t} h={h} d={d}: {want} vs {got}");
                 }

@@ -164,12 +164,24 @@ impl PagePool {
         encode_row(enc, v, &mut bytes[(ps + slot) * rb..(ps + slot + 1) * rb]);
     }
 
+    /// The key rows and the value rows of page `index` of `layer` (page_size rows each, raw
+    /// encoded bytes, `row_bytes()` per row).
+    pub(crate) fn page_rows(&self, seq: &SeqKv, layer: usize, index: usize) -> (&[u8], &[u8]) {
+        let bytes = words_as_bytes(&self.pages[seq.page(layer, index) as usize]);
+        bytes[..2 * self.cfg.page_size * self.row_bytes]
+            .split_at(self.cfg.page_size * self.row_bytes)
+    }
+
+    pub(crate) fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
     /// The stored key and value rows of `pos` in `layer`, as raw encoded bytes.
+    #[cfg(test)]
     pub(crate) fn rows(&self, seq: &SeqKv, layer: usize, pos: usize) -> (&[u8], &[u8]) {
-        let (page, slot) = (seq.page(layer, pos / self.cfg.page_size), pos % self.cfg.page_size);
-        let (rb, ps) = (self.row_bytes, self.cfg.page_size);
-        let bytes = words_as_bytes(&self.pages[page as usize]);
-        (&bytes[slot * rb..(slot + 1) * rb], &bytes[(ps + slot) * rb..(ps + slot + 1) * rb])
+        let (k, v) = self.page_rows(seq, layer, pos / self.cfg.page_size);
+        let (rb, slot) = (self.row_bytes, pos % self.cfg.page_size);
+        (&k[slot * rb..(slot + 1) * rb], &v[slot * rb..(slot + 1) * rb])
     }
 }
 
