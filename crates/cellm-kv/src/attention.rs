@@ -2,7 +2,7 @@
 
 use cellm_kernels::dot::kernels;
 use cellm_kernels::isa;
-use cellm_kernels::pool::{parallel_for, SharedOut};
+use cellm_kernels::pool::{current_threads, parallel_for, SharedOut};
 
 use crate::pool::{PagePool, SeqKv};
 
@@ -65,58 +65,75 @@ impl PagePool {
         }
         row_of.sort_unstable();
         let pages = &*self;
-        let dst = SharedOut(out.as_mut_ptr());
         let group = shape.n_heads / shape.n_kv_heads;
-        // One task per (token, kv head): the query heads sharing a kv head read its keys and
-        // values once.
-        parallel_for(row_of.len() * shape.n_kv_heads, |idx| {
-            let (row, kv_head) = (idx / shape.n_kv_heads, idx % shape.n_kv_heads);
+        let ps = self.config().page_size;
+        assert!(group <= MAX_GROUP && ps <= MAX_PAGE, "attention: group or page too large");
+        // Tasks are (token, kv head, chunk of pages): the query heads sharing a kv head read
+        // its keys and values once, and a lone decode token still splits its context over
+        // every thread (each chunk keeps its own softmax maximum; chunks merge below).
+        let heads = row_of.len() * shape.n_kv_heads;
+        let longest = row_of.iter().map(|&(_, _, pos)| pos / ps + 1).max().unwrap_or(1);
+        let chunks = (4 * current_threads()).div_ceil(heads).clamp(1, longest);
+        let width = group * hd;
+        let mut partial = vec![Partial::default(); heads * chunks];
+        let mut acc = vec![0.0f32; heads * chunks * width];
+        let (parts, accs) = (SharedPartials(partial.as_mut_ptr()), SharedOut(acc.as_mut_ptr()));
+        parallel_for(heads * chunks, |task| {
+            let (head, chunk) = (task / chunks, task % chunks);
+            let (row, kv_head) = (head / shape.n_kv_heads, head % shape.n_kv_heads);
             let (_, si, pos) = row_of[row];
+            let first = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let (lo, hi) = (first / ps, pos / ps + 1);
+            let per = (hi - lo).div_ceil(chunks);
+            let pages_of_chunk = (lo + chunk * per).min(hi)..(lo + (chunk + 1) * per).min(hi);
             let at = (row * shape.n_heads + kv_head * group) * hd;
-            // SAFETY: task `idx` alone writes these `group` heads of `out`.
-            let o = unsafe { std::slice::from_raw_parts_mut(dst.at(at), group * hd) };
-            pages.attend_group(
-                spans[si].kv,
-                layer,
-                &q[at..at + group * hd],
-                kv_head,
-                pos,
-                shape,
-                o,
-            );
+            // SAFETY: task `task` alone writes its partial record and accumulator slice.
+            let (part, o) = unsafe {
+                (&mut *parts.at(task), std::slice::from_raw_parts_mut(accs.at(task * width), width))
+            };
+            let query =
+                Query { seq: spans[si].kv, layer, q: &q[at..at + width], kv_head, first, pos };
+            pages.attend_pages(&query, pages_of_chunk, shape, part, o);
         });
+        for head in 0..heads {
+            let (row, kv_head) = (head / shape.n_kv_heads, head % shape.n_kv_heads);
+            let at = (row * shape.n_heads + kv_head * group) * hd;
+            let parts = &partial[head * chunks..(head + 1) * chunks];
+            merge(
+                parts,
+                &acc[head * chunks * width..(head + 1) * chunks * width],
+                hd,
+                &mut out[at..at + width],
+            );
+        }
     }
 
-    /// Softmax-weighted sums of values for the query heads of one kv head at `pos`, a page at
-    /// a time, with a running maximum per head (no score buffer beyond one page).
-    #[allow(clippy::too_many_arguments)]
-    fn attend_group(
+    /// Unnormalised softmax-weighted sums of values over the pages `pages` (clipped to the
+    /// query's window) for the query heads of one kv head, a page at a time with a running
+    /// maximum per head; `part` gets each head's maximum and denominator.
+    fn attend_pages(
         &self,
-        seq: &SeqKv,
-        layer: usize,
-        q: &[f32],
-        kv_head: usize,
-        pos: usize,
+        query: &Query,
+        pages: std::ops::Range<usize>,
         shape: &AttentionShape,
+        part: &mut Partial,
         out: &mut [f32],
     ) {
         let hd = shape.head_dim;
-        let group = q.len() / hd;
+        let group = query.q.len() / hd;
         let kern = kernels(self.config().encoding.format(), isa::selected());
         let head_bytes = self.config().encoding.format().nbytes(&[hd]).expect("small");
         let (rb, ps) = (self.row_bytes(), self.config().page_size);
-        let first = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        out.fill(0.0);
-        let mut max = vec![f32::NEG_INFINITY; group];
-        let mut denom = vec![0.0f32; group];
-        let mut scores = vec![0.0f32; ps];
-        for page in first / ps..=pos / ps {
-            let (krows, vrows) = self.page_rows(seq, layer, page);
-            let slots = page * ps..(page * ps + ps).min(pos + 1);
-            let slots = slots.start.max(first) - page * ps..slots.end - page * ps;
+        let kv_head = query.kv_head;
+        let (max, denom) = (&mut part.max, &mut part.denom);
+        let mut scores = [0.0f32; MAX_PAGE];
+        for page in pages {
+            let (krows, vrows) = self.page_rows(query.seq, query.layer, page);
+            let slots = page * ps..(page * ps + ps).min(query.pos + 1);
+            let slots = slots.start.max(query.first) - page * ps..slots.end - page * ps;
             let head = |rows, slot| head_of(rows, slot * rb + kv_head * head_bytes, head_bytes);
             for h in 0..group {
-                let (qh, oh) = (&q[h * hd..(h + 1) * hd], &mut out[h * hd..(h + 1) * hd]);
+                let (qh, oh) = (&query.q[h * hd..(h + 1) * hd], &mut out[h * hd..(h + 1) * hd]);
                 let mut page_max = f32::NEG_INFINITY;
                 for slot in slots.clone() {
                     let mut s = (kern.dot)(head(krows, slot), qh) * shape.scale;
@@ -139,10 +156,67 @@ impl PagePool {
                 }
             }
         }
-        for (oh, d) in out.chunks_exact_mut(hd).zip(&denom) {
-            let inv = 1.0 / d;
-            oh.iter_mut().for_each(|o| *o *= inv);
+    }
+}
+
+/// The largest page and query group one attention task handles on its stack.
+const MAX_PAGE: usize = 64;
+const MAX_GROUP: usize = 64;
+
+/// One query row's view of its session's cache for one kv head.
+struct Query<'a> {
+    seq: &'a SeqKv,
+    layer: usize,
+    q: &'a [f32],
+    kv_head: usize,
+    first: usize,
+    pos: usize,
+}
+
+/// A chunk's running softmax state per query head.
+#[derive(Clone, Copy)]
+struct Partial {
+    max: [f32; MAX_GROUP],
+    denom: [f32; MAX_GROUP],
+}
+
+impl Default for Partial {
+    fn default() -> Self {
+        Self { max: [f32::NEG_INFINITY; MAX_GROUP], denom: [0.0; MAX_GROUP] }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SharedPartials(*mut Partial);
+// SAFETY: each task writes only its own record.
+unsafe impl Send for SharedPartials {}
+unsafe impl Sync for SharedPartials {}
+
+impl SharedPartials {
+    /// Taking `self` whole makes closures capture the Sync wrapper, not the raw field.
+    fn at(self, i: usize) -> *mut Partial {
+        self.0.wrapping_add(i)
+    }
+}
+
+/// Combines the chunks of one (token, kv head) into normalised outputs: each chunk's sums are
+/// rescaled to the overall maximum.
+fn merge(parts: &[Partial], accs: &[f32], hd: usize, out: &mut [f32]) {
+    let width = out.len();
+    for (h, oh) in out.chunks_exact_mut(hd).enumerate() {
+        let top = parts.iter().map(|p| p.max[h]).fold(f32::NEG_INFINITY, f32::max);
+        oh.fill(0.0);
+        let mut denom = 0.0;
+        for (p, acc) in parts.iter().zip(accs.chunks_exact(width)) {
+            if p.denom[h] == 0.0 {
+                continue; // a chunk with no positions in the window
+            }
+            let scale = (p.max[h] - top).exp();
+            denom += p.denom[h] * scale;
+            oh.iter_mut().zip(&acc[h * hd..(h + 1) * hd]).for_each(|(o, a)| *o += scale * a);
         }
+        let inv = 1.0 / denom;
+        oh.iter_mut().for_each(|o| *o *= inv);
     }
 }
 
@@ -162,11 +236,14 @@ mod tests {
     #[test]
     fn matches_dense_attention() {
         for window in [None, Some(6)] {
-            check_dense(window);
+            check_dense(window, false);
+            // The last token alone on four threads: its context is split into page chunks.
+            let pool = cellm_kernels::pool::ThreadPool::new(4).unwrap();
+            pool.install(|| check_dense(window, true));
         }
     }
 
-    fn check_dense(window: Option<usize>) {
+    fn check_dense(window: Option<usize>, last_alone: bool) {
         let (n_heads, n_kv, hd, len) = (4, 2, 8, 11);
         let mut pool = PagePool::new(KvConfig {
             num_layers: 1,
@@ -191,9 +268,22 @@ mod tests {
             softcap: None,
         };
         let mut out = vec![0.0; q.len()];
-        let spans = [SeqSpan { kv: &seq, start: 0, len, row0: 0 }];
-        pool.attention(0, &spans, &q, &k, &v, &mut out, &shape);
-        for t in 0..len {
+        let first_row = if last_alone { len - 1 } else { 0 };
+        if last_alone {
+            let w = n_heads * hd;
+            let kw = n_kv * hd;
+            let spans = [SeqSpan { kv: &seq, start: 0, len: len - 1, row0: 0 }];
+            let mut scratch = vec![0.0; (len - 1) * w];
+            let (q0, k0, v0) = (&q[..(len - 1) * w], &k[..(len - 1) * kw], &v[..(len - 1) * kw]);
+            pool.attention(0, &spans, q0, k0, v0, &mut scratch, &shape);
+            let spans = [SeqSpan { kv: &seq, start: len - 1, len: 1, row0: 0 }];
+            let (ql, kl, vl) = (&q[(len - 1) * w..], &k[(len - 1) * kw..], &v[(len - 1) * kw..]);
+            pool.attention(0, &spans, ql, kl, vl, &mut out[(len - 1) * w..], &shape);
+        } else {
+            let spans = [SeqSpan { kv: &seq, start: 0, len, row0: 0 }];
+            pool.attention(0, &spans, &q, &k, &v, &mut out, &shape);
+        }
+        for t in first_row..len {
             for h in 0..n_heads {
                 let g = h / 2;
                 let qh = &q[(t * n_heads + h) * hd..][..hd];
