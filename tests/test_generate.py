@@ -88,3 +88,19 @@ def test_infer_cli_streams_text_and_reports_timings(converted):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     want = llm.chat(messages, max_tokens=6)
     assert proc.stdout == want.text + "\n"
+
+
+def test_held_back_text_is_emitted_when_an_end_id_stops(llm):
+    """A possible stop-string prefix held back by the matcher is text, not a stop: when an
+    end-of-turn id ends generation it must still come out."""
+    prompt = "def main(argv):"
+    full = llm.generate(prompt, max_tokens=12, ignore_eos=True)
+    end = full.token_ids[6]
+    before = full.token_ids[: full.token_ids.index(end)]
+    want = llm.tokenizer.decode(before)
+    assert len(want) >= 2
+    # The text's last two characters start this stop string, so the matcher holds them back.
+    stop = want[-2:] + "\x00never"
+    out = llm.generate(prompt, max_tokens=12, stop_token_ids=[end], stop=[stop])
+    assert out.finish_reason == "stop" and out.token_ids == before
+    assert out.text == want

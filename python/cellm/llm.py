@@ -214,8 +214,9 @@ class LLM:
         matcher = StopStringMatcher([stop] if isinstance(stop, str) else list(stop or []))
         timings = Timings(prefill_tokens=len(ids))
         out: list[int] = []
+        context = list(ids)  # prompt + output, grown in place for the repetition penalty
         text: list[str] = []
-        finish = "length"
+        finish, cut = "length", False  # cut: a stop string ended the text mid-stream
         session = self._engine.create_session()
         try:
             t0 = time.perf_counter()
@@ -223,17 +224,18 @@ class LLM:
             timings.prefill_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             while True:
-                token = sampler(logits[: self.tokenizer.vocab_size], ids + out)
+                token = sampler(logits[: self.tokenizer.vocab_size], context)
                 if token in stops:
                     finish = "stop"
                     break
                 out.append(token)
+                context.append(token)
                 piece, hit = matcher.feed(decoder.add(token))
                 if piece:
                     text.append(piece)
                     yield piece
                 if hit:
-                    finish = "stop"
+                    finish, cut = "stop", True
                     break
                 if len(out) >= max_tokens or len(ids) + len(out) >= self.context_length:
                     break
@@ -242,7 +244,7 @@ class LLM:
             timings.decode_s = time.perf_counter() - t0
         finally:
             self._engine.free_session(session)
-        if finish != "stop":
+        if not cut:  # text held back (partial UTF-8, a possible stop prefix) is real text
             tail, _ = matcher.feed(decoder.flush())
             tail += matcher.flush()
             if tail:
