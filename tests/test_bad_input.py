@@ -54,6 +54,14 @@ def test_missing_path(tmp_path):
     )
 
 
+def test_missing_tokenizer_file(cellm_file, tmp_path):
+    missing = tmp_path / "tokenizer.json"
+    with pytest.raises(FormatError, match="no such file"):
+        LLM(cellm_file, tokenizer=missing)
+    proc = cli("cellm.infer", "--model", str(cellm_file), "--tokenizer", str(missing), "--prompt", "x")
+    assert_one_line_error(proc, "no such file")
+
+
 def test_directory_without_config(tmp_path):
     d = tmp_path / "empty"
     d.mkdir()

@@ -13,7 +13,7 @@ import numpy as np
 
 from cellm import _core
 from cellm.chat import render_chat_template, resolve_template
-from cellm.errors import ContextOverflow, InvalidArgument
+from cellm.errors import ContextOverflow, FormatError, InvalidArgument
 from cellm.resolve import resolve_model
 from cellm.sampling import SamplingParams, make_sampler
 from cellm.textstream import IncrementalDecoder, StopStringMatcher
@@ -49,6 +49,16 @@ class GenerationResult:
     timings: Timings = field(default_factory=Timings)
 
 
+def _read_text(path: Union[str, os.PathLike]) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise FormatError(f"{path}: no such file or directory") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise FormatError(f"{path}: cannot read: {e}") from None
+
+
 class LLM:
     """A loaded model. `path` is a .cellm file or a HF checkpoint directory (converted once
     into the cache, see `cellm.resolve`)."""
@@ -78,7 +88,7 @@ class LLM:
         self.header: dict[str, Any] = json.loads(self._engine.header_json())
         tok = self.header["tokenizer"]
         tok_json = (
-            open(tokenizer, encoding="utf-8").read()
+            _read_text(tokenizer)
             if tokenizer is not None
             else self._engine.blob(tok["blob"]).decode("utf-8")
         )
