@@ -58,7 +58,8 @@ def test_missing_tokenizer_file(cellm_file, tmp_path):
     missing = tmp_path / "tokenizer.json"
     with pytest.raises(FormatError, match="no such file"):
         LLM(cellm_file, tokenizer=missing)
-    proc = cli("cellm.infer", "--model", str(cellm_file), "--tokenizer", str(missing), "--prompt", "x")
+    args = ["--model", str(cellm_file), "--tokenizer", str(missing), "--prompt", "x"]
+    proc = cli("cellm.infer", *args)
     assert_one_line_error(proc, "no such file")
 
 
