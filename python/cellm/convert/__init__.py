@@ -4,15 +4,19 @@ numpy. `convert` dispatches on the input; `convert_hf` and `convert_gguf` are th
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional, Union
 
+import numpy as np
+
 from ..errors import FormatError, InvalidArgument
-from .dtypes import check_format, convert_chunks
+from .dtypes import check_format, convert_chunks, float32_chunks
 from .gguf import MAGIC as GGUF_MAGIC
 from .gguf_convert import convert_gguf
 from .hf_config import family_of, load_config, normalise_config
 from .progress import ProgressBar
+from .quantize import check_quantization, quantize_rows
 from .safetensors import Checkpoint, open_checkpoint
 from .tokenizer_files import TOKENIZER_BLOB, load_tokenizer_files
 from .weights import plan_tensors
@@ -39,20 +43,23 @@ def convert(
     output_path: Union[str, os.PathLike],
     dtype: Optional[str] = None,
     progress: Optional[bool] = None,
+    quantize: Optional[str] = None,
 ) -> Path:
     """Convert a HF checkpoint directory or a GGUF file to a `.cellm` file; return its path.
 
-    `dtype` (default f16) applies to HF checkpoints only: GGUF tensors keep their formats.
+    `dtype` (default f16) and `quantize` apply to HF checkpoints only: GGUF tensors keep their
+    formats.
     """
     src = Path(input_path)
     if not src.exists():
         raise FormatError(f"{src}: no such file or directory")
     if src.is_dir():
-        return convert_hf(src, output_path, dtype or "f16", progress=progress)
+        return convert_hf(src, output_path, dtype or "f16", progress=progress, quantize=quantize)
     if src.suffix.lower() == ".gguf" or is_gguf(src):
-        if dtype is not None:
+        if dtype is not None or quantize is not None:
             raise InvalidArgument(
-                "--dtype applies to HuggingFace checkpoints only; GGUF tensors keep their formats"
+                "--dtype and --quantize apply to HuggingFace checkpoints only; GGUF tensors "
+                "keep their formats"
             )
         return convert_gguf(src, output_path, progress=progress)
     raise FormatError(f"{src} is neither a HuggingFace checkpoint directory nor a GGUF file")
@@ -63,14 +70,18 @@ def convert_hf(
     output_path: Union[str, os.PathLike],
     dtype: str = "f16",
     progress: Optional[bool] = None,
+    quantize: Optional[str] = None,
 ) -> Path:
     """Convert a HuggingFace checkpoint directory to a `.cellm` file and return its path.
 
     `dtype` (f32, f16, bf16) applies to tensors of two or more dimensions; 1-D tensors (norms,
-    biases) are always stored as f32. `progress`: None shows a bar on a terminal for large
-    models, True always shows it on stderr, False never does.
+    biases) are always stored as f32. `quantize` (q8_0, q4_0, q4_1, q5_0) stores every matrix
+    whose rows split into 32-value blocks in that GGUF block format instead. `progress`: None
+    shows a bar on a terminal for large models, True always shows it on stderr, False never.
     """
     check_format(dtype)
+    if quantize is not None:
+        check_quantization(quantize)
     src = Path(input_dir)
     if not src.exists():
         raise FormatError(f"{src}: no such file or directory")
@@ -85,13 +96,17 @@ def convert_hf(
         model = normalise_config(config, checkpoint, config_source)
         plan = plan_tensors(model, checkpoint)
         tok = load_tokenizer_files(src, config)
-        entries = [_entry(checkpoint, name, shape, dtype) for name, shape in plan]
+        entries = [_entry(checkpoint, name, shape, dtype, quantize) for name, shape in plan]
         header = {
             "model": model,
             "hf_config": config,
             "tokenizer": tok.tokenizer,
             "generation": tok.generation,
-            "source": {"kind": "hf", "dtype": dtype},
+            "source": {
+                "kind": "hf",
+                "dtype": dtype,
+                **({"quantize": quantize} if quantize else {}),
+            },
         }
         total = sum(e.nbytes for e in entries)
         bar = None
@@ -106,10 +121,23 @@ def convert_hf(
                 bar.close()
 
 
-def _entry(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], dtype: str) -> TensorEntry:
+def _entry(
+    checkpoint: Checkpoint,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: str,
+    quantize: Optional[str],
+) -> TensorEntry:
+    src_dtype = checkpoint.info(name).dtype
+    if quantize and len(shape) == 2 and shape[1] % 32 == 0:
+
+        def blocks() -> Iterator[np.ndarray]:
+            for chunk in float32_chunks(checkpoint.view(name), src_dtype):
+                yield quantize_rows(chunk, quantize)
+
+        return TensorEntry(name, quantize, shape, blocks)
     # Norm weights and biases are tiny and precision-sensitive: always f32 (docs/format.md).
     fmt = dtype if len(shape) >= 2 else "f32"
-    src_dtype = checkpoint.info(name).dtype
     return TensorEntry(
         name, fmt, shape, lambda: convert_chunks(checkpoint.view(name), src_dtype, fmt)
     )

@@ -9,6 +9,7 @@ from typing import Optional
 from ..cli import Parser, run
 from . import convert, read_header
 from .dtypes import FORMATS
+from .quantize import QUANTIZERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
         "GGUF tensors keep their formats",
     )
     p.add_argument(
+        "--quantize",
+        choices=tuple(QUANTIZERS),
+        default=None,
+        help="HF only: store every matrix whose rows split into 32-value blocks in this GGUF "
+        "block format (ggml's reference rounding)",
+    )
+    p.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -44,10 +52,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        path = convert(args.input, args.output, args.dtype, progress=args.progress)
+        path = convert(
+            args.input, args.output, args.dtype, progress=args.progress, quantize=args.quantize
+        )
         size = path.stat().st_size
         source = read_header(path)["source"]
-        kind = source.get("dtype") if source.get("kind") == "hf" else "from GGUF"
+        kind = (
+            source.get("quantize") or source.get("dtype")
+            if source.get("kind") == "hf"
+            else "from GGUF"
+        )
         print(f"wrote {path} ({size / (1 << 20):,.1f} MiB, {kind})")
         return 0
 

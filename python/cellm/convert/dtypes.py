@@ -97,6 +97,13 @@ def convert_chunks(array: np.ndarray, src: str, fmt: str) -> Iterator[np.ndarray
         yield convert(array[start : start + rows_per_chunk], src, fmt)
 
 
+def float32_chunks(array: np.ndarray, src: str) -> Iterator[np.ndarray]:
+    """Yield `array` as float32, row block by row block (what quantizers consume)."""
+    rows_per_chunk = max(1, CHUNK_BYTES // max(1, 4 * array[0].size))
+    for start in range(0, array.shape[0], rows_per_chunk):
+        yield to_f32(np.asarray(array[start : start + rows_per_chunk]), src)
+
+
 def numpy_format(array: np.ndarray) -> str:
     """The source dtype name of an in-memory array: float32, float16 or uint16 (bf16 bits)."""
     if array.dtype == np.float32:
