@@ -25,7 +25,7 @@ import pytest
 
 from cellm import LLM
 from cellm.fetch import fetch, fetch_gguf
-from cellm.parity import LlamaCpp, run
+from cellm.parity import LlamaCpp, perplexity, perplexity_text_ids, run
 
 MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
 
@@ -52,3 +52,15 @@ def test_matches_llama_cpp(name, llama_cpp_available):
     assert logits.mean_kl <= 0.01, logits
     for i, g in enumerate(result["greedy"]):
         assert g.near_tie(floor.max_top_logit_change), (i, g, floor)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_perplexity_matches_llama_cpp(name, llama_cpp_available):
+    """Issue 4's quality bar: perplexity on >= 2k tokens of fixed English text (windows of
+    512) within 0.5% of llama.cpp's on the same GGUF file."""
+    llm = LLM(fetch(name, progress=False), threads=2)
+    peer = LlamaCpp(fetch_gguf(name, progress=False), threads=2)
+    ids = perplexity_text_ids(llm)
+    assert len(ids) >= 2048
+    ours, theirs = perplexity(llm.logits, ids), perplexity(peer.logits, ids)
+    assert abs(ours / theirs - 1) <= 0.005, (ours, theirs)

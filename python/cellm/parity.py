@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -145,6 +145,29 @@ def parity_text_ids(llm: LLM, n_tokens: int = 256) -> list[int]:
     ids = llm.tokenizer.encode(text)
     if len(ids) < n_tokens:
         raise ValueError(f"the parity text has only {len(ids)} tokens")
+    return ids
+
+
+def perplexity(logits: Callable[[list[int]], np.ndarray], ids: list[int], ctx: int = 512) -> float:
+    """exp(mean negative log-likelihood) of `ids`, in independent windows of `ctx` tokens
+    (each window's first token is context only): the same windows for every engine."""
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, ctx):
+        window = ids[start : start + ctx]
+        if len(window) < 2:
+            break
+        lp = log_softmax(logits(window)[:-1])
+        nll -= float(lp[np.arange(len(window) - 1), window[1:]].sum())
+        count += len(window) - 1
+    return float(np.exp(nll / count))
+
+
+def perplexity_text_ids(llm: LLM, n_tokens: int = 2048) -> list[int]:
+    """The fixed text for perplexity (python/cellm/data/perplexity.txt), at least 2k tokens."""
+    text = (Path(__file__).resolve().parent / "data" / "perplexity.txt").read_text()
+    ids = llm.tokenizer.encode(text)
+    if len(ids) < n_tokens:
+        raise ValueError(f"the perplexity text has only {len(ids)} tokens")
     return ids
 
 
