@@ -97,27 +97,11 @@ def test_4_and_5_bit_models_run_their_blocks(fmt, tmp_path):
 
 def test_cli_quantizes_and_rejects_unknown_formats(tmp_path):
     out = tmp_path / "m.cellm"
-    proc = cli(
-        "cellm.convert",
-        "--input",
-        str(FIXTURES / "llama"),
-        "--output",
-        str(out),
-        "--quantize",
-        "q4_1",
-    )
+    args = ["cellm.convert", "--input", str(FIXTURES / "llama"), "--output", str(out)]
+    proc = cli(*args, "--quantize", "q4_1")
     assert proc.returncode == 0, proc.stderr
     assert read_header(out)["source"]["quantize"] == "q4_1"
-    bad = cli(
-        "cellm.convert",
-        "--input",
-        str(FIXTURES / "llama"),
-        "--output",
-        str(out),
-        "--quantize",
-        "int3",
-    )
-    assert_one_line_error(bad, "--quantize")
+    assert_one_line_error(cli(*args, "--quantize", "int3"), "--quantize")
 
 
 def test_quantize_applies_to_hf_checkpoints_only(tmp_path):

@@ -139,13 +139,17 @@ CHAT_PROMPTS = [
 ]
 
 
-def parity_text_ids(llm: LLM, n_tokens: int = 256) -> list[int]:
-    """The fixed English text (tests/data/english.txt) as ids, at least `n_tokens` long."""
-    text = (Path(__file__).resolve().parent / "data" / "english.txt").read_text()
-    ids = llm.tokenizer.encode(text)
+def _data_text_ids(llm: LLM, name: str, n_tokens: int) -> list[int]:
+    """A fixed text shipped in python/cellm/data as ids, checked to be `n_tokens` long."""
+    ids = llm.tokenizer.encode((Path(__file__).resolve().parent / "data" / name).read_text())
     if len(ids) < n_tokens:
-        raise ValueError(f"the parity text has only {len(ids)} tokens")
+        raise ValueError(f"{name} has only {len(ids)} tokens, {n_tokens} needed")
     return ids
+
+
+def parity_text_ids(llm: LLM, n_tokens: int = 256) -> list[int]:
+    """The fixed English text for logits parity (data/english.txt)."""
+    return _data_text_ids(llm, "english.txt", n_tokens)
 
 
 def perplexity(logits: Callable[[list[int]], np.ndarray], ids: list[int], ctx: int = 512) -> float:
@@ -163,12 +167,8 @@ def perplexity(logits: Callable[[list[int]], np.ndarray], ids: list[int], ctx: i
 
 
 def perplexity_text_ids(llm: LLM, n_tokens: int = 2048) -> list[int]:
-    """The fixed text for perplexity (python/cellm/data/perplexity.txt), at least 2k tokens."""
-    text = (Path(__file__).resolve().parent / "data" / "perplexity.txt").read_text()
-    ids = llm.tokenizer.encode(text)
-    if len(ids) < n_tokens:
-        raise ValueError(f"the perplexity text has only {len(ids)} tokens")
-    return ids
+    """The fixed text for perplexity (data/perplexity.txt), at least 2k tokens."""
+    return _data_text_ids(llm, "perplexity.txt", n_tokens)
 
 
 def chat_ids(llm: LLM, prompt: str) -> list[int]:

@@ -329,30 +329,27 @@ def _tokens(md: Mapping[str, Any]) -> list[str]:
     return [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
 
 
-def _int_array(md: Mapping[str, Any], key: str, n: int, default: int) -> list[int]:
-    value = md.get(key)
-    if value is None:
-        return [default] * n
-    try:
-        out = [int(v) for v in value]
-    except (TypeError, ValueError):
-        raise FormatError(f"GGUF metadata {key} must be a numeric array") from None
-    if len(out) < n:
-        raise FormatError(f"GGUF metadata {key} has {len(out)} entries for {n} tokens")
-    return out[:n]
-
-
-def _float_array(md: Mapping[str, Any], key: str, n: int) -> list[float] | None:
+def _numeric_array(md: Mapping[str, Any], key: str, n: int, kind: type) -> list | None:
+    """The first `n` entries of a numeric metadata array as `kind`, or None when absent."""
     value = md.get(key)
     if value is None:
         return None
     try:
-        out = [float(v) for v in value]
+        out = [kind(v) for v in value]
     except (TypeError, ValueError):
         raise FormatError(f"GGUF metadata {key} must be a numeric array") from None
     if len(out) < n:
         raise FormatError(f"GGUF metadata {key} has {len(out)} entries for {n} tokens")
     return out[:n]
+
+
+def _int_array(md: Mapping[str, Any], key: str, n: int, default: int) -> list[int]:
+    out = _numeric_array(md, key, n, int)
+    return [default] * n if out is None else out
+
+
+def _float_array(md: Mapping[str, Any], key: str, n: int) -> list[float] | None:
+    return _numeric_array(md, key, n, float)
 
 
 def _flag(md: Mapping[str, Any], key: str, default: bool) -> bool:
