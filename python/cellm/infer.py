@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from cellm.chat import CHAT_FORMATS
 from cellm.cli import Parser, bounded, int_list, run
+from cellm.errors import FormatError, InvalidArgument
 from cellm.fetch import default_model
 from cellm.llm import BACKENDS, KV_ENCODINGS, LLM, GenerationResult
+from cellm.tool_calls import close_call_cut_by_stop, parse_tool_calls
 
 
 def build_parser() -> Parser:
@@ -43,7 +47,17 @@ def build_parser() -> Parser:
     p.add_argument("--repeat-penalty", type=bounded(float, 0.0, open_low=True), default=1.0)
     p.add_argument("--seed", type=bounded(int, 0), default=None)
     p.add_argument(
-        "--stop-tokens", type=int_list, default=[], help="extra token ids that end the turn: 1,2"
+        "--stop-tokens",
+        type=_token_list,
+        default=[],
+        help="extra tokens that end the turn, as ids or vocabulary entries: "
+        "1,2 or '<end_function_call>,<start_function_response>'",
+    )
+    p.add_argument(
+        "--tools",
+        metavar="FILE.json",
+        help="JSON list of tool schemas for the chat template (implies --chat); "
+        "the parsed tool calls are printed as one JSON line after the text",
     )
     p.add_argument("--backend", choices=BACKENDS, default="cpu")
     p.add_argument("--kv-encoding", choices=KV_ENCODINGS, default="f16")
@@ -57,16 +71,68 @@ def build_parser() -> Parser:
     return p
 
 
-def _prompt(llm: LLM, args) -> list[int]:
+def _token_list(text: str) -> list[str]:
+    """Parses `a,b,c` into stripped, non-empty items; they become ids once the model is
+    loaded (see _stop_token_ids), since only its vocabulary can tell what a name means."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{text!r} lists no tokens")
+    return items
+
+
+def _stop_token_ids(llm: LLM, items: list[str]) -> list[int]:
+    """Each item is a token id (ASCII digits, so a vocabulary entry made of digits cannot be
+    named) or one vocabulary entry, e.g. <end_function_call>."""
+    ids = []
+    for item in items:
+        is_id = item.isascii() and item.isdigit()
+        token_id = int(item) if is_id else llm.tokenizer.token_to_id(item)
+        if token_id is None:
+            raise InvalidArgument(
+                f"--stop-tokens: {item!r} is not a single token of the model's vocabulary"
+            )
+        if token_id >= llm.tokenizer.vocab_size:
+            raise InvalidArgument(
+                f"--stop-tokens: token id {token_id} is outside the vocabulary "
+                f"({llm.tokenizer.vocab_size})"
+            )
+        ids.append(token_id)
+    return ids
+
+
+def _read_tools(path: str) -> list[Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise FormatError(f"--tools {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise FormatError(f"--tools {path}: cannot read: {e}") from None
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidArgument(f"--tools {path}: not valid JSON: {e}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidArgument(f"--tools {path}: expected a JSON list of tool schemas (objects)")
+    return tools
+
+
+def _prompt(llm: LLM, args, tools: Optional[list[Any]]) -> list[int]:
     if args.tokens is not None:
         return args.tokens
-    if not args.chat:
+    if not (args.chat or tools is not None):
         return llm.encode(args.prompt)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": args.prompt})
     extra = {"enable_thinking": False} if args.no_think else {}
-    text = llm.apply_chat_template(messages, chat_format=args.chat_format, **extra)
+    text = llm.apply_chat_template(messages, tools=tools, chat_format=args.chat_format, **extra)
     return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _print_tool_calls(llm: LLM, r: GenerationResult) -> None:
+    stop = None if r.stop_token_id is None else llm.tokenizer.id_to_token(r.stop_token_id)
+    _, calls = parse_tool_calls(close_call_cut_by_stop(r.text, stop))
+    print(json.dumps(calls, ensure_ascii=False))
 
 
 def _report(r: GenerationResult) -> None:
@@ -80,9 +146,13 @@ def _report(r: GenerationResult) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.tools is not None and args.tokens is not None:
+        parser.error("--tools needs a text --prompt (it goes through the chat template)")
 
     def body() -> int:
+        tools = _read_tools(args.tools) if args.tools is not None else None
         llm = LLM(
             args.model or default_model(),
             backend=args.backend,
@@ -92,7 +162,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             tokenizer=args.tokenizer,
         )
         events = llm.stream(
-            _prompt(llm, args),
+            _prompt(llm, args, tools),
             max_tokens=args.gen,
             temperature=args.temperature,
             top_k=args.top_k,
@@ -100,7 +170,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             min_p=args.min_p,
             repeat_penalty=args.repeat_penalty,
             seed=args.seed,
-            stop_token_ids=args.stop_tokens,
+            stop_token_ids=_stop_token_ids(llm, args.stop_tokens),
+            # Tool-call markers are special tokens: keep them so the calls can be seen/parsed.
+            skip_special_tokens=tools is None,
         )
         while True:
             try:
@@ -108,6 +180,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 sys.stdout.flush()
             except StopIteration as done:
                 sys.stdout.write("\n")
+                if tools is not None:
+                    _print_tool_calls(llm, done.value)
                 _report(done.value)
                 return 0
 

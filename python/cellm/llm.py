@@ -18,6 +18,7 @@ from cellm.resolve import resolve_model
 from cellm.sampling import SamplingParams, make_sampler
 from cellm.textstream import IncrementalDecoder, StopStringMatcher
 from cellm.tokenizer import Tokenizer
+from cellm.tool_calls import close_call_cut_by_stop, parse_tool_calls
 
 BACKENDS = ("cpu",)
 KV_ENCODINGS = ("f16", "f32")
@@ -47,6 +48,9 @@ class GenerationResult:
     finish_reason: str  # "stop" (end-of-turn id or stop string) or "length"
     prompt_tokens: int
     timings: Timings = field(default_factory=Timings)
+    stop_token_id: Optional[int] = None  # the end-of-turn/stop id that ended it, if one did
+    # chat() only: the parsed tool calls ({"name", "arguments"}), removed from `text`.
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _read_text(path: Union[str, os.PathLike]) -> str:
@@ -161,7 +165,8 @@ class LLM:
         """Generate a completion of `prompt` (text, or token ids used as they are).
 
         Keywords: max_tokens=256, temperature=0.0 (greedy), top_k, top_p, min_p,
-        repeat_penalty, seed, stop (strings), stop_token_ids, ignore_eos."""
+        repeat_penalty, seed, stop (strings), stop_token_ids, ignore_eos,
+        skip_special_tokens=True (False keeps special tokens, e.g. tool-call markers)."""
         events = self._run(prompt, **kwargs)
         while True:
             try:
@@ -184,11 +189,26 @@ class LLM:
         template_vars: Optional[Mapping[str, Any]] = None,
         **kwargs: Any,
     ) -> GenerationResult:
-        """Answer the conversation `messages` (generate() keywords apply)."""
-        text = self.apply_chat_template(
+        """Answer the conversation `messages` (generate() keywords apply).
+
+        `tools` (JSON schemas) are passed to the template as its `tools` variable. The answer
+        is always searched for FunctionGemma calls (``<start_function_call>call:...``; without
+        that marker nothing changes): they go to `tool_calls` and leave `text`. With `tools`,
+        special tokens are kept in the text unless skip_special_tokens=True is given, since
+        call markers are special tokens in the vocabularies that use them."""
+        prompt = self.apply_chat_template(
             messages, tools=tools, chat_format=chat_format, **(template_vars or {})
         )
-        return self.generate(self.tokenizer.encode(text, add_special_tokens=False), **kwargs)
+        if tools:
+            kwargs.setdefault("skip_special_tokens", False)
+        result = self.generate(self.tokenizer.encode(prompt, add_special_tokens=False), **kwargs)
+        result.text, result.tool_calls = parse_tool_calls(
+            close_call_cut_by_stop(result.text, self._token_text(result.stop_token_id))
+        )
+        return result
+
+    def _token_text(self, token_id: Optional[int]) -> Optional[str]:
+        return None if token_id is None else self.tokenizer.id_to_token(token_id)
 
     # -- the generation loop ---------------------------------------------------------------
 
@@ -206,6 +226,7 @@ class LLM:
         stop: Union[str, Sequence[str], None] = None,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        skip_special_tokens: bool = True,
     ) -> Iterator[str]:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -220,13 +241,14 @@ class LLM:
                 f"the prompt has {len(ids)} tokens; the context length is {self.context_length}"
             )
         stops = set(stop_token_ids) | (set() if ignore_eos else set(self.eos_token_ids))
-        decoder = IncrementalDecoder(self.tokenizer)
+        decoder = IncrementalDecoder(self.tokenizer, skip_special_tokens=skip_special_tokens)
         matcher = StopStringMatcher([stop] if isinstance(stop, str) else list(stop or []))
         timings = Timings(prefill_tokens=len(ids))
         out: list[int] = []
         context = list(ids)  # prompt + output, grown in place for the repetition penalty
         text: list[str] = []
         finish, cut = "length", False  # cut: a stop string ended the text mid-stream
+        stop_token_id: Optional[int] = None
         session = self._engine.create_session()
         try:
             t0 = time.perf_counter()
@@ -236,7 +258,7 @@ class LLM:
             while True:
                 token = sampler(logits[: self.tokenizer.vocab_size], context)
                 if token in stops:
-                    finish = "stop"
+                    finish, stop_token_id = "stop", token
                     break
                 out.append(token)
                 context.append(token)
@@ -260,4 +282,4 @@ class LLM:
             if tail:
                 text.append(tail)
                 yield tail
-        return GenerationResult("".join(text), out, finish, len(ids), timings)
+        return GenerationResult("".join(text), out, finish, len(ids), timings, stop_token_id)
