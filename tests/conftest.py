@@ -10,7 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "hf-tiny"
-LLAMA_LIKE = ["llama", "qwen2", "qwen3", "granite", "smollm3"]
+# Every fixture the engine runs (one per model_type).
+MODEL_FIXTURES = ["llama", "qwen2", "qwen3", "granite", "smollm3", "gemma3"]
 
 
 class Reference:

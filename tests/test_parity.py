@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from cellm import LLM, _core
-from conftest import LLAMA_LIKE, Reference
+from conftest import MODEL_FIXTURES, Reference
 
 ATOL = 1e-3
 
 
-@pytest.fixture(scope="module", params=LLAMA_LIKE)
+@pytest.fixture(scope="module", params=MODEL_FIXTURES)
 def case(request, converted):
     ref = Reference(request.param)
     return ref, LLM(converted(request.param, "f32"), kv_encoding="f32")
@@ -58,7 +58,7 @@ def test_chat_template_renders_reference(case):
     assert llm.apply_chat_template(chat["messages"]) == chat["rendered"]
 
 
-@pytest.mark.parametrize("name", LLAMA_LIKE)
+@pytest.mark.parametrize("name", MODEL_FIXTURES)
 def test_f16_weights_and_kv_keep_argmax(name, converted):
     ref = Reference(name)
     llm = LLM(converted(name, "f16"), kv_encoding="f16")

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use cellm_format::{CellmFile, Error, Result};
-use cellm_kv::{KvConfig, PagePool, SeqKv, SeqSpan};
+use cellm_kv::{KvConfig, PagePool, SeqKv, SeqSpan, SeqState};
 use cellm_models::{CausalLm, Step};
 
 pub use cellm_format;
@@ -51,11 +51,18 @@ pub enum LogitsMode {
 
 pub type SessionId = u64;
 
+/// What one session owns: its KV pages and its recurrent state.
+struct Session {
+    kv: SeqKv,
+    state: SeqState,
+}
+
 pub struct Engine {
     file: CellmFile,
     model: Box<dyn CausalLm>,
     pool: PagePool,
-    sessions: HashMap<SessionId, SeqKv>,
+    state_layout: Vec<usize>,
+    sessions: HashMap<SessionId, Session>,
     next_session: SessionId,
     workers: ThreadPool,
     context_length: usize,
@@ -80,17 +87,19 @@ impl Engine {
         let layout = model.cache_layout();
         let capacity = opts.kv_capacity_tokens.unwrap_or(context_length * DEFAULT_KV_SESSIONS);
         let pool = PagePool::new(KvConfig {
-            num_layers: layout.num_layers,
+            num_layers: layout.kv_layers,
             kv_heads: layout.kv_heads,
             head_dim: layout.head_dim,
             page_size: PAGE_SIZE,
-            max_pages: capacity.div_ceil(PAGE_SIZE).max(1) * layout.num_layers,
+            max_pages: capacity.div_ceil(PAGE_SIZE).max(1) * layout.kv_layers,
             encoding: opts.kv_encoding,
+            windows: layout.windows,
         });
         Ok(Self {
             file,
             model,
             pool,
+            state_layout: layout.state,
             sessions: HashMap::new(),
             next_session: 1,
             workers,
@@ -121,25 +130,47 @@ impl Engine {
     pub fn create_session(&mut self) -> SessionId {
         let id = self.next_session;
         self.next_session += 1;
-        self.sessions.insert(id, self.pool.new_seq());
+        let session = Session { kv: self.pool.new_seq(), state: SeqState::new(&self.state_layout) };
+        self.sessions.insert(id, session);
         id
     }
 
     pub fn free_session(&mut self, id: SessionId) -> Result<()> {
-        let mut seq = self.sessions.remove(&id).ok_or_else(|| unknown(id))?;
-        self.pool.release(&mut seq);
+        let mut session = self.sessions.remove(&id).ok_or_else(|| unknown(id))?;
+        self.pool.release(&mut session.kv);
         Ok(())
     }
 
     /// Drops cached positions from `len` on (rewinding for regeneration or a shared prefix).
+    /// Recurrent state cannot be rewound, so such models only reset (`len` 0); nor can a
+    /// sliding layer get back positions that left its window.
     pub fn truncate_session(&mut self, id: SessionId, len: usize) -> Result<()> {
-        let seq = self.sessions.get_mut(&id).ok_or_else(|| unknown(id))?;
-        self.pool.truncate(seq, len);
+        let session = self.sessions.get_mut(&id).ok_or_else(|| unknown(id))?;
+        let cached = session.kv.len();
+        if len >= cached {
+            return Ok(());
+        }
+        if len > 0 && !session.state.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "session {id}: this model keeps recurrent state, which cannot be rewound to \
+                 position {len}; truncate to 0 to reset it"
+            )));
+        }
+        if !self.pool.can_truncate(&session.kv, len) {
+            return Err(Error::InvalidArgument(format!(
+                "session {id}: position {len} is no longer in the sliding window of every \
+                 layer (its pages were released); truncate to 0 to reset"
+            )));
+        }
+        self.pool.truncate(&mut session.kv, len);
+        if len == 0 {
+            session.state.reset();
+        }
         Ok(())
     }
 
     pub fn session_len(&self, id: SessionId) -> Result<usize> {
-        Ok(self.sessions.get(&id).ok_or_else(|| unknown(id))?.len())
+        Ok(self.sessions.get(&id).ok_or_else(|| unknown(id))?.kv.len())
     }
 
     /// Runs one forward over the new tokens of each `(session, tokens)` pair and returns the
@@ -152,11 +183,11 @@ impl Engine {
     ) -> Result<(Vec<f32>, usize)> {
         self.validate(batch)?;
         for (i, &(id, tokens)) in batch.iter().enumerate() {
-            let seq = self.sessions.get_mut(&id).expect("validated");
+            let seq = &mut self.sessions.get_mut(&id).expect("validated").kv;
             let new_len = seq.len() + tokens.len();
             if let Err(e) = self.pool.reserve(seq, new_len) {
                 for &(done, _) in &batch[..i] {
-                    let s = self.sessions.get_mut(&done).expect("validated");
+                    let s = &mut self.sessions.get_mut(&done).expect("validated").kv;
                     let len = s.len();
                     self.pool.truncate(s, len);
                 }
@@ -164,12 +195,23 @@ impl Engine {
             }
         }
         let tokens: Vec<u32> = batch.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+        // Each session's pages (read) and state (written) in batch order.
+        let mut members: Vec<(usize, &SeqKv, &mut SeqState)> = self
+            .sessions
+            .iter_mut()
+            .filter_map(|(id, s)| {
+                let at = batch.iter().position(|(b, _)| b == id)?;
+                Some((at, &s.kv, &mut s.state))
+            })
+            .collect();
+        members.sort_unstable_by_key(|m| m.0);
         let mut spans = Vec::with_capacity(batch.len());
+        let mut states = Vec::with_capacity(batch.len());
         let mut logit_rows = Vec::new();
         let mut row0 = 0;
-        for &(id, t) in batch {
-            let kv = &self.sessions[&id];
+        for ((_, kv, state), &(_, t)) in members.into_iter().zip(batch) {
             spans.push(SeqSpan { kv, start: kv.len(), len: t.len(), row0 });
+            states.push(state);
             match mode {
                 LogitsMode::Last => logit_rows.push(row0 + t.len() - 1),
                 LogitsMode::All => logit_rows.extend(row0..row0 + t.len()),
@@ -178,10 +220,10 @@ impl Engine {
         }
         let step = Step { tokens: &tokens, spans: &spans, logit_rows: &logit_rows };
         let (model, pool) = (&self.model, &mut self.pool);
-        let logits = self.workers.install(|| model.forward(&step, pool));
-        drop(spans);
+        let logits = self.workers.install(|| model.forward(&step, pool, &mut states));
+        drop((spans, states));
         for &(id, t) in batch {
-            let seq = self.sessions.get_mut(&id).expect("validated");
+            let seq = &mut self.sessions.get_mut(&id).expect("validated").kv;
             let new_len = seq.len() + t.len();
             self.pool.commit(seq, new_len);
         }
@@ -194,7 +236,7 @@ impl Engine {
         }
         let vocab = self.model.config().vocab_size;
         for (i, &(id, tokens)) in batch.iter().enumerate() {
-            let seq = self.sessions.get(&id).ok_or_else(|| unknown(id))?;
+            let seq = &self.sessions.get(&id).ok_or_else(|| unknown(id))?.kv;
             if batch[..i].iter().any(|(other, _)| *other == id) {
                 return Err(Error::InvalidArgument(format!(
                     "session {id} appears twice in one step"

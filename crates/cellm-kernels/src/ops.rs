@@ -19,6 +19,16 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `gate = gelu_tanh(gate) * up` (HF's `gelu_pytorch_tanh`).
+pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for (g, u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        let inner = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+        *g = 0.5 * x * (1.0 + inner.tanh()) * u;
+    }
+}
+
 /// `acc += scale * x`.
 pub fn add_scaled(acc: &mut [f32], x: &[f32], scale: f32) {
     if scale == 1.0 {

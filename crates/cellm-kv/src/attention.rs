@@ -252,6 +252,7 @@ mod tests {
             page_size: 4,
             max_pages: 16,
             encoding: KvEncoding::F32,
+            windows: Vec::new(),
         });
         let val = |i: usize| ((i * 7919) % 97) as f32 / 48.0 - 1.0;
         let q: Vec<f32> = (0..len * n_heads * hd).map(|i| val(i + 3)).collect();

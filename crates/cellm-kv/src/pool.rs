@@ -46,13 +46,27 @@ pub struct KvConfig {
     /// The pool never holds more pages than this (pages are allocated on first use).
     pub max_pages: usize,
     pub encoding: KvEncoding,
+    /// Per layer, the sliding window of its attention (None: full). Pages that fall wholly out
+    /// of a layer's window go back to the pool. Empty means no layer slides.
+    pub windows: Vec<Option<usize>>,
 }
+
+impl KvConfig {
+    fn window(&self, layer: usize) -> Option<usize> {
+        self.windows.get(layer).copied().flatten()
+    }
+}
+
+/// A page-table entry whose page went back to the pool (out of a sliding window).
+const RELEASED: u32 = u32::MAX;
 
 /// One session's view of the cache: how many positions are filled, and its page tables.
 #[derive(Debug, Default)]
 pub struct SeqKv {
     len: usize,
     pages: Vec<Vec<u32>>,
+    /// Per layer, how many leading pages were released (sliding layers only).
+    released: Vec<usize>,
 }
 
 impl SeqKv {
@@ -66,7 +80,9 @@ impl SeqKv {
     }
 
     pub(crate) fn page(&self, layer: usize, index: usize) -> u32 {
-        self.pages[layer][index]
+        let id = self.pages[layer][index];
+        debug_assert_ne!(id, RELEASED, "page {index} of layer {layer} is out of the window");
+        id
     }
 }
 
@@ -89,7 +105,8 @@ impl PagePool {
     }
 
     pub fn new_seq(&self) -> SeqKv {
-        SeqKv { len: 0, pages: vec![Vec::new(); self.cfg.num_layers] }
+        let layers = self.cfg.num_layers;
+        SeqKv { len: 0, pages: vec![Vec::new(); layers], released: vec![0; layers] }
     }
 
     /// Pages handed out to sessions right now.
@@ -134,20 +151,49 @@ impl PagePool {
         Ok(())
     }
 
-    /// Marks positions `..new_len` filled (after their keys and values were written).
-    pub fn commit(&self, seq: &mut SeqKv, new_len: usize) {
+    /// Marks positions `..new_len` filled (after their keys and values were written), then
+    /// returns the pages of sliding layers that no later query can reach.
+    pub fn commit(&mut self, seq: &mut SeqKv, new_len: usize) {
         debug_assert!(seq.pages.iter().all(|t| t.len() * self.cfg.page_size >= new_len));
         seq.len = new_len;
+        for layer in 0..self.cfg.num_layers {
+            let Some(window) = self.cfg.window(layer) else { continue };
+            // The next query sits at `new_len` and reads from `new_len + 1 - window` on.
+            let dead = (new_len + 1).saturating_sub(window) / self.cfg.page_size;
+            let (table, released) = (&mut seq.pages[layer], &mut seq.released[layer]);
+            while *released < dead {
+                self.free.push(std::mem::replace(&mut table[*released], RELEASED));
+                *released += 1;
+            }
+        }
+    }
+
+    /// Whether `seq` can be cut back to `new_len` positions: a sliding layer must still hold
+    /// the window the next position would read (cutting to 0 always works).
+    pub fn can_truncate(&self, seq: &SeqKv, new_len: usize) -> bool {
+        let new_len = new_len.min(seq.len);
+        new_len == 0
+            || (0..self.cfg.num_layers).all(|layer| {
+                self.cfg.window(layer).is_none_or(|w| {
+                    (new_len + 1).saturating_sub(w) / self.cfg.page_size >= seq.released[layer]
+                })
+            })
     }
 
     /// Forgets positions from `new_len` on and returns whole unused pages to the pool.
+    /// Callers check [`Self::can_truncate`] first.
     pub fn truncate(&mut self, seq: &mut SeqKv, new_len: usize) {
+        debug_assert!(self.can_truncate(seq, new_len));
         seq.len = seq.len.min(new_len);
         let keep = seq.len.div_ceil(self.cfg.page_size);
-        for table in &mut seq.pages {
+        for (table, released) in seq.pages.iter_mut().zip(&mut seq.released) {
             while table.len() > keep {
-                self.free.push(table.pop().expect("len > keep"));
+                let id = table.pop().expect("len > keep");
+                if id != RELEASED {
+                    self.free.push(id);
+                }
             }
+            *released = (*released).min(keep);
         }
     }
 
@@ -222,6 +268,7 @@ mod tests {
             page_size: 4,
             max_pages,
             encoding: KvEncoding::F32,
+            windows: vec![None, Some(5)],
         })
     }
 
@@ -241,6 +288,34 @@ mod tests {
         p.release(&mut a);
         p.release(&mut b);
         assert_eq!(p.pages_in_use(), 0);
+    }
+
+    /// Layer 1 slides with a window of 5 over pages of 4: once position 8 is next, page 0
+    /// (positions 0-3) is unreachable and goes back, and memory stays bounded as it grows.
+    #[test]
+    fn sliding_layers_give_pages_back() {
+        let mut p = pool(64);
+        let mut s = p.new_seq();
+        p.reserve(&mut s, 7).unwrap();
+        p.commit(&mut s, 7);
+        assert_eq!(p.pages_in_use(), 4, "position 7 still reads position 3");
+        p.reserve(&mut s, 8).unwrap();
+        p.commit(&mut s, 8);
+        assert_eq!(p.pages_in_use(), 3, "layer 1 released page 0");
+        // Cutting back to 7 would make position 7 read position 3 again, which is gone.
+        assert!(p.can_truncate(&s, 8) && !p.can_truncate(&s, 7) && p.can_truncate(&s, 0));
+        for len in 9..=100 {
+            p.reserve(&mut s, len).unwrap();
+            p.commit(&mut s, len);
+        }
+        // Layer 0 holds all 25 pages; layer 1 only page 24 (positions 96-99), all that
+        // position 100's window (96-100) reads so far.
+        assert_eq!(p.pages_in_use(), 25 + 1);
+        p.truncate(&mut s, 0);
+        assert_eq!(p.pages_in_use(), 0);
+        p.reserve(&mut s, 4).unwrap();
+        p.commit(&mut s, 4);
+        assert_eq!(p.pages_in_use(), 2, "a reset session starts over");
     }
 
     #[test]

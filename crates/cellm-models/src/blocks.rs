@@ -1,11 +1,11 @@
 //! Shared blocks every family is built from: weight lookup with shape checks, linear layers,
-//! RMSNorm, RoPE, the gated MLP and grouped-query attention.
+//! RMSNorm, RoPE, the gated MLP, grouped-query attention and the language-model head.
 
 use cellm_format::{CellmFile, Error, Result, Tensor};
 use cellm_kernels::{decode_row, matmul, ops};
 use cellm_kv::{AttentionShape, PagePool};
 
-use crate::Step;
+use crate::{Activation, ModelConfig, RopeConfig, Step};
 
 /// Fetches tensors by name and checks their shapes, so a bad file fails at load with the
 /// tensor's name rather than in the middle of a forward.
@@ -64,6 +64,7 @@ impl Linear {
     }
 }
 
+/// `x / rms(x) * w`. Gemma's `(1 + w)` is folded into `w` at conversion.
 pub struct RmsNorm {
     weight: Tensor,
     eps: f32,
@@ -111,6 +112,12 @@ pub struct Rope {
     pub attention_factor: f32,
 }
 
+impl From<&RopeConfig> for Rope {
+    fn from(c: &RopeConfig) -> Self {
+        Self { inv_freq: c.inv_freq.clone(), attention_factor: c.attention_factor }
+    }
+}
+
 impl Rope {
     /// Rotates the first `2 * inv_freq.len()` dims of every `head_dim`-wide head in `x`.
     pub fn apply(&self, x: &mut [f32], positions: &[usize], head_dim: usize) {
@@ -138,36 +145,45 @@ impl Rope {
     }
 }
 
-/// `down(silu(gate(x)) * up(x))`.
+/// `down(act(gate(x)) * up(x))`.
 pub struct GatedMlp {
     pub gate: Linear,
     pub up: Linear,
     pub down: Linear,
+    pub act: Activation,
 }
 
 impl GatedMlp {
+    /// The HF layout: `{prefix}.gate_proj`, `.up_proj`, `.down_proj`.
     pub fn load(
         w: &Weights,
         prefix: &str,
         hidden: usize,
         inter: usize,
         bias: bool,
+        act: Activation,
     ) -> Result<Self> {
         Ok(Self {
             gate: w.linear(&format!("{prefix}.gate_proj"), inter, hidden, bias)?,
             up: w.linear(&format!("{prefix}.up_proj"), inter, hidden, bias)?,
             down: w.linear(&format!("{prefix}.down_proj"), hidden, inter, bias)?,
+            act,
         })
     }
 
     pub fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
         let mut g = self.gate.forward(x, tokens);
-        ops::silu_mul(&mut g, &self.up.forward(x, tokens));
+        let up = self.up.forward(x, tokens);
+        match self.act {
+            Activation::Silu => ops::silu_mul(&mut g, &up),
+            Activation::GeluTanh => ops::gelu_tanh_mul(&mut g, &up),
+        }
         self.down.forward(&g, tokens)
     }
 }
 
-/// Grouped-query attention with optional per-head q/k RMSNorm and RoPE.
+/// Grouped-query attention with optional per-head q/k RMSNorm and RoPE; `shape` carries the
+/// layer's scale, sliding window and soft-cap.
 pub struct Attention {
     pub q: Linear,
     pub k: Linear,
@@ -203,6 +219,77 @@ impl Attention {
         let mut ctx = vec![0.0; q.len()];
         kv.attention(layer, step.spans, &q, &k, &v, &mut ctx, &self.shape);
         self.o.forward(&ctx, tokens)
+    }
+}
+
+impl Attention {
+    /// The HF layout `{prefix}.{q,k,v,o}_proj` (+ `q_norm`/`k_norm` when `qk_norm`), shaped by
+    /// the config; `window` is the layer's sliding window.
+    pub fn load(
+        w: &Weights,
+        prefix: &str,
+        cfg: &ModelConfig,
+        window: Option<usize>,
+    ) -> Result<Self> {
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let (q_out, kv_out) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+        let bias = cfg.attention_bias;
+        let qk_norm = |n: &str| {
+            cfg.qk_norm.then(|| w.norm(&format!("{prefix}.{n}.weight"), hd, cfg.norm_eps))
+        };
+        Ok(Attention {
+            q: w.linear(&format!("{prefix}.q_proj"), q_out, h, bias)?,
+            k: w.linear(&format!("{prefix}.k_proj"), kv_out, h, bias)?,
+            v: w.linear(&format!("{prefix}.v_proj"), kv_out, h, bias)?,
+            o: w.linear(&format!("{prefix}.o_proj"), h, q_out, cfg.attention_out_bias)?,
+            q_norm: qk_norm("q_norm").transpose()?,
+            k_norm: qk_norm("k_norm").transpose()?,
+            shape: AttentionShape {
+                n_heads: cfg.num_heads,
+                n_kv_heads: cfg.num_kv_heads,
+                head_dim: hd,
+                scale: cfg.attention_scale(),
+                window,
+                softcap: cfg.attn_logit_softcap,
+            },
+        })
+    }
+}
+
+/// Final norm, then the output projection (the embedding table when tied), the logit scale
+/// and the optional final soft-cap.
+pub struct LmHead {
+    norm: RmsNorm,
+    weight: Tensor,
+    scale: f32,
+    softcap: Option<f32>,
+}
+
+impl LmHead {
+    pub fn load(w: &Weights, norm: &str, cfg: &ModelConfig, embed: &Embedding) -> Result<Self> {
+        let weight = if cfg.tie_word_embeddings {
+            embed.table.clone()
+        } else {
+            w.tensor("lm_head.weight", &[cfg.vocab_size, cfg.hidden_size])?
+        };
+        Ok(Self {
+            norm: w.norm(norm, cfg.hidden_size, cfg.norm_eps)?,
+            weight,
+            scale: cfg.logits_scale,
+            softcap: cfg.final_logit_softcap,
+        })
+    }
+
+    /// Logits (`rows x vocab`) of the hidden rows `x`, which it normalises in place.
+    pub fn forward(&self, x: &mut [f32], rows: usize) -> Vec<f32> {
+        self.norm.apply(x);
+        let mut logits = vec![0.0; rows * self.weight.shape[0]];
+        matmul(x, rows, &self.weight, &mut logits);
+        ops::scale(&mut logits, self.scale);
+        if let Some(cap) = self.softcap {
+            logits.iter_mut().for_each(|l| *l = cap * (*l / cap).tanh());
+        }
+        logits
     }
 }
 

@@ -1,6 +1,9 @@
 //! The normalised model description written by the converter (see docs/format.md).
 
+use std::collections::HashMap;
+
 use cellm_format::{Error, Result};
+use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -14,6 +17,27 @@ pub struct RopeConfig {
 
 fn one() -> f32 {
     1.0
+}
+
+/// What a layer's token mixer is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerType {
+    FullAttention,
+    SlidingAttention,
+    /// A gated short convolution (LFM2).
+    Conv,
+    /// A gated DeltaNet recurrence (Qwen3.5).
+    LinearAttention,
+}
+
+/// The MLP's gate activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    Silu,
+    /// `gelu` with the tanh approximation (HF's `gelu_pytorch_tanh`).
+    GeluTanh,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -32,7 +56,7 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     #[serde(default = "silu")]
-    pub hidden_act: String,
+    pub hidden_act: Activation,
     #[serde(default)]
     pub attention_bias: bool,
     #[serde(default)]
@@ -52,10 +76,28 @@ pub struct ModelConfig {
     pub attention_scale: Option<f32>,
     #[serde(default = "one")]
     pub logits_scale: f32,
+    /// One entry per layer; empty means every layer is full attention.
+    #[serde(default)]
+    pub layer_types: Vec<LayerType>,
+    /// Positions a sliding layer attends to, itself included.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// RoPE of sliding layers when it differs from `rope` (Gemma's local base).
+    #[serde(default)]
+    pub rope_local: Option<RopeConfig>,
+    /// `cap * tanh(x / cap)` on attention scores / on the final logits.
+    #[serde(default)]
+    pub attn_logit_softcap: Option<f32>,
+    #[serde(default)]
+    pub final_logit_softcap: Option<f32>,
+    /// Family-specific sections (`conv`, `linear_attention`, `mla`, `moe`), read with
+    /// [`ModelConfig::section`].
+    #[serde(flatten)]
+    pub extra: HashMap<String, serde_json::Value>,
 }
 
-fn silu() -> String {
-    "silu".into()
+fn silu() -> Activation {
+    Activation::Silu
 }
 
 impl ModelConfig {
@@ -87,13 +129,35 @@ impl ModelConfig {
         if self.rope_layers.as_ref().is_some_and(|r| r.len() != self.num_layers) {
             return bad("rope_layers must have one entry per layer".into());
         }
-        if self.hidden_act != "silu" {
-            return Err(Error::Unsupported(format!(
-                "activation '{}' is not supported",
-                self.hidden_act
-            )));
+        if !self.layer_types.is_empty() && self.layer_types.len() != self.num_layers {
+            return bad("layer_types must have one entry per layer".into());
+        }
+        if self.layer_types.contains(&LayerType::SlidingAttention)
+            && self.sliding_window.is_none_or(|w| w == 0)
+        {
+            return bad("sliding layers need a sliding_window of at least 1".into());
         }
         Ok(())
+    }
+
+    /// A family-specific section of the description.
+    pub fn section<T: DeserializeOwned>(&self, name: &str) -> Result<T> {
+        let v = self
+            .extra
+            .get(name)
+            .ok_or_else(|| Error::format(format!("bad model description: no '{name}' section")))?;
+        serde_json::from_value(v.clone())
+            .map_err(|e| Error::format(format!("bad model description: '{name}': {e}")))
+    }
+
+    pub fn layer_type(&self, layer: usize) -> LayerType {
+        self.layer_types.get(layer).copied().unwrap_or(LayerType::FullAttention)
+    }
+
+    /// The sliding window of `layer`, if it slides.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        (self.layer_type(layer) == LayerType::SlidingAttention)
+            .then(|| self.sliding_window.expect("validated"))
     }
 
     pub fn attention_scale(&self) -> f32 {

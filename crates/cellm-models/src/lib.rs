@@ -5,12 +5,13 @@
 
 pub mod blocks;
 mod config;
+mod gemma;
 mod llama;
 mod registry;
 
-use cellm_kv::{PagePool, SeqSpan};
+use cellm_kv::{PagePool, SeqSpan, SeqState};
 
-pub use config::{ModelConfig, RopeConfig};
+pub use config::{Activation, LayerType, ModelConfig, RopeConfig};
 pub use registry::{load, SUPPORTED_ARCHITECTURES};
 
 /// One batched forward step: the new tokens of several sessions, concatenated.
@@ -34,17 +35,23 @@ impl Step<'_> {
     }
 }
 
-/// The KV layout a model asks of the engine.
-#[derive(Debug, Clone, Copy)]
+/// The per-session caches a model asks of the engine.
+#[derive(Debug, Clone)]
 pub struct CacheLayout {
-    pub num_layers: usize,
+    /// KV layers (a model numbers its attention layers 0..kv_layers).
+    pub kv_layers: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// Per KV layer, its sliding window (empty: none slides).
+    pub windows: Vec<Option<usize>>,
+    /// Floats of each recurrent-state buffer (empty: the model keeps none).
+    pub state: Vec<usize>,
 }
 
 pub trait CausalLm: Send + Sync {
     fn config(&self) -> &ModelConfig;
     fn cache_layout(&self) -> CacheLayout;
-    /// Logits for `step.logit_rows`, row-major `rows x vocab`.
-    fn forward(&self, step: &Step, kv: &mut PagePool) -> Vec<f32>;
+    /// Logits for `step.logit_rows`, row-major `rows x vocab`. `states[i]` is the recurrent
+    /// state of `step.spans[i]`'s session.
+    fn forward(&self, step: &Step, kv: &mut PagePool, states: &mut [&mut SeqState]) -> Vec<f32>;
 }

@@ -3,10 +3,10 @@
 //! smollm3 (layers without RoPE). Their differences are config data, not code paths.
 
 use cellm_format::{CellmFile, Result};
-use cellm_kernels::{matmul, ops};
-use cellm_kv::{AttentionShape, PagePool};
+use cellm_kernels::ops;
+use cellm_kv::{PagePool, SeqState};
 
-use crate::blocks::{gather_rows, Attention, Embedding, GatedMlp, Linear, RmsNorm, Rope, Weights};
+use crate::blocks::{gather_rows, Attention, Embedding, GatedMlp, LmHead, RmsNorm, Rope, Weights};
 use crate::{CacheLayout, CausalLm, ModelConfig, Step};
 
 struct Layer {
@@ -21,55 +21,19 @@ pub struct Llama {
     cfg: ModelConfig,
     embed: Embedding,
     layers: Vec<Layer>,
-    norm: RmsNorm,
-    lm_head: Option<Linear>,
+    head: LmHead,
     rope: Rope,
 }
 
 pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
     let w = Weights { file };
-    let (h, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.norm_eps);
-    let shape = AttentionShape {
-        n_heads: cfg.num_heads,
-        n_kv_heads: cfg.num_kv_heads,
-        head_dim: hd,
-        scale: cfg.attention_scale(),
-        window: None,
-        softcap: None,
-    };
+    let (h, eps) = (cfg.hidden_size, cfg.norm_eps);
     let layers = (0..cfg.num_layers)
         .map(|i| {
             let p = format!("model.layers.{i}");
-            let a = format!("{p}.self_attn");
-            let qk_norm = |n: &str| {
-                cfg.qk_norm.then(|| w.norm(&format!("{a}.{n}.weight"), hd, eps)).transpose()
-            };
             Ok(Layer {
                 input_norm: w.norm(&format!("{p}.input_layernorm.weight"), h, eps)?,
-                attn: Attention {
-                    q: w.linear(&format!("{a}.q_proj"), cfg.num_heads * hd, h, cfg.attention_bias)?,
-                    k: w.linear(
-                        &format!("{a}.k_proj"),
-                        cfg.num_kv_heads * hd,
-                        h,
-                        cfg.attention_bias,
-                    )?,
-                    v: w.linear(
-                        &format!("{a}.v_proj"),
-                        cfg.num_kv_heads * hd,
-                        h,
-                        cfg.attention_bias,
-                    )?,
-                    o: w.linear(
-                        &format!("{a}.o_proj"),
-                        h,
-                        cfg.num_heads * hd,
-                        cfg.attention_out_bias,
-                    )?,
-                    q_norm: qk_norm("q_norm")?,
-                    k_norm: qk_norm("k_norm")?,
-                    shape: shape.clone(),
-                },
+                attn: Attention::load(&w, &format!("{p}.self_attn"), &cfg, cfg.window(i))?,
                 post_attn_norm: w.norm(&format!("{p}.post_attention_layernorm.weight"), h, eps)?,
                 mlp: GatedMlp::load(
                     &w,
@@ -77,26 +41,18 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
                     h,
                     cfg.intermediate_size,
                     cfg.mlp_bias,
+                    cfg.hidden_act,
                 )?,
                 rope: cfg.layer_uses_rope(i),
             })
         })
         .collect::<Result<Vec<_>>>()?;
     let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
-    let lm_head = if cfg.tie_word_embeddings {
-        None
-    } else {
-        Some(w.linear("lm_head", cfg.vocab_size, h, false)?)
-    };
     Ok(Box::new(Llama {
-        norm: w.norm("model.norm.weight", h, eps)?,
-        rope: Rope {
-            inv_freq: cfg.rope.inv_freq.clone(),
-            attention_factor: cfg.rope.attention_factor,
-        },
+        head: LmHead::load(&w, "model.norm.weight", &cfg, &embed)?,
+        rope: Rope::from(&cfg.rope),
         embed,
         layers,
-        lm_head,
         cfg,
     }))
 }
@@ -107,16 +63,18 @@ impl CausalLm for Llama {
     }
 
     fn cache_layout(&self) -> CacheLayout {
+        let c = &self.cfg;
         CacheLayout {
-            num_layers: self.cfg.num_layers,
-            kv_heads: self.cfg.num_kv_heads,
-            head_dim: self.cfg.head_dim,
+            kv_layers: c.num_layers,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            windows: (0..c.num_layers).map(|i| c.window(i)).collect(),
+            state: Vec::new(),
         }
     }
 
-    fn forward(&self, step: &Step, kv: &mut PagePool) -> Vec<f32> {
+    fn forward(&self, step: &Step, kv: &mut PagePool, _: &mut [&mut SeqState]) -> Vec<f32> {
         let c = &self.cfg;
-        let h = c.hidden_size;
         let positions = step.positions();
         let mut x = self
             .embed
@@ -130,19 +88,12 @@ impl CausalLm for Llama {
             ops::add_scaled(&mut x, &attn, c.residual_multiplier);
             if i + 1 == self.layers.len() {
                 // Only the rows whose logits are wanted go through the last MLP and the head.
-                x = gather_rows(&x, h, step.logit_rows);
+                x = gather_rows(&x, c.hidden_size, step.logit_rows);
                 rows = step.logit_rows.len();
             }
             let mlp = layer.mlp.forward(&layer.post_attn_norm.applied(&x), rows);
             ops::add_scaled(&mut x, &mlp, c.residual_multiplier);
         }
-        self.norm.apply(&mut x);
-        let mut logits = vec![0.0; rows * c.vocab_size];
-        match &self.lm_head {
-            Some(head) => matmul(&x, rows, &head.weight, &mut logits),
-            None => matmul(&x, rows, &self.embed.table, &mut logits),
-        }
-        ops::scale(&mut logits, c.logits_scale);
-        logits
+        self.head.forward(&mut x, rows)
     }
 }

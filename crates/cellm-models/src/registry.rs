@@ -2,13 +2,13 @@
 
 use cellm_format::{CellmFile, Error, Result};
 
-use crate::{llama, CausalLm, ModelConfig};
+use crate::{gemma, llama, CausalLm, ModelConfig};
 
 type Loader = fn(&CellmFile, ModelConfig) -> Result<Box<dyn CausalLm>>;
 
-const FAMILIES: &[(&str, Loader)] = &[("llama", llama::load)];
+const FAMILIES: &[(&str, Loader)] = &[("llama", llama::load), ("gemma3", gemma::load)];
 
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "gemma3"];
 
 /// Builds the model a validated file describes.
 pub fn load(file: &CellmFile) -> Result<Box<dyn CausalLm>> {

@@ -4,7 +4,7 @@ numpy. `convert` dispatches on the input; `convert_hf` and `convert_gguf` are th
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional, Union
 
@@ -19,7 +19,7 @@ from .progress import ProgressBar
 from .quantize import check_quantization, quantize_rows
 from .safetensors import Checkpoint, open_checkpoint
 from .tokenizer_files import TOKENIZER_BLOB, load_tokenizer_files
-from .weights import plan_tensors
+from .weights import plan_tensors, tensor_transform
 from .writer import TensorEntry, read_header, write_cellm
 
 __all__ = ["convert", "convert_gguf", "convert_hf", "is_gguf", "read_header"]
@@ -93,10 +93,15 @@ def convert_hf(
     family_of(config, config_source)
 
     with open_checkpoint(src) as checkpoint:
-        model = normalise_config(config, checkpoint, config_source)
+        embed = "model.embed_tokens.weight"
+        embed_dtype = checkpoint.info(embed).dtype if embed in checkpoint else "F32"
+        model = normalise_config(config, checkpoint, config_source, embed_dtype)
         plan = plan_tensors(model, checkpoint)
         tok = load_tokenizer_files(src, config)
-        entries = [_entry(checkpoint, name, shape, dtype, quantize) for name, shape in plan]
+        entries = [
+            _entry(checkpoint, name, shape, dtype, quantize, tensor_transform(model, name))
+            for name, shape in plan
+        ]
         header = {
             "model": model,
             "hf_config": config,
@@ -127,8 +132,14 @@ def _entry(
     shape: tuple[int, ...],
     dtype: str,
     quantize: Optional[str],
+    transform: Optional[Callable[[np.ndarray], np.ndarray]] = None,
 ) -> TensorEntry:
     src_dtype = checkpoint.info(name).dtype
+    if transform is not None:
+        # Only small tensors (norm weights) are rewritten: transform them whole.
+        values = transform(np.concatenate(list(float32_chunks(checkpoint.view(name), src_dtype))))
+        fmt = dtype if len(shape) >= 2 else "f32"
+        return TensorEntry.from_array(name, values.reshape(shape), fmt)
     if quantize and len(shape) == 2 and shape[1] % 32 == 0:
 
         def blocks() -> Iterator[np.ndarray]:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 from ..errors import FormatError, UnsupportedArchitecture
 from .jsonfiles import read_json
 from .rope import ROPE_TYPES, compute_inv_freq
@@ -31,8 +33,14 @@ class Family:
     granite_scaling: bool = False
     # smollm3: some layers skip RoPE (`no_rope_layers`).
     nope_layers: bool = False
-    # How HF derives `layer_types` when the config omits it: "qwen", "smollm3" or None.
+    # How HF derives `layer_types` when the config omits it: "qwen", "smollm3", "gemma3" or
+    # None.
     sliding_rule: Optional[str] = None
+    # The engine runs this family's sliding-window layers (others must be all full attention).
+    slides: bool = False
+    # gemma3: query_pre_attn_scalar, sqrt(hidden) embedding scale, per-layer-type RoPE,
+    # soft-capping.
+    gemma_scaling: bool = False
 
 
 _COMMON = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "rope_theta": 10000.0}
@@ -79,7 +87,34 @@ FAMILIES: dict[str, Family] = {
         sliding_rule="smollm3",
     ),
 }
+FAMILIES["gemma3_text"] = Family(
+    "gemma3",
+    {
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+    },
+    # Gemma3Attention always has q/k norms; its MLP has no biases.
+    fixed={"mlp_bias": False, "qk_norm": True},
+    sliding_rule="gemma3",
+    slides=True,
+    gemma_scaling=True,
+)
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+# HF activation names -> the engine's.
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_tanh": "gelu_tanh",
+}
 
 
 def load_config(directory: Path) -> dict[str, Any]:
@@ -150,11 +185,13 @@ def normalise_config(
     config: Mapping[str, Any],
     tensor_names: Optional[Container[str]] = None,
     source: str = "config.json",
+    embedding_dtype: str = "F32",
 ) -> dict[str, Any]:
     """The `model` section for `config`.
 
     `tensor_names` (the checkpoint's tensors) lets the weights settle tying: without an
     `lm_head.weight` the model can only be tied. None means: trust the config alone.
+    `embedding_dtype` is the checkpoint's embedding dtype, to which Gemma rounds its scale.
     """
     family = family_of(config, source)
     r = _Reader(config, family, source)
@@ -173,10 +210,11 @@ def normalise_config(
         raise FormatError(f"{source}: head_dim must be even for RoPE, got {head_dim}")
     max_pos = r.get_int("max_position_embeddings")
 
-    hidden_act = r.get("hidden_act")
-    if hidden_act not in ("silu", "swish"):  # HF's ACT2FN maps both names to SiLU
-        raise UnsupportedArchitecture(f"{source}: hidden_act {hidden_act!r} is not supported")
-    _check_full_attention(config, family, num_layers, r)
+    act_key = "hidden_activation" if family.gemma_scaling else "hidden_act"
+    hidden_act = _ACTIVATIONS.get(r.get(act_key))
+    if hidden_act is None:
+        raise UnsupportedArchitecture(f"{source}: {act_key} {r.get(act_key)!r} is not supported")
+    layer_types = _layer_types(config, family, num_layers, r)
 
     attention_bias = family.fixed.get("attention_bias", r.get_bool("attention_bias"))
     # HF's llama-style attention passes `bias=config.attention_bias` to o_proj as well.
@@ -197,6 +235,14 @@ def normalise_config(
     else:
         embedding_multiplier = residual_multiplier = logits_scale = 1.0
         attention_scale = head_dim**-0.5
+    extra: dict[str, Any] = {}
+    if family.gemma_scaling:
+        attention_scale = r.get_float("query_pre_attn_scalar") ** -0.5
+        # HF casts sqrt(hidden) to the embedding's dtype before scaling.
+        embedding_multiplier = _round_to(hidden**0.5, embedding_dtype)
+        extra = _gemma_extras(config, family, head_dim, max_pos, r)
+    if "sliding_attention" in layer_types:
+        extra["sliding_window"] = r.get_int("sliding_window")
 
     return {
         "architecture": family.architecture,
@@ -211,7 +257,7 @@ def normalise_config(
         "norm_eps": r.get_float("rms_norm_eps"),
         "max_position_embeddings": max_pos,
         "tie_word_embeddings": tied,
-        "hidden_act": "silu",
+        "hidden_act": hidden_act,
         "attention_bias": attention_bias,
         "attention_out_bias": attention_out_bias,
         "mlp_bias": family.fixed.get("mlp_bias", r.get_bool("mlp_bias")),
@@ -222,7 +268,40 @@ def normalise_config(
         "residual_multiplier": residual_multiplier,
         "attention_scale": attention_scale,
         "logits_scale": logits_scale,
+        "layer_types": layer_types,
+        **extra,
     }
+
+
+def _gemma_extras(
+    config: Mapping[str, Any], family: Family, head_dim: int, max_pos: int, r: _Reader
+) -> dict[str, Any]:
+    """Gemma 3's local RoPE and soft-caps."""
+    params = config.get("rope_parameters")
+    sliding = params.get("sliding_attention") if isinstance(params, dict) else None
+    # Older configs give local layers a plain rope_local_base_freq and never scale them.
+    local_params = dict(sliding) if isinstance(sliding, dict) else {"rope_type": "default"}
+    local_params.setdefault("rope_theta", r.get_float("rope_local_base_freq"))
+    local = {**config, "rope_scaling": None, "rope_parameters": {"full_attention": local_params}}
+    out: dict[str, Any] = {
+        "rope_local": rope_description(local, family, head_dim, max_pos, r.source)
+    }
+    for key, name in (
+        ("attn_logit_softcapping", "attn_logit_softcap"),
+        ("final_logit_softcapping", "final_logit_softcap"),
+    ):
+        if config.get(key) is not None:
+            out[name] = r.get_float(key)
+    return out
+
+
+def _round_to(value: float, dtype: str) -> float:
+    numpy_dtype = {"BF16": None, "F16": np.float16}.get(dtype, np.float32)
+    if numpy_dtype is None:  # bfloat16: keep the top 16 bits, rounding to nearest even
+        bits = int(np.array(value, dtype=np.float32).view(np.uint32))
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return float(np.array(bits, dtype=np.uint32).view(np.float32))
+    return float(numpy_dtype(value))
 
 
 def rope_parameters(config: Mapping[str, Any], family: Family, source: str) -> dict[str, Any]:
@@ -236,9 +315,9 @@ def rope_parameters(config: Mapping[str, Any], family: Family, source: str) -> d
     if not isinstance(raw, dict):
         raise FormatError(f"{source}: rope parameters must be an object, got {raw!r}")
     params = dict(raw)
-    # transformers 5 may nest one dict per layer type; these families only use full attention.
-    layer_types = config.get("layer_types") or ()
-    if any(key in layer_types for key in params):
+    # transformers 5 may nest one dict per layer type; this is the full-attention one (Gemma's
+    # sliding layers get theirs in `_gemma_extras`).
+    if "full_attention" in params or "sliding_attention" in params:
         nested = params.get("full_attention")
         if not isinstance(nested, dict):
             raise FormatError(f"{source}: rope parameters lack a 'full_attention' entry")
@@ -307,18 +386,23 @@ def _rope_layers(
     return [bool(x) for x in flags]
 
 
-def _check_full_attention(
+def _layer_types(
     config: Mapping[str, Any], family: Family, num_layers: int, r: _Reader
-) -> None:
-    """Reject sliding-window layers, which the description cannot express."""
+) -> list[str]:
+    """Each layer's type, checked against what the family runs."""
     layer_types = config.get("layer_types")
     if layer_types is None:
         layer_types = _derived_layer_types(config, family, num_layers, r)
-    odd = sorted({t for t in layer_types if t != "full_attention"})
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise FormatError(f"{r.source}: layer_types must list one type per layer ({num_layers})")
+    allowed = {"full_attention", "sliding_attention"} if family.slides else {"full_attention"}
+    odd = sorted({str(t) for t in layer_types if t not in allowed})
     if odd:
         raise UnsupportedArchitecture(
-            f"{r.source}: layer types {odd} are not supported (only full attention)"
+            f"{r.source}: layer types {odd} are not supported for {config['model_type']} "
+            f"(supported: {', '.join(sorted(allowed))})"
         )
+    return list(layer_types)
 
 
 def _derived_layer_types(
@@ -326,6 +410,12 @@ def _derived_layer_types(
 ) -> list[str]:
     # Mirrors the HF config classes' __post_init__ for configs without layer_types.
     sliding = bool(config.get("use_sliding_window")) and config.get("sliding_window") is not None
+    if family.sliding_rule == "gemma3":
+        pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
+        return [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
     if not sliding or family.sliding_rule is None:
         return ["full_attention"] * num_layers
     if family.sliding_rule == "qwen":

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Optional
+
+import numpy as np
 
 from ..errors import FormatError
 from .safetensors import Checkpoint
@@ -14,45 +16,94 @@ _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 _READABLE = ("F32", "F16", "BF16")
 
 
-def expected_tensors(model: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every tensor the engine reads, in file order (embedding, layers, head)."""
+Shapes = list[tuple[str, tuple[int, ...]]]
+
+
+def _attention(model: Mapping[str, Any], p: str) -> Shapes:
+    hidden, hd = model["hidden_size"], model["head_dim"]
+    q_out, kv_out = model["num_heads"] * hd, model["num_kv_heads"] * hd
+    out: Shapes = []
+    for proj, rows in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+        out.append((f"{p}self_attn.{proj}.weight", (rows, hidden)))
+        if model["attention_bias"]:
+            out.append((f"{p}self_attn.{proj}.bias", (rows,)))
+    out.append((p + "self_attn.o_proj.weight", (hidden, q_out)))
+    if model["attention_out_bias"]:
+        out.append((p + "self_attn.o_proj.bias", (hidden,)))
+    if model["qk_norm"]:
+        out.append((p + "self_attn.q_norm.weight", (hd,)))
+        out.append((p + "self_attn.k_norm.weight", (hd,)))
+    return out
+
+
+def _gated_mlp(model: Mapping[str, Any], p: str) -> Shapes:
     hidden, inter = model["hidden_size"], model["intermediate_size"]
-    q_out = model["num_heads"] * model["head_dim"]
-    kv_out = model["num_kv_heads"] * model["head_dim"]
-    out: list[tuple[str, tuple[int, ...]]] = [
-        ("model.embed_tokens.weight", (model["vocab_size"], hidden))
-    ]
+    out: Shapes = []
+    for proj, shape in (
+        ("gate_proj", (inter, hidden)),
+        ("up_proj", (inter, hidden)),
+        ("down_proj", (hidden, inter)),
+    ):
+        out.append((f"{p}mlp.{proj}.weight", shape))
+        if model["mlp_bias"]:
+            out.append((f"{p}mlp.{proj}.bias", shape[:1]))
+    return out
+
+
+def _norms(model: Mapping[str, Any], p: str, *names: str) -> Shapes:
+    return [(f"{p}{n}.weight", (model["hidden_size"],)) for n in names]
+
+
+def _llama_layer(model: Mapping[str, Any], p: str) -> Shapes:
+    return (
+        _norms(model, p, "input_layernorm")
+        + _attention(model, p)
+        + _norms(model, p, "post_attention_layernorm")
+        + _gated_mlp(model, p)
+    )
+
+
+def _gemma3_layer(model: Mapping[str, Any], p: str) -> Shapes:
+    return (
+        _norms(model, p, "input_layernorm")
+        + _attention(model, p)
+        + _norms(model, p, "post_attention_layernorm", "pre_feedforward_layernorm")
+        + _gated_mlp(model, p)
+        + _norms(model, p, "post_feedforward_layernorm")
+    )
+
+
+# Per engine architecture: the tensors of one decoder layer, given its name prefix.
+_LAYERS = {"llama": _llama_layer, "gemma3": _gemma3_layer}
+
+
+def expected_tensors(model: Mapping[str, Any]) -> Shapes:
+    """(name, shape) of every tensor the engine reads, in file order (embedding, layers, head)."""
+    hidden = model["hidden_size"]
+    layer = _LAYERS[model["architecture"]]
+    out: Shapes = [("model.embed_tokens.weight", (model["vocab_size"], hidden))]
     for i in range(model["num_layers"]):
-        p = f"model.layers.{i}."
-        out.append((p + "input_layernorm.weight", (hidden,)))
-        for proj, rows in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
-            out.append((f"{p}self_attn.{proj}.weight", (rows, hidden)))
-            if model["attention_bias"]:
-                out.append((f"{p}self_attn.{proj}.bias", (rows,)))
-        out.append((p + "self_attn.o_proj.weight", (hidden, q_out)))
-        if model["attention_out_bias"]:
-            out.append((p + "self_attn.o_proj.bias", (hidden,)))
-        if model["qk_norm"]:
-            out.append((p + "self_attn.q_norm.weight", (model["head_dim"],)))
-            out.append((p + "self_attn.k_norm.weight", (model["head_dim"],)))
-        out.append((p + "post_attention_layernorm.weight", (hidden,)))
-        for proj, shape in (
-            ("gate_proj", (inter, hidden)),
-            ("up_proj", (inter, hidden)),
-            ("down_proj", (hidden, inter)),
-        ):
-            out.append((f"{p}mlp.{proj}.weight", shape))
-            if model["mlp_bias"]:
-                out.append((f"{p}mlp.{proj}.bias", shape[:1]))
+        out += layer(model, f"model.layers.{i}.")
     out.append(("model.norm.weight", (hidden,)))
     if not model["tie_word_embeddings"]:
         out.append(("lm_head.weight", (model["vocab_size"], hidden)))
     return out
 
 
-def plan_tensors(
-    model: Mapping[str, Any], checkpoint: Checkpoint
-) -> list[tuple[str, tuple[int, ...]]]:
+def tensor_transform(
+    model: Mapping[str, Any], name: str
+) -> Optional[Callable[[np.ndarray], np.ndarray]]:
+    """A float32 rewrite a tensor needs before it is stored, or None.
+
+    Gemma's RMSNorm multiplies by `1 + w`; storing `1 + w` (computed in float32, as HF does)
+    lets every family share one norm.
+    """
+    if model["architecture"] == "gemma3" and name.endswith("norm.weight"):
+        return lambda w: w + np.float32(1.0)
+    return None
+
+
+def plan_tensors(model: Mapping[str, Any], checkpoint: Checkpoint) -> Shapes:
     """The expected tensors, after checking the checkpoint has each one with the right shape.
 
     Tensors the model would not use are an error rather than silently dropped: they mean the
