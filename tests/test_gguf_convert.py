@@ -120,6 +120,15 @@ _HF_TO_GGUF = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+# llama.cpp's gemma3 names: its "ffn_norm" is the pre-feed-forward norm.
+_GEMMA3_TO_GGUF = {
+    **_HF_TO_GGUF,
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -195,7 +204,7 @@ def hf_fixture_to_gguf(
     an explicit output.weight (a copy of the embedding)."""
     d = FIXTURES / name
     config = json.loads((d / "config.json").read_text())
-    arch = config["model_type"]
+    arch = config["model_type"].removesuffix("_text")
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     md = {
         "general.architecture": arch,
@@ -207,7 +216,7 @@ def hf_fixture_to_gguf(
         f"{arch}.feed_forward_length": config["intermediate_size"],
         f"{arch}.attention.head_count": heads,
         f"{arch}.attention.head_count_kv": kv_heads,
-        f"{arch}.rope.freq_base": float(config["rope_parameters"]["rope_theta"]),
+        f"{arch}.rope.freq_base": float(_rope(config)["rope_theta"]),
         f"{arch}.attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
     }
     if "head_dim" in config:
@@ -217,10 +226,15 @@ def hf_fixture_to_gguf(
         md[f"{arch}.vocab_size"] = config["vocab_size"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         md[f"{arch}.rope.dimension_count"] = head_dim
-    md.update(_tokenizer_metadata(d, config, add_bos=arch == "llama"))
+    if arch == "gemma3":
+        md[f"{arch}.attention.sliding_window"] = config["sliding_window"]
+        # This fixture's layer pattern is not llama.cpp's default of 6, so spell it out.
+        sliding = [t == "sliding_attention" for t in config["layer_types"]]
+        md[f"{arch}.attention.sliding_window_pattern"] = sliding
+    md.update(_tokenizer_metadata(d, config, add_bos=arch in ("llama", "gemma3")))
 
     tensors = []
-    if config["rope_parameters"]["rope_type"] == "llama3":
+    if _rope(config)["rope_type"] == "llama3":
         factors = llama3_rope_factors(config)
         tensors.append(("rope_freqs.weight", GGML_F32, factors.shape, factors.tobytes()))
     with open_checkpoint(d) as ck:
@@ -234,7 +248,9 @@ def hf_fixture_to_gguf(
                 w = llama_cpp_permute(w, heads)
             elif arch == "llama" and ".k_proj." in hf:
                 w = llama_cpp_permute(w, kv_heads)
-            gname = _gguf_tensor_name(hf)
+            if arch == "gemma3" and hf.endswith("norm.weight"):
+                w = w + np.float32(1)  # llama.cpp's Gemma3Model stores 1 + w
+            gname = _gguf_tensor_name(hf, _GEMMA3_TO_GGUF if arch == "gemma3" else _HF_TO_GGUF)
             if w.ndim == 1:
                 if vectors_f16:
                     tensors.append((gname, GGML_F16, w.shape, w.astype("<f2").tobytes()))
@@ -250,7 +266,13 @@ def hf_fixture_to_gguf(
     return write_gguf(path, md, tensors)
 
 
-def _gguf_tensor_name(hf: str) -> str:
+def _rope(config: dict) -> dict:
+    """The (full-attention) rope parameters of a transformers 5 config."""
+    params = config["rope_parameters"]
+    return params.get("full_attention", params)
+
+
+def _gguf_tensor_name(hf: str, names: dict = _HF_TO_GGUF) -> str:
     fixed = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -260,7 +282,7 @@ def _gguf_tensor_name(hf: str) -> str:
         return fixed[hf]
     _, _, layer, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}"
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +317,7 @@ def _raw_tensor(path: Path, name: str) -> bytes:
 # -- conversion against the HF path --------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3"])
 def test_description_matches_hf_conversion(name, from_gguf, converted):
     got = read_header(from_gguf(name))["model"]
     want = read_header(converted(name, "f32"))["model"]
@@ -307,7 +329,7 @@ def test_description_matches_hf_conversion(name, from_gguf, converted):
     assert got_rope == want_rope
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3"])
 def test_logits_match_hf_reference(name, from_gguf):
     ref = Reference(name)
     llm = LLM(from_gguf(name), kv_encoding="f32")
@@ -492,7 +514,7 @@ def _bad_inputs(tmp_path: Path) -> dict:
         "truncated": (truncated, FormatError, "truncated"),
         "header_cut": (header_cut, FormatError, "truncated"),
         "bad_magic": (bad_magic, FormatError, "magic"),
-        "arch": (_tiny_gguf(tmp_path / "g.gguf", "gemma3"), UnsupportedArchitecture, "qwen2"),
+        "arch": (_tiny_gguf(tmp_path / "g.gguf", "mamba"), UnsupportedArchitecture, "qwen2"),
         "ggml_type": (
             _tiny_gguf(tmp_path / "k.gguf", gtype=GGML_Q2_K),
             UnsupportedArchitecture,
@@ -514,8 +536,8 @@ def test_bad_gguf_raises_and_cli_exits_2(case, tmp_path):
 
 
 def test_unsupported_arch_names_the_supported_ones(tmp_path):
-    with pytest.raises(UnsupportedArchitecture, match=r"'gemma3'.*llama, qwen2"):
-        convert_gguf(_tiny_gguf(tmp_path / "g.gguf", "gemma3"), tmp_path / "o.cellm")
+    with pytest.raises(UnsupportedArchitecture, match=r"'mamba'.*llama, qwen2, gemma3"):
+        convert_gguf(_tiny_gguf(tmp_path / "g.gguf", "mamba"), tmp_path / "o.cellm")
 
 
 def test_missing_tensor_is_named(from_gguf, gguf_dir, tmp_path):

@@ -7,11 +7,12 @@ prompts identical, or diverging only at a near-tie.
 Both engines quantize activations to int8 per block, so a result depends on how each value
 rounds, and any change in summation order flips some roundings. llama.cpp is not within 99%
 of itself either: its batched and token-by-token evaluations of the same ids agree on the
-argmax at ~95.7% (SmolLM2 Q4_1) and ~97.3% (Qwen2.5 Q4_K_M) of positions. So the argmax bar
+argmax at ~95.9% (SmolLM2 Q4_1), ~96.5% (Qwen2.5 Q4_K_M) and ~93.9% (Gemma-3 Q4_K_M) of
+positions. So the argmax bar
 is min(99%, that noise floor - 1.5 points), measured in the test on the same text; the KL bar
 is 0.01 as stated. A near-tie is a position where llama.cpp's logits for the two engines'
 choices differ by no more than llama.cpp's own largest batched-vs-single change of a chosen
-logit (0.2-0.6 on these models).
+logit (0.2-1.4 on these models).
 
 llama-cpp-python is built from its sdist by .ci/run; set CELLM_REQUIRE_PEER=1 (CI does) to
 fail rather than skip when it is missing.
@@ -25,9 +26,9 @@ import pytest
 
 from cellm import LLM
 from cellm.fetch import fetch, fetch_gguf
-from cellm.parity import LlamaCpp, perplexity, perplexity_text_ids, run
+from cellm.parity import REAL_MODELS, LlamaCpp, perplexity, perplexity_text_ids, run
 
-MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+MODELS = REAL_MODELS
 
 pytestmark = pytest.mark.network
 

@@ -9,9 +9,7 @@ import sys
 
 from cellm import LLM
 from cellm.fetch import fetch, fetch_gguf
-from cellm.parity import LlamaCpp, run
-
-DEFAULT = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+from cellm.parity import REAL_MODELS, LlamaCpp, run
 
 
 def main(names: list[str]) -> None:
@@ -38,4 +36,4 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or DEFAULT)
+    main(sys.argv[1:] or REAL_MODELS)

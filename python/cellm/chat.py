@@ -243,10 +243,18 @@ BUILTIN_TEMPLATES: dict[str, str] = {
 CHAT_FORMATS: tuple[str, ...] = ("auto", *BUILTIN_TEMPLATES)
 
 
-def resolve_template(chat_format: str, embedded: str | None) -> str:
-    """The template for a --chat-format value; "auto" = the model's own, else chatml."""
+# When a model carries no template (GGUF files often don't), "auto" uses its family's
+# format; chatml for the rest.
+_FAMILY_FORMATS = {"gemma3": "gemma"}
+
+
+def resolve_template(chat_format: str, embedded: str | None, architecture: str = "") -> str:
+    """The template for a --chat-format value; "auto" = the model's own, else its family's
+    builtin, else chatml."""
     if chat_format == "auto":
-        return embedded if embedded else BUILTIN_TEMPLATES["chatml"]
+        if embedded:
+            return embedded
+        return BUILTIN_TEMPLATES[_FAMILY_FORMATS.get(architecture, "chatml")]
     try:
         return BUILTIN_TEMPLATES[chat_format]
     except KeyError:

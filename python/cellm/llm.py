@@ -128,7 +128,7 @@ class LLM:
         one: chatml, llama3, gemma, plain). Extra keywords (e.g. enable_thinking=False) are
         passed to the template."""
         return render_chat_template(
-            resolve_template(chat_format, self.chat_template),
+            resolve_template(chat_format, self.chat_template, self.header["model"]["architecture"]),
             messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.tokenizer.bos_token,

@@ -130,6 +130,9 @@ def compare_greedy(
     return GreedyParity(True, None, None)
 
 
+# The registry's real models, each checked against llama.cpp on its own GGUF file.
+REAL_MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m"]
+
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that returns the n-th Fibonacci number.",

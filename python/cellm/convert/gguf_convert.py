@@ -1,4 +1,4 @@
-"""GGUF file -> `.cellm` v2 file (docs/format.md) for the llama and qwen2 architectures.
+"""GGUF file -> `.cellm` v2 file (docs/format.md) for the llama, qwen2 and gemma3 architectures.
 
 The GGUF metadata is translated into the HF config keys it was made from, so the model
 description comes from the same `normalise_config` as the HF path. Tensors keep their stored
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -38,12 +38,24 @@ class GGUFArch:
     # llama.cpp's convert_hf_to_gguf.py `LlamaModel.permute`s the rows of q and k (weights and
     # biases) from HF's half-split rotary layout to interleaved pairs; Qwen2Model does not.
     permuted_qk: bool
+    # Layer tensor names that differ from the llama table below.
+    layer_names: Mapping[str, str] = field(default_factory=dict)
 
 
 # The one `general.architecture` -> conversion table.
 GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     "llama": GGUFArch("llama", permuted_qk=True),
     "qwen2": GGUFArch("qwen2", permuted_qk=False),
+    # llama.cpp's Gemma3Model stores norms with Gemma's `1 + w` already added, as cellm does.
+    "gemma3": GGUFArch(
+        "gemma3_text",
+        permuted_qk=False,
+        layer_names={
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        },
+    ),
 }
 
 _GLOBAL_NAMES = {
@@ -70,13 +82,18 @@ _ROPE_FREQS = "rope_freqs.weight"
 _FLOAT_FORMATS = ("f32", "f16", "bf16")
 
 
-def hf_tensor_name(name: str) -> Optional[str]:
+def _layer_names(arch: Optional[GGUFArch]) -> Mapping[str, str]:
+    return {**_LAYER_NAMES, **arch.layer_names} if arch else _LAYER_NAMES
+
+
+def hf_tensor_name(name: str, arch: Optional[GGUFArch] = None) -> Optional[str]:
     """The HF name of a GGUF tensor name, or None for names outside the table."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _LAYER_TENSOR.match(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = _layer_names(arch)
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -207,6 +224,8 @@ def gguf_to_hf_config(
     if rope_dim is not None and head_dim and rope_dim != head_dim:
         # normalise_config rejects partial rotary embeddings with a clear message.
         config["partial_rotary_factor"] = rope_dim / head_dim
+    if arch.model_type == "gemma3_text":
+        config.update(_gemma3_keys(get, config))
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):
         config["rope_scaling"] = {
@@ -218,6 +237,26 @@ def gguf_to_hf_config(
         }
         config["rope_scaling"] = {k: v for k, v in config["rope_scaling"].items() if v is not None}
     return {k: v for k, v in config.items() if v is not None}
+
+
+def _gemma3_keys(get: Any, config: Mapping[str, Any]) -> dict[str, Any]:
+    """What llama.cpp's gemma3 loader reads or hard-codes: the window and its layer pattern
+    (every 6th layer full unless `attention.sliding_window_pattern` says otherwise), local
+    layers' RoPE base (10000), attention scaled by 1/sqrt(head_dim), optional soft-caps."""
+    pattern = get("attention.sliding_window_pattern")
+    layer_types = None
+    if isinstance(pattern, list):  # one flag per layer, true = sliding
+        layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    return {
+        "sliding_window": get("attention.sliding_window"),
+        "sliding_window_pattern": pattern if isinstance(pattern, int) else None,
+        "layer_types": layer_types,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": config.get("head_dim")
+        or _maybe_div(config["hidden_size"], config["num_attention_heads"]),
+        "attn_logit_softcapping": get("attn_logit_softcapping"),
+        "final_logit_softcapping": get("final_logit_softcapping"),
+    }
 
 
 def _with_freq_factors(rope: dict[str, Any], factors: np.ndarray) -> dict[str, Any]:
@@ -262,13 +301,15 @@ def _maybe_div(a: Any, b: Any) -> Optional[int]:
 
 def _plan(gg: GGUFFile, model: Mapping[str, Any], arch: GGUFArch) -> list[TensorEntry]:
     """One entry per tensor the engine reads, in its order, checked against the GGUF file."""
-    by_hf = {hf_tensor_name(name): name for name in gg.tensors}
+    by_hf = {hf_tensor_name(name, arch): name for name in gg.tensors}
     plan = expected_tensors(model)
     for hf, _ in plan:
         if hf not in by_hf:
-            raise FormatError(f"{gg.path} is missing tensor {_gguf_name(hf)} ({hf})")
+            raise FormatError(f"{gg.path} is missing tensor {_gguf_name(hf, arch)} ({hf})")
     wanted = {hf for hf, _ in plan}
-    extra = sorted(n for n in gg.tensors if n != _ROPE_FREQS and hf_tensor_name(n) not in wanted)
+    extra = sorted(
+        n for n in gg.tensors if n != _ROPE_FREQS and hf_tensor_name(n, arch) not in wanted
+    )
     if extra:
         more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
         raise FormatError(
@@ -293,13 +334,13 @@ def _plan(gg: GGUFFile, model: Mapping[str, Any], arch: GGUFArch) -> list[Tensor
     return entries
 
 
-def _gguf_name(hf: str) -> str:
+def _gguf_name(hf: str, arch: GGUFArch) -> str:
     for gguf_name, name in _GLOBAL_NAMES.items():
         if name == hf:
             return gguf_name
     m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf)
     if m:
-        for short, long in _LAYER_NAMES.items():
+        for short, long in _layer_names(arch).items():
             if long == m.group(2):
                 return f"blk.{m.group(1)}.{short}.{m.group(3)}"
     return hf
