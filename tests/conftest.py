@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "hf-tiny"
 # Every fixture the engine runs (one per model_type).
-MODEL_FIXTURES = ["llama", "qwen2", "qwen3", "granite", "smollm3", "gemma3"]
+MODEL_FIXTURES = ["llama", "qwen2", "qwen3", "granite", "smollm3", "gemma3", "lfm2"]
 
 
 class Reference:

@@ -132,3 +132,24 @@ def test_sliding_session_cannot_rewind_out_of_its_window(gemma):
     want = gemma.logits(ids[:50])
     assert np.abs(e.step([(s, ids[:50])], all_logits=True) - want).max() < 1e-4
     e.free_session(s)
+
+
+# Families whose layers keep recurrent state (conv inputs, DeltaNet matrices) per session.
+RECURRENT = ["lfm2"]
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_recurrent_state_resets_and_refuses_rewinds(name, converted):
+    llm = LLM(converted(name, "f32"), kv_encoding="f32")
+    e = llm._engine
+    ids = Reference(name).sequence(1)[:60]
+    want = llm.logits(ids[:30])
+    s = e.create_session()
+    e.step([(s, ids)])
+    with pytest.raises(InvalidArgument, match="recurrent state"):
+        e.truncate_session(s, 30)
+    assert e.session_len(s) == 60, "a refused truncation changes nothing"
+    e.truncate_session(s, 0)
+    got = e.step([(s, ids[:30])], all_logits=True)
+    assert np.abs(got - want).max() < 1e-4, "reset left state behind"
+    e.free_session(s)

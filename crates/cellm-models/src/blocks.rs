@@ -153,6 +153,9 @@ pub struct GatedMlp {
     pub act: Activation,
 }
 
+/// Tensor names of a gated MLP: gate, up, down.
+pub const MLP_NAMES: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
 impl GatedMlp {
     /// The HF layout: `{prefix}.gate_proj`, `.up_proj`, `.down_proj`.
     pub fn load(
@@ -163,10 +166,23 @@ impl GatedMlp {
         bias: bool,
         act: Activation,
     ) -> Result<Self> {
+        Self::load_named(w, prefix, MLP_NAMES, hidden, inter, bias, act)
+    }
+
+    /// A gated MLP whose gate, up and down projections have other names.
+    pub fn load_named(
+        w: &Weights,
+        prefix: &str,
+        [gate, up, down]: [&str; 3],
+        hidden: usize,
+        inter: usize,
+        bias: bool,
+        act: Activation,
+    ) -> Result<Self> {
         Ok(Self {
-            gate: w.linear(&format!("{prefix}.gate_proj"), inter, hidden, bias)?,
-            up: w.linear(&format!("{prefix}.up_proj"), inter, hidden, bias)?,
-            down: w.linear(&format!("{prefix}.down_proj"), hidden, inter, bias)?,
+            gate: w.linear(&format!("{prefix}.{gate}"), inter, hidden, bias)?,
+            up: w.linear(&format!("{prefix}.{up}"), inter, hidden, bias)?,
+            down: w.linear(&format!("{prefix}.{down}"), hidden, inter, bias)?,
             act,
         })
     }
@@ -222,12 +238,26 @@ impl Attention {
     }
 }
 
+/// Tensor names of an attention block: q, k, v, output, q norm, k norm.
+pub const ATTENTION_NAMES: [&str; 6] = ["q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"];
+
 impl Attention {
     /// The HF layout `{prefix}.{q,k,v,o}_proj` (+ `q_norm`/`k_norm` when `qk_norm`), shaped by
     /// the config; `window` is the layer's sliding window.
     pub fn load(
         w: &Weights,
         prefix: &str,
+        cfg: &ModelConfig,
+        window: Option<usize>,
+    ) -> Result<Self> {
+        Self::load_named(w, prefix, ATTENTION_NAMES, cfg, window)
+    }
+
+    /// An attention block whose tensors have other names (in [`ATTENTION_NAMES`] order).
+    pub fn load_named(
+        w: &Weights,
+        prefix: &str,
+        [q, k, v, o, q_norm, k_norm]: [&str; 6],
         cfg: &ModelConfig,
         window: Option<usize>,
     ) -> Result<Self> {
@@ -238,12 +268,12 @@ impl Attention {
             cfg.qk_norm.then(|| w.norm(&format!("{prefix}.{n}.weight"), hd, cfg.norm_eps))
         };
         Ok(Attention {
-            q: w.linear(&format!("{prefix}.q_proj"), q_out, h, bias)?,
-            k: w.linear(&format!("{prefix}.k_proj"), kv_out, h, bias)?,
-            v: w.linear(&format!("{prefix}.v_proj"), kv_out, h, bias)?,
-            o: w.linear(&format!("{prefix}.o_proj"), h, q_out, cfg.attention_out_bias)?,
-            q_norm: qk_norm("q_norm").transpose()?,
-            k_norm: qk_norm("k_norm").transpose()?,
+            q: w.linear(&format!("{prefix}.{q}"), q_out, h, bias)?,
+            k: w.linear(&format!("{prefix}.{k}"), kv_out, h, bias)?,
+            v: w.linear(&format!("{prefix}.{v}"), kv_out, h, bias)?,
+            o: w.linear(&format!("{prefix}.{o}"), h, q_out, cfg.attention_out_bias)?,
+            q_norm: qk_norm(q_norm).transpose()?,
+            k_norm: qk_norm(k_norm).transpose()?,
             shape: AttentionShape {
                 n_heads: cfg.num_heads,
                 n_kv_heads: cfg.num_kv_heads,
@@ -290,6 +320,61 @@ impl LmHead {
             logits.iter_mut().for_each(|l| *l = cap * (*l / cap).tanh());
         }
         logits
+    }
+}
+
+/// A causal depthwise 1-D convolution over time (kernel `taps` per channel), the short
+/// convolution of LFM2 and of gated DeltaNet. Each session keeps its last `taps - 1` inputs.
+pub struct CausalConv {
+    /// `channels x taps`, f32; tap `taps - 1` multiplies the current input.
+    weight: Tensor,
+    bias: Option<Tensor>,
+    pub channels: usize,
+    pub taps: usize,
+}
+
+impl CausalConv {
+    /// HF stores Conv1d weights as `[channels, 1, taps]`; the converter drops the middle axis.
+    pub fn load(
+        w: &Weights,
+        prefix: &str,
+        channels: usize,
+        taps: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let weight = w.tensor(&format!("{prefix}.weight"), &[channels, taps])?;
+        weight.as_f32()?;
+        let bias = if bias { Some(w.vector(&format!("{prefix}.bias"), channels)?) } else { None };
+        Ok(Self { weight, bias, channels, taps })
+    }
+
+    /// Floats of per-session state.
+    pub fn state_len(&self) -> usize {
+        (self.taps - 1) * self.channels
+    }
+
+    /// Convolves the `rows x channels` inputs `x` of one session's new tokens in place,
+    /// continuing from (and then advancing) its `state`, the previous `taps - 1` inputs.
+    pub fn forward(&self, x: &mut [f32], state: &mut [f32]) {
+        let (c, taps) = (self.channels, self.taps);
+        let w = self.weight.as_f32().expect("checked at load");
+        let bias = self.bias.as_ref().map(|b| b.as_f32().expect("checked at load"));
+        // History then new inputs, so every output reads one contiguous window.
+        let mut seq = Vec::with_capacity(state.len() + x.len());
+        seq.extend_from_slice(state);
+        seq.extend_from_slice(x);
+        for (t, out) in x.chunks_exact_mut(c).enumerate() {
+            let window = &seq[t * c..(t + taps) * c];
+            for (ch, o) in out.iter_mut().enumerate() {
+                let taps_w = &w[ch * taps..(ch + 1) * taps];
+                let mut acc = bias.map_or(0.0, |b| b[ch]);
+                for (k, wk) in taps_w.iter().enumerate() {
+                    acc += wk * window[k * c + ch];
+                }
+                *o = acc;
+            }
+        }
+        state.copy_from_slice(&seq[seq.len() - state.len()..]);
     }
 }
 

@@ -6,6 +6,7 @@
 pub mod blocks;
 mod config;
 mod gemma;
+mod lfm2;
 mod llama;
 mod registry;
 

@@ -19,7 +19,7 @@ from .progress import ProgressBar
 from .quantize import check_quantization, quantize_rows
 from .safetensors import Checkpoint, open_checkpoint
 from .tokenizer_files import TOKENIZER_BLOB, load_tokenizer_files
-from .weights import plan_tensors, tensor_transform
+from .weights import plan_tensors, settle_from_weights, stored_as_f32, tensor_transform
 from .writer import TensorEntry, read_header, write_cellm
 
 __all__ = ["convert", "convert_gguf", "convert_hf", "is_gguf", "read_header"]
@@ -96,6 +96,7 @@ def convert_hf(
         embed = "model.embed_tokens.weight"
         embed_dtype = checkpoint.info(embed).dtype if embed in checkpoint else "F32"
         model = normalise_config(config, checkpoint, config_source, embed_dtype)
+        settle_from_weights(model, checkpoint)
         plan = plan_tensors(model, checkpoint)
         tok = load_tokenizer_files(src, config)
         entries = [
@@ -135,20 +136,18 @@ def _entry(
     transform: Optional[Callable[[np.ndarray], np.ndarray]] = None,
 ) -> TensorEntry:
     src_dtype = checkpoint.info(name).dtype
+    fmt = "f32" if stored_as_f32(name, shape) else dtype
     if transform is not None:
         # Only small tensors (norm weights) are rewritten: transform them whole.
         values = transform(np.concatenate(list(float32_chunks(checkpoint.view(name), src_dtype))))
-        fmt = dtype if len(shape) >= 2 else "f32"
         return TensorEntry.from_array(name, values.reshape(shape), fmt)
-    if quantize and len(shape) == 2 and shape[1] % 32 == 0:
+    if quantize and fmt != "f32" and len(shape) == 2 and shape[1] % 32 == 0:
 
         def blocks() -> Iterator[np.ndarray]:
             for chunk in float32_chunks(checkpoint.view(name), src_dtype):
                 yield quantize_rows(chunk, quantize)
 
         return TensorEntry(name, quantize, shape, blocks)
-    # Norm weights and biases are tiny and precision-sensitive: always f32 (docs/format.md).
-    fmt = dtype if len(shape) >= 2 else "f32"
     return TensorEntry(
         name, fmt, shape, lambda: convert_chunks(checkpoint.view(name), src_dtype, fmt)
     )

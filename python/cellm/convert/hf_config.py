@@ -6,7 +6,7 @@ is resolved here so the engine only ever sees one description.
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -33,88 +33,26 @@ class Family:
     granite_scaling: bool = False
     # smollm3: some layers skip RoPE (`no_rope_layers`).
     nope_layers: bool = False
-    # How HF derives `layer_types` when the config omits it: "qwen", "smollm3", "gemma3" or
-    # None.
+    # How HF derives `layer_types` when the config omits it: "qwen", "smollm3", "gemma3",
+    # "lfm2" or None.
     sliding_rule: Optional[str] = None
-    # The engine runs this family's sliding-window layers (others must be all full attention).
-    slides: bool = False
-    # gemma3: query_pre_attn_scalar, sqrt(hidden) embedding scale, per-layer-type RoPE,
-    # soft-capping.
-    gemma_scaling: bool = False
+    # The layer types the engine runs for this family.
+    layer_kinds: frozenset[str] = frozenset({"full_attention"})
+    # Config keys that differ by family.
+    eps_key: str = "rms_norm_eps"
+    act_key: str = "hidden_act"
+    # Family-specific description keys (and overrides of the common ones).
+    extras: Optional[Callable[[_Reader, Dims], dict[str, Any]]] = None
 
 
-_COMMON = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "rope_theta": 10000.0}
+@dataclass(frozen=True)
+class Dims:
+    """What family extras need to know about the model besides its config."""
 
-# The one model_type -> engine family table (defaults from transformers 5's config classes).
-FAMILIES: dict[str, Family] = {
-    "llama": Family(
-        "llama",
-        {**_COMMON, "max_position_embeddings": 2048, "tie_word_embeddings": False},
-    ),
-    "qwen2": Family(
-        "llama",
-        {**_COMMON, "max_position_embeddings": 32768, "tie_word_embeddings": False},
-        # Qwen2Attention builds q/k/v with bias=True and o_proj/MLP without, ignoring the config.
-        fixed={"attention_bias": True, "attention_out_bias": False, "mlp_bias": False},
-        sliding_rule="qwen",
-    ),
-    "qwen3": Family(
-        "llama",
-        {
-            **_COMMON,
-            "max_position_embeddings": 32768,
-            "tie_word_embeddings": False,
-            "head_dim": 128,
-        },
-        fixed={"mlp_bias": False, "qk_norm": True},
-        sliding_rule="qwen",
-    ),
-    "granite": Family(
-        "llama",
-        {**_COMMON, "max_position_embeddings": 2048, "tie_word_embeddings": False},
-        granite_scaling=True,
-    ),
-    "smollm3": Family(
-        "llama",
-        {
-            **_COMMON,
-            "max_position_embeddings": 32768,
-            "tie_word_embeddings": True,
-            "rope_theta": 2000000.0,
-            "no_rope_layer_interval": 4,
-        },
-        nope_layers=True,
-        sliding_rule="smollm3",
-    ),
-}
-FAMILIES["gemma3_text"] = Family(
-    "gemma3",
-    {
-        "rms_norm_eps": 1e-6,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": True,
-        "head_dim": 256,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 4096,
-        "rope_theta": 1_000_000.0,
-        "rope_local_base_freq": 10_000.0,
-    },
-    # Gemma3Attention always has q/k norms; its MLP has no biases.
-    fixed={"mlp_bias": False, "qk_norm": True},
-    sliding_rule="gemma3",
-    slides=True,
-    gemma_scaling=True,
-)
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-
-# HF activation names -> the engine's.
-_ACTIVATIONS = {
-    "silu": "silu",
-    "swish": "silu",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_tanh": "gelu_tanh",
-}
+    hidden: int
+    head_dim: int
+    max_pos: int
+    embedding_dtype: str  # the checkpoint's, "F32" when unknown
 
 
 def load_config(directory: Path) -> dict[str, Any]:
@@ -210,7 +148,7 @@ def normalise_config(
         raise FormatError(f"{source}: head_dim must be even for RoPE, got {head_dim}")
     max_pos = r.get_int("max_position_embeddings")
 
-    act_key = "hidden_activation" if family.gemma_scaling else "hidden_act"
+    act_key = family.act_key
     hidden_act = _ACTIVATIONS.get(r.get(act_key))
     if hidden_act is None:
         raise UnsupportedArchitecture(f"{source}: {act_key} {r.get(act_key)!r} is not supported")
@@ -236,13 +174,10 @@ def normalise_config(
         embedding_multiplier = residual_multiplier = logits_scale = 1.0
         attention_scale = head_dim**-0.5
     extra: dict[str, Any] = {}
-    if family.gemma_scaling:
-        attention_scale = r.get_float("query_pre_attn_scalar") ** -0.5
-        # HF casts sqrt(hidden) to the embedding's dtype before scaling.
-        embedding_multiplier = _round_to(hidden**0.5, embedding_dtype)
-        extra = _gemma_extras(config, family, head_dim, max_pos, r)
     if "sliding_attention" in layer_types:
         extra["sliding_window"] = r.get_int("sliding_window")
+    if family.extras is not None:
+        extra.update(family.extras(r, Dims(hidden, head_dim, max_pos, embedding_dtype)))
 
     return {
         "architecture": family.architecture,
@@ -254,7 +189,7 @@ def normalise_config(
         "num_heads": num_heads,
         "num_kv_heads": num_kv_heads,
         "head_dim": head_dim,
-        "norm_eps": r.get_float("rms_norm_eps"),
+        "norm_eps": r.get_float(family.eps_key),
         "max_position_embeddings": max_pos,
         "tie_word_embeddings": tied,
         "hidden_act": hidden_act,
@@ -273,10 +208,9 @@ def normalise_config(
     }
 
 
-def _gemma_extras(
-    config: Mapping[str, Any], family: Family, head_dim: int, max_pos: int, r: _Reader
-) -> dict[str, Any]:
-    """Gemma 3's local RoPE and soft-caps."""
+def _gemma3_extras(r: _Reader, dims: Dims) -> dict[str, Any]:
+    """Gemma 3's attention scale, embedding scale, local RoPE and soft-caps."""
+    config = r.config
     params = config.get("rope_parameters")
     sliding = params.get("sliding_attention") if isinstance(params, dict) else None
     # Older configs give local layers a plain rope_local_base_freq and never scale them.
@@ -284,7 +218,10 @@ def _gemma_extras(
     local_params.setdefault("rope_theta", r.get_float("rope_local_base_freq"))
     local = {**config, "rope_scaling": None, "rope_parameters": {"full_attention": local_params}}
     out: dict[str, Any] = {
-        "rope_local": rope_description(local, family, head_dim, max_pos, r.source)
+        "attention_scale": r.get_float("query_pre_attn_scalar") ** -0.5,
+        # HF casts sqrt(hidden) to the embedding's dtype before scaling.
+        "embedding_multiplier": _round_to(dims.hidden**0.5, dims.embedding_dtype),
+        "rope_local": rope_description(local, r.family, dims.head_dim, dims.max_pos, r.source),
     }
     for key, name in (
         ("attn_logit_softcapping", "attn_logit_softcap"),
@@ -293,6 +230,12 @@ def _gemma_extras(
         if config.get(key) is not None:
             out[name] = r.get_float(key)
     return out
+
+
+def _lfm2_extras(r: _Reader, dims: Dims) -> dict[str, Any]:
+    """The short convolutions' kernel length and bias. (The feed-forward width comes from the
+    weights: `block_auto_adjust_ff_dim` shrinks the config's `intermediate_size`.)"""
+    return {"conv": {"taps": r.get_int("conv_L_cache", minimum=2), "bias": r.get_bool("conv_bias")}}
 
 
 def _round_to(value: float, dtype: str) -> float:
@@ -395,7 +338,7 @@ def _layer_types(
         layer_types = _derived_layer_types(config, family, num_layers, r)
     if not isinstance(layer_types, list) or len(layer_types) != num_layers:
         raise FormatError(f"{r.source}: layer_types must list one type per layer ({num_layers})")
-    allowed = {"full_attention", "sliding_attention"} if family.slides else {"full_attention"}
+    allowed = family.layer_kinds
     odd = sorted({str(t) for t in layer_types if t not in allowed})
     if odd:
         raise UnsupportedArchitecture(
@@ -410,6 +353,11 @@ def _derived_layer_types(
 ) -> list[str]:
     # Mirrors the HF config classes' __post_init__ for configs without layer_types.
     sliding = bool(config.get("use_sliding_window")) and config.get("sliding_window") is not None
+    if family.sliding_rule == "lfm2":
+        attention = config.get("full_attn_idxs")
+        if attention is None:
+            attention = range(num_layers)
+        return ["full_attention" if i in attention else "conv" for i in range(num_layers)]
     if family.sliding_rule == "gemma3":
         pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
         return [
@@ -435,3 +383,96 @@ def _div(hidden: int, heads: int, r: _Reader) -> int:
             f"({heads}); set head_dim"
         )
     return hidden // heads
+
+
+_COMMON = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "rope_theta": 10000.0}
+
+# The one model_type -> engine family table (defaults from transformers 5's config classes).
+FAMILIES: dict[str, Family] = {
+    "llama": Family(
+        "llama",
+        {**_COMMON, "max_position_embeddings": 2048, "tie_word_embeddings": False},
+    ),
+    "qwen2": Family(
+        "llama",
+        {**_COMMON, "max_position_embeddings": 32768, "tie_word_embeddings": False},
+        # Qwen2Attention builds q/k/v with bias=True and o_proj/MLP without, ignoring the config.
+        fixed={"attention_bias": True, "attention_out_bias": False, "mlp_bias": False},
+        sliding_rule="qwen",
+    ),
+    "qwen3": Family(
+        "llama",
+        {
+            **_COMMON,
+            "max_position_embeddings": 32768,
+            "tie_word_embeddings": False,
+            "head_dim": 128,
+        },
+        fixed={"mlp_bias": False, "qk_norm": True},
+        sliding_rule="qwen",
+    ),
+    "granite": Family(
+        "llama",
+        {**_COMMON, "max_position_embeddings": 2048, "tie_word_embeddings": False},
+        granite_scaling=True,
+    ),
+    "smollm3": Family(
+        "llama",
+        {
+            **_COMMON,
+            "max_position_embeddings": 32768,
+            "tie_word_embeddings": True,
+            "rope_theta": 2000000.0,
+            "no_rope_layer_interval": 4,
+        },
+        nope_layers=True,
+        sliding_rule="smollm3",
+    ),
+}
+FAMILIES["gemma3_text"] = Family(
+    "gemma3",
+    {
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+    },
+    # Gemma3Attention always has q/k norms; its MLP has no biases.
+    fixed={"mlp_bias": False, "qk_norm": True},
+    sliding_rule="gemma3",
+    layer_kinds=frozenset({"full_attention", "sliding_attention"}),
+    act_key="hidden_activation",
+    extras=_gemma3_extras,
+)
+FAMILIES["lfm2"] = Family(
+    "lfm2",
+    {
+        "norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "max_position_embeddings": 128_000,
+        "tie_word_embeddings": True,
+        "rope_theta": 1_000_000.0,
+        "conv_L_cache": 3,
+        "conv_bias": False,
+    },
+    # Lfm2Attention: no biases, always q/k norms; Lfm2MLP: no biases.
+    fixed={"attention_bias": False, "mlp_bias": False, "qk_norm": True},
+    sliding_rule="lfm2",
+    layer_kinds=frozenset({"full_attention", "conv"}),
+    eps_key="norm_eps",
+    extras=_lfm2_extras,
+)
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+# HF activation names -> the engine's.
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_tanh": "gelu_tanh",
+}

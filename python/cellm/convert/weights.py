@@ -73,18 +73,62 @@ def _gemma3_layer(model: Mapping[str, Any], p: str) -> Shapes:
     )
 
 
-# Per engine architecture: the tensors of one decoder layer, given its name prefix.
-_LAYERS = {"llama": _llama_layer, "gemma3": _gemma3_layer}
+def _lfm2_layer(model: Mapping[str, Any], p: str, kind: str) -> Shapes:
+    hidden, inter = model["hidden_size"], model["intermediate_size"]
+    out = _norms(model, p, "operator_norm")
+    if kind == "conv":
+        conv = model["conv"]
+        out += [
+            (p + "conv.in_proj.weight", (3 * hidden, hidden)),
+            (p + "conv.conv.weight", (hidden, conv["taps"])),
+            (p + "conv.out_proj.weight", (hidden, hidden)),
+        ]
+        if conv["bias"]:
+            out += [
+                (p + "conv.in_proj.bias", (3 * hidden,)),
+                (p + "conv.conv.bias", (hidden,)),
+                (p + "conv.out_proj.bias", (hidden,)),
+            ]
+    else:
+        hd = model["head_dim"]
+        q_out, kv_out = model["num_heads"] * hd, model["num_kv_heads"] * hd
+        a = p + "self_attn."
+        out += [
+            (a + "q_proj.weight", (q_out, hidden)),
+            (a + "k_proj.weight", (kv_out, hidden)),
+            (a + "v_proj.weight", (kv_out, hidden)),
+            (a + "out_proj.weight", (hidden, q_out)),
+            (a + "q_layernorm.weight", (hd,)),
+            (a + "k_layernorm.weight", (hd,)),
+        ]
+    return out + [
+        (p + "ffn_norm.weight", (hidden,)),
+        (p + "feed_forward.w1.weight", (inter, hidden)),
+        (p + "feed_forward.w3.weight", (inter, hidden)),
+        (p + "feed_forward.w2.weight", (hidden, inter)),
+    ]
+
+
+# Per engine architecture: the tensors of one decoder layer, given its name prefix and type.
+_LAYERS: dict[str, Callable[[Mapping[str, Any], str, str], Shapes]] = {
+    "llama": lambda model, p, _: _llama_layer(model, p),
+    "gemma3": lambda model, p, _: _gemma3_layer(model, p),
+    "lfm2": _lfm2_layer,
+}
+# The final norm's name, where a family renames it.
+_FINAL_NORM = {"lfm2": "model.embedding_norm.weight"}
 
 
 def expected_tensors(model: Mapping[str, Any]) -> Shapes:
     """(name, shape) of every tensor the engine reads, in file order (embedding, layers, head)."""
     hidden = model["hidden_size"]
-    layer = _LAYERS[model["architecture"]]
+    arch = model["architecture"]
+    layer = _LAYERS[arch]
+    types = model.get("layer_types") or ["full_attention"] * model["num_layers"]
     out: Shapes = [("model.embed_tokens.weight", (model["vocab_size"], hidden))]
-    for i in range(model["num_layers"]):
-        out += layer(model, f"model.layers.{i}.")
-    out.append(("model.norm.weight", (hidden,)))
+    for i, kind in enumerate(types):
+        out += layer(model, f"model.layers.{i}.", kind)
+    out.append((_FINAL_NORM.get(arch, "model.norm.weight"), (hidden,)))
     if not model["tie_word_embeddings"]:
         out.append(("lm_head.weight", (model["vocab_size"], hidden)))
     return out
@@ -103,6 +147,26 @@ def tensor_transform(
     return None
 
 
+def stored_as_f32(name: str, shape: tuple[int, ...]) -> bool:
+    """Tensors kept in f32 whatever the requested dtype: vectors (norms, biases) are tiny and
+    precision-sensitive, and the engine reads convolution kernels as f32."""
+    return len(shape) == 1 or name.endswith(("conv.conv.weight", "conv1d.weight"))
+
+
+def settle_from_weights(model: dict[str, Any], checkpoint: Checkpoint) -> None:
+    """Fill in what only the weights tell: LFM2's feed-forward width (the config's number is
+    adjusted by `block_auto_adjust_ff_dim` in HF's code)."""
+    if model["architecture"] == "lfm2":
+        name = "model.layers.0.feed_forward.w1.weight"
+        if name not in checkpoint:
+            raise FormatError(f"{checkpoint.source} is missing tensor {name}")
+        model["intermediate_size"] = int(checkpoint.info(name).shape[0])
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
 def plan_tensors(model: Mapping[str, Any], checkpoint: Checkpoint) -> Shapes:
     """The expected tensors, after checking the checkpoint has each one with the right shape.
 
@@ -117,7 +181,8 @@ def plan_tensors(model: Mapping[str, Any], checkpoint: Checkpoint) -> Shapes:
                 f"(required for model_type {model['model_type']})"
             )
         info = checkpoint.info(name)
-        if info.shape != shape:
+        # Size-1 axes may go (Conv1d's [channels, 1, taps] is stored as [channels, taps]).
+        if _squeezed(info.shape) != _squeezed(shape):
             raise FormatError(
                 f"{info.path}: tensor {name} has shape {list(info.shape)}, expected "
                 f"{list(shape)} from config.json"

@@ -1,0 +1,192 @@
+//! LFM2: most layers mix tokens with a gated short convolution (in_proj -> B, C, x; a causal
+//! depthwise conv over B*x; C gates the result; out_proj), the rest with GQA attention with
+//! q/k norms. Every layer then runs a SwiGLU feed-forward. The final norm is called
+//! `embedding_norm`. Conv layers keep their last inputs in the session's state.
+
+use cellm_format::{CellmFile, Result};
+use cellm_kernels::ops;
+use cellm_kv::{PagePool, SeqState};
+use serde::Deserialize;
+
+use crate::blocks::{
+    gather_rows, Attention, CausalConv, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope, Weights,
+};
+use crate::{CacheLayout, CausalLm, LayerType, ModelConfig, Step};
+
+/// The description's `conv` section.
+#[derive(Deserialize)]
+struct ConvConfig {
+    /// Kernel length (HF's `conv_L_cache`).
+    taps: usize,
+    #[serde(default)]
+    bias: bool,
+}
+
+struct ShortConv {
+    in_proj: Linear,
+    conv: CausalConv,
+    out_proj: Linear,
+    /// Index of this layer's buffer in the session state.
+    state: usize,
+}
+
+enum Mixer {
+    Conv(ShortConv),
+    /// Attention, with its index among the KV layers.
+    Attention(Attention, usize),
+}
+
+struct Layer {
+    operator_norm: RmsNorm,
+    mixer: Mixer,
+    ffn_norm: RmsNorm,
+    mlp: GatedMlp,
+}
+
+pub struct Lfm2 {
+    cfg: ModelConfig,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    head: LmHead,
+    rope: Rope,
+}
+
+const ATTENTION_NAMES: [&str; 6] =
+    ["q_proj", "k_proj", "v_proj", "out_proj", "q_layernorm", "k_layernorm"];
+
+pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
+    let w = Weights { file };
+    let conv_cfg: ConvConfig = cfg.section("conv")?;
+    let (h, eps) = (cfg.hidden_size, cfg.norm_eps);
+    let (mut kv_layers, mut conv_layers) = (0, 0);
+    let mut layers = Vec::with_capacity(cfg.num_layers);
+    for i in 0..cfg.num_layers {
+        let p = format!("model.layers.{i}");
+        let mixer = match cfg.layer_type(i) {
+            LayerType::Conv => {
+                let c = format!("{p}.conv");
+                conv_layers += 1;
+                Mixer::Conv(ShortConv {
+                    in_proj: w.linear(&format!("{c}.in_proj"), 3 * h, h, conv_cfg.bias)?,
+                    conv: CausalConv::load(
+                        &w,
+                        &format!("{c}.conv"),
+                        h,
+                        conv_cfg.taps,
+                        conv_cfg.bias,
+                    )?,
+                    out_proj: w.linear(&format!("{c}.out_proj"), h, h, conv_cfg.bias)?,
+                    state: conv_layers - 1,
+                })
+            }
+            _ => {
+                kv_layers += 1;
+                let attn = Attention::load_named(
+                    &w,
+                    &format!("{p}.self_attn"),
+                    ATTENTION_NAMES,
+                    &cfg,
+                    None,
+                )?;
+                Mixer::Attention(attn, kv_layers - 1)
+            }
+        };
+        layers.push(Layer {
+            operator_norm: w.norm(&format!("{p}.operator_norm.weight"), h, eps)?,
+            mixer,
+            ffn_norm: w.norm(&format!("{p}.ffn_norm.weight"), h, eps)?,
+            mlp: GatedMlp::load_named(
+                &w,
+                &format!("{p}.feed_forward"),
+                ["w1", "w3", "w2"],
+                h,
+                cfg.intermediate_size,
+                false,
+                cfg.hidden_act,
+            )?,
+        });
+    }
+    let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
+    Ok(Box::new(Lfm2 {
+        head: LmHead::load(&w, "model.embedding_norm.weight", &cfg, &embed)?,
+        rope: Rope::from(&cfg.rope),
+        embed,
+        layers,
+        cfg,
+    }))
+}
+
+impl ShortConv {
+    fn forward(&self, x: &[f32], step: &Step, states: &mut [&mut SeqState]) -> Vec<f32> {
+        let tokens = step.tokens.len();
+        let h = self.conv.channels;
+        let bcx = self.in_proj.forward(x, tokens);
+        let mut gated = vec![0.0; tokens * h];
+        for (span, state) in step.spans.iter().zip(states.iter_mut()) {
+            let rows = span.row0..span.row0 + span.len;
+            let mut bx: Vec<f32> = rows
+                .clone()
+                .flat_map(|r| {
+                    let (b, x) = (&bcx[r * 3 * h..][..h], &bcx[r * 3 * h + 2 * h..][..h]);
+                    b.iter().zip(x).map(|(b, x)| b * x)
+                })
+                .collect();
+            self.conv.forward(&mut bx, state.buffer(self.state));
+            for (r, conv) in rows.zip(bx.chunks_exact(h)) {
+                let c = &bcx[r * 3 * h + h..][..h];
+                let out = &mut gated[r * h..(r + 1) * h];
+                out.iter_mut().zip(c.iter().zip(conv)).for_each(|(o, (c, v))| *o = c * v);
+            }
+        }
+        self.out_proj.forward(&gated, tokens)
+    }
+}
+
+impl CausalLm for Lfm2 {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn cache_layout(&self) -> CacheLayout {
+        let c = &self.cfg;
+        let mut state = Vec::new();
+        let mut kv_layers = 0;
+        for layer in &self.layers {
+            match &layer.mixer {
+                Mixer::Conv(conv) => state.push(conv.conv.state_len()),
+                Mixer::Attention(..) => kv_layers += 1,
+            }
+        }
+        CacheLayout {
+            kv_layers,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            windows: Vec::new(),
+            state,
+        }
+    }
+
+    fn forward(&self, step: &Step, kv: &mut PagePool, states: &mut [&mut SeqState]) -> Vec<f32> {
+        let c = &self.cfg;
+        let positions = step.positions();
+        let mut x = self.embed.lookup(step.tokens, 1.0).expect("ids checked by the engine");
+        let mut rows = step.tokens.len();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let normed = layer.operator_norm.applied(&x);
+            let mixed = match &layer.mixer {
+                Mixer::Conv(conv) => conv.forward(&normed, step, states),
+                Mixer::Attention(attn, kv_layer) => {
+                    attn.forward(*kv_layer, &normed, step, &positions, Some(&self.rope), kv)
+                }
+            };
+            ops::add_scaled(&mut x, &mixed, 1.0);
+            if i + 1 == self.layers.len() {
+                x = gather_rows(&x, c.hidden_size, step.logit_rows);
+                rows = step.logit_rows.len();
+            }
+            let mlp = layer.mlp.forward(&layer.ffn_norm.applied(&x), rows);
+            ops::add_scaled(&mut x, &mlp, 1.0);
+        }
+        self.head.forward(&mut x, rows)
+    }
+}
