@@ -31,9 +31,9 @@ struct ShortConv {
 }
 
 enum Mixer {
-    Conv(ShortConv),
+    Conv(Box<ShortConv>),
     /// Attention, with its index among the KV layers.
-    Attention(Attention, usize),
+    Attention(Box<Attention>, usize),
 }
 
 struct Layer {
@@ -66,7 +66,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
             LayerType::Conv => {
                 let c = format!("{p}.conv");
                 conv_layers += 1;
-                Mixer::Conv(ShortConv {
+                Mixer::Conv(Box::new(ShortConv {
                     in_proj: w.linear(&format!("{c}.in_proj"), 3 * h, h, conv_cfg.bias)?,
                     conv: CausalConv::load(
                         &w,
@@ -77,7 +77,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
                     )?,
                     out_proj: w.linear(&format!("{c}.out_proj"), h, h, conv_cfg.bias)?,
                     state: conv_layers - 1,
-                })
+                }))
             }
             _ => {
                 kv_layers += 1;
@@ -88,7 +88,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
                     &cfg,
                     None,
                 )?;
-                Mixer::Attention(attn, kv_layers - 1)
+                Mixer::Attention(Box::new(attn), kv_layers - 1)
             }
         };
         layers.push(Layer {

@@ -136,12 +136,13 @@ def _entry(
     transform: Optional[Callable[[np.ndarray], np.ndarray]] = None,
 ) -> TensorEntry:
     src_dtype = checkpoint.info(name).dtype
-    fmt = "f32" if stored_as_f32(name, shape) else dtype
+    keep_f32 = stored_as_f32(name, shape)
+    fmt = "f32" if keep_f32 else dtype
     if transform is not None:
         # Only small tensors (norm weights) are rewritten: transform them whole.
         values = transform(np.concatenate(list(float32_chunks(checkpoint.view(name), src_dtype))))
         return TensorEntry.from_array(name, values.reshape(shape), fmt)
-    if quantize and fmt != "f32" and len(shape) == 2 and shape[1] % 32 == 0:
+    if quantize and not keep_f32 and len(shape) == 2 and shape[1] % 32 == 0:
 
         def blocks() -> Iterator[np.ndarray]:
             for chunk in float32_chunks(checkpoint.view(name), src_dtype):
