@@ -11,13 +11,23 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "hf-tiny"
 # Every fixture the engine runs (one per model_type).
-MODEL_FIXTURES = ["llama", "qwen2", "qwen3", "granite", "smollm3", "gemma3", "lfm2"]
+MODEL_FIXTURES = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "granite",
+    "smollm3",
+    "gemma3",
+    "lfm2",
+    "qwen3_5",
+]
 
 
 class Reference:
     """One fixture's HF transformers outputs: prompts, greedy ids and per-position logits."""
 
     def __init__(self, name: str) -> None:
+        self.name = name
         self.dir = FIXTURES / name
         self.data = json.loads((self.dir / "reference.json").read_text())
         logits = np.load(self.dir / "logits.npz")

@@ -15,6 +15,11 @@ from cellm import LLM, _core
 from conftest import MODEL_FIXTURES, Reference
 
 ATOL = 1e-3
+# Qwen3.5's gated DeltaNet norm divides by the RMS of outputs that are tiny at some positions,
+# which amplifies float32 rounding: at position 1 of the first prompt HF's own f32 logits are
+# 3.4e-3 from a float64 evaluation of the same equations, cellm's 1.0e-3
+# (tools/qwen35_f64_check.py). Everywhere else both stay within 1e-3.
+ATOL_BY_FIXTURE = {"qwen3_5": 5e-3}
 
 
 @pytest.fixture(scope="module", params=MODEL_FIXTURES)
@@ -29,7 +34,7 @@ def test_logits_in_one_call(case):
         got = llm.logits(ref.sequence(i))
         assert got.shape == ref.logits[i].shape and got.dtype == np.float32
         err = float(np.abs(got - ref.logits[i]).max())
-        assert err < ATOL, f"prompt {i}: max |dlogit| = {err}"
+        assert err < ATOL_BY_FIXTURE.get(ref.name, ATOL), f"prompt {i}: max |dlogit| = {err}"
 
 
 def test_prefill_then_token_by_token_decode(case):
@@ -42,7 +47,7 @@ def test_prefill_then_token_by_token_decode(case):
         rows += [engine.step([(session, [t])])[0] for t in seq[n:]]
         engine.free_session(session)
         err = float(np.abs(np.stack(rows) - ref.logits[i][n - 1 :]).max())
-        assert err < ATOL, f"prompt {i}: max |dlogit| = {err}"
+        assert err < ATOL_BY_FIXTURE.get(ref.name, ATOL), f"prompt {i}: max |dlogit| = {err}"
 
 
 def test_greedy_ids(case):
@@ -58,16 +63,30 @@ def test_chat_template_renders_reference(case):
     assert llm.apply_chat_template(chat["messages"]) == chat["rendered"]
 
 
+# f16 weights move these models' logits by up to ~1.0, so positions where the reference's top
+# two logits are closer than this may flip; every disagreement must be at such a near-tie.
+F16_NEAR_TIE = 0.1
+# Qwen3.5's fixture (ill-conditioned, see ATOL_BY_FIXTURE) has 5 near-ties among 474 positions
+# (gaps 0.008-0.065): 98.9% agreement, every miss a near-tie.
+F16_ARGMAX_BY_FIXTURE = {"qwen3_5": 0.985}
+
+
 @pytest.mark.parametrize("name", MODEL_FIXTURES)
 def test_f16_weights_and_kv_keep_argmax(name, converted):
     ref = Reference(name)
     llm = LLM(converted(name, "f16"), kv_encoding="f16")
     agree = total = 0
     for i in range(len(ref.prompts)):
+        want = ref.logits[i]
         got = llm.logits(ref.sequence(i)).argmax(-1)
-        agree += int((got == ref.logits[i].argmax(-1)).sum())
+        top = want.argmax(-1)
+        agree += int((got == top).sum())
         total += got.size
-    assert agree / total >= 0.99, f"argmax agreement {agree}/{total}"
+        rows = np.arange(len(top))
+        gaps = want[rows, top] - want[rows, got]
+        assert gaps.max() < F16_NEAR_TIE, f"prompt {i}: a miss with reference gap {gaps.max()}"
+    bar = F16_ARGMAX_BY_FIXTURE.get(name, 0.99)
+    assert agree / total >= bar, f"argmax agreement {agree}/{total}"
 
 
 @pytest.mark.parametrize("isa", _core.available_isas())

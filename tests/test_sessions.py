@@ -21,7 +21,9 @@ def alone(llm, ids):
 @pytest.mark.parametrize("name", MODEL_FIXTURES)
 def test_interleaved_sessions_match_each_alone(name, converted):
     """Per-session state (KV pages, and conv/recurrent state where a family has it) stays
-    apart. 1e-4: the same math in a different batch split only reorders f32 sums."""
+    apart. 1e-3: a different batch split only reorders f32 sums (and, for Qwen3.5, moves
+    DeltaNet chunk boundaries: up to 1.5e-4 on its ill-conditioned fixture), while state
+    leaking between sessions moves logits by far more than that."""
     llm = LLM(converted(name, "f32"), kv_encoding="f32", context_length=1024)
     ref = Reference(name)
     a_ids, b_ids = ref.sequence(0), ref.sequence(1)
@@ -47,8 +49,8 @@ def test_interleaved_sessions_match_each_alone(name, converted):
             (got_a if sid == a else got_b).append(chunk)
         pos_a += 1
         pos_b += 50
-    assert np.abs(np.concatenate(got_a) - want_a).max() < 1e-4
-    assert np.abs(np.concatenate(got_b) - want_b).max() < 1e-4
+    assert np.abs(np.concatenate(got_a) - want_a).max() < 1e-3
+    assert np.abs(np.concatenate(got_b) - want_b).max() < 1e-3
     e.free_session(a)
     e.free_session(b)
 
@@ -135,7 +137,7 @@ def test_sliding_session_cannot_rewind_out_of_its_window(gemma):
 
 
 # Families whose layers keep recurrent state (conv inputs, DeltaNet matrices) per session.
-RECURRENT = ["lfm2"]
+RECURRENT = ["lfm2", "qwen3_5"]
 
 
 @pytest.mark.parametrize("name", RECURRENT)

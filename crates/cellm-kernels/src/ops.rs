@@ -12,6 +12,11 @@ pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
+/// `x = silu(x)`.
+pub fn silu(x: &mut [f32]) {
+    x.iter_mut().for_each(|v| *v /= 1.0 + (-*v).exp());
+}
+
 /// `gate = silu(gate) * up`, the gated MLP's activation.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {

@@ -208,6 +208,9 @@ pub struct Attention {
     pub q_norm: Option<RmsNorm>,
     pub k_norm: Option<RmsNorm>,
     pub shape: AttentionShape,
+    /// Qwen3.5's output gate: `q` also yields, per head, a gate whose sigmoid scales that
+    /// head's attention output.
+    pub gated: bool,
 }
 
 impl Attention {
@@ -224,6 +227,7 @@ impl Attention {
         let hd = self.shape.head_dim;
         let (mut q, mut k, v) =
             (self.q.forward(x, tokens), self.k.forward(x, tokens), self.v.forward(x, tokens));
+        let gate = self.gated.then(|| split_query_gate(&mut q, hd));
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             qn.apply(&mut q);
             kn.apply(&mut k);
@@ -234,8 +238,24 @@ impl Attention {
         }
         let mut ctx = vec![0.0; q.len()];
         kv.attention(layer, step.spans, &q, &k, &v, &mut ctx, &self.shape);
+        if let Some(gate) = gate {
+            ctx.iter_mut().zip(gate).for_each(|(c, g)| *c *= 1.0 / (1.0 + (-g).exp()));
+        }
         self.o.forward(&ctx, tokens)
     }
+}
+
+/// Splits rows of per-head `[query | gate]` pairs (`2 * hd` each) into queries, left in `q`,
+/// and the returned gates, both `hd` per head.
+fn split_query_gate(q: &mut Vec<f32>, hd: usize) -> Vec<f32> {
+    let (mut queries, mut gates) =
+        (Vec::with_capacity(q.len() / 2), Vec::with_capacity(q.len() / 2));
+    for pair in q.chunks_exact(2 * hd) {
+        queries.extend_from_slice(&pair[..hd]);
+        gates.extend_from_slice(&pair[hd..]);
+    }
+    *q = queries;
+    gates
 }
 
 /// Tensor names of an attention block: q, k, v, output, q norm, k norm.
@@ -263,12 +283,13 @@ impl Attention {
     ) -> Result<Self> {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let (q_out, kv_out) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+        let q_rows = if cfg.attn_output_gate { 2 * q_out } else { q_out };
         let bias = cfg.attention_bias;
         let qk_norm = |n: &str| {
             cfg.qk_norm.then(|| w.norm(&format!("{prefix}.{n}.weight"), hd, cfg.norm_eps))
         };
         Ok(Attention {
-            q: w.linear(&format!("{prefix}.{q}"), q_out, h, bias)?,
+            q: w.linear(&format!("{prefix}.{q}"), q_rows, h, bias)?,
             k: w.linear(&format!("{prefix}.{k}"), kv_out, h, bias)?,
             v: w.linear(&format!("{prefix}.{v}"), kv_out, h, bias)?,
             o: w.linear(&format!("{prefix}.{o}"), h, q_out, cfg.attention_out_bias)?,
@@ -282,6 +303,7 @@ impl Attention {
                 window,
                 softcap: cfg.attn_logit_softcap,
             },
+            gated: cfg.attn_output_gate,
         })
     }
 }

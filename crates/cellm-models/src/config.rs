@@ -90,6 +90,9 @@ pub struct ModelConfig {
     pub attn_logit_softcap: Option<f32>,
     #[serde(default)]
     pub final_logit_softcap: Option<f32>,
+    /// Attention outputs are gated by a sigmoid of a second half of `q_proj` (Qwen3.5).
+    #[serde(default)]
+    pub attn_output_gate: bool,
     /// Family-specific sections (`conv`, `linear_attention`, `mla`, `moe`), read with
     /// [`ModelConfig::section`].
     #[serde(flatten)]

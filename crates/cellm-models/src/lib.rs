@@ -5,9 +5,11 @@
 
 pub mod blocks;
 mod config;
+mod delta_rule;
 mod gemma;
 mod lfm2;
 mod llama;
+mod qwen35;
 mod registry;
 
 use cellm_kv::{PagePool, SeqSpan, SeqState};

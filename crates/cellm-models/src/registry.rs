@@ -2,14 +2,18 @@
 
 use cellm_format::{CellmFile, Error, Result};
 
-use crate::{gemma, lfm2, llama, CausalLm, ModelConfig};
+use crate::{gemma, lfm2, llama, qwen35, CausalLm, ModelConfig};
 
 type Loader = fn(&CellmFile, ModelConfig) -> Result<Box<dyn CausalLm>>;
 
-const FAMILIES: &[(&str, Loader)] =
-    &[("llama", llama::load), ("gemma3", gemma::load), ("lfm2", lfm2::load)];
+const FAMILIES: &[(&str, Loader)] = &[
+    ("llama", llama::load),
+    ("gemma3", gemma::load),
+    ("lfm2", lfm2::load),
+    ("qwen3_5", qwen35::load),
+];
 
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "gemma3", "lfm2"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "gemma3", "lfm2", "qwen3_5"];
 
 /// Builds the model a validated file describes.
 pub fn load(file: &CellmFile) -> Result<Box<dyn CausalLm>> {

@@ -238,6 +238,20 @@ def _lfm2_extras(r: _Reader, dims: Dims) -> dict[str, Any]:
     return {"conv": {"taps": r.get_int("conv_L_cache", minimum=2), "bias": r.get_bool("conv_bias")}}
 
 
+def _qwen3_5_extras(r: _Reader, dims: Dims) -> dict[str, Any]:
+    """The gated DeltaNet layers' shapes; full-attention layers gate their output."""
+    return {
+        "attn_output_gate": True,
+        "linear_attention": {
+            "conv_taps": r.get_int("linear_conv_kernel_dim", minimum=2),
+            "k_heads": r.get_int("linear_num_key_heads"),
+            "v_heads": r.get_int("linear_num_value_heads"),
+            "k_dim": r.get_int("linear_key_head_dim"),
+            "v_dim": r.get_int("linear_value_head_dim"),
+        },
+    }
+
+
 def _round_to(value: float, dtype: str) -> float:
     numpy_dtype = {"BF16": None, "F16": np.float16}.get(dtype, np.float32)
     if numpy_dtype is None:  # bfloat16: keep the top 16 bits, rounding to nearest even
@@ -293,12 +307,19 @@ def rope_description(
             f"{', '.join(ROPE_TYPES)})"
         )
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
+    if partial is None:
+        partial = family.defaults.get("partial_rotary_factor", 1.0)
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise FormatError(f"{source}: partial_rotary_factor must be in (0, 1], got {partial!r}")
+    # HF rotates the first int(head_dim * factor) dims of each head.
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim < 2 or rotary_dim % 2:
         raise UnsupportedArchitecture(
-            f"{source}: partial_rotary_factor {partial!r} is not supported (only full RoPE)"
+            f"{source}: a rotary dimension of {rotary_dim} (head_dim {head_dim} x "
+            f"partial_rotary_factor {partial}) is not supported (it must be even)"
         )
     try:
-        inv_freq, attention_factor = compute_inv_freq(rope_type, params, head_dim, max_pos)
+        inv_freq, attention_factor = compute_inv_freq(rope_type, params, rotary_dim, max_pos)
     except KeyError as e:
         raise FormatError(f"{source}: {rope_type} rope parameters lack {e.args[0]!r}") from None
     except (TypeError, ValueError, ZeroDivisionError) as e:
@@ -353,6 +374,12 @@ def _derived_layer_types(
 ) -> list[str]:
     # Mirrors the HF config classes' __post_init__ for configs without layer_types.
     sliding = bool(config.get("use_sliding_window")) and config.get("sliding_window") is not None
+    if family.sliding_rule == "qwen3_5":
+        interval = config.get("full_attention_interval") or 4
+        return [
+            "linear_attention" if (i + 1) % interval else "full_attention"
+            for i in range(num_layers)
+        ]
     if family.sliding_rule == "lfm2":
         attention = config.get("full_attn_idxs")
         if attention is None:
@@ -467,7 +494,6 @@ FAMILIES["lfm2"] = Family(
     eps_key="norm_eps",
     extras=_lfm2_extras,
 )
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 # HF activation names -> the engine's.
 _ACTIVATIONS = {
@@ -476,3 +502,24 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_tanh": "gelu_tanh",
 }
+FAMILIES["qwen3_5_text"] = Family(
+    "qwen3_5",
+    {
+        **_COMMON,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "head_dim": 256,
+        "partial_rotary_factor": 0.25,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+    },
+    # Qwen3_5Attention always has q/k norms; Qwen3_5MLP has no biases.
+    fixed={"mlp_bias": False, "qk_norm": True},
+    sliding_rule="qwen3_5",
+    layer_kinds=frozenset({"full_attention", "linear_attention"}),
+    extras=_qwen3_5_extras,
+)
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

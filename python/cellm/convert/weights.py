@@ -109,11 +109,40 @@ def _lfm2_layer(model: Mapping[str, Any], p: str, kind: str) -> Shapes:
     ]
 
 
+def _qwen3_5_layer(model: Mapping[str, Any], p: str, kind: str) -> Shapes:
+    hidden = model["hidden_size"]
+    out = _norms(model, p, "input_layernorm")
+    if kind == "linear_attention":
+        la = model["linear_attention"]
+        key_dim, value_dim = la["k_heads"] * la["k_dim"], la["v_heads"] * la["v_dim"]
+        conv_dim = 2 * key_dim + value_dim
+        a = p + "linear_attn."
+        out += [
+            (a + "in_proj_qkv.weight", (conv_dim, hidden)),
+            (a + "in_proj_z.weight", (value_dim, hidden)),
+            (a + "in_proj_b.weight", (la["v_heads"], hidden)),
+            (a + "in_proj_a.weight", (la["v_heads"], hidden)),
+            (a + "conv1d.weight", (conv_dim, la["conv_taps"])),
+            (a + "A_log", (la["v_heads"],)),
+            (a + "dt_bias", (la["v_heads"],)),
+            (a + "norm.weight", (la["v_dim"],)),
+            (a + "out_proj.weight", (hidden, value_dim)),
+        ]
+    else:
+        # q_proj also yields the output gate: two rows per query row.
+        out += [
+            (n, (2 * s[0], s[1]) if n.endswith("q_proj.weight") else s)
+            for n, s in _attention(model, p)
+        ]
+    return out + _norms(model, p, "post_attention_layernorm") + _gated_mlp(model, p)
+
+
 # Per engine architecture: the tensors of one decoder layer, given its name prefix and type.
 _LAYERS: dict[str, Callable[[Mapping[str, Any], str, str], Shapes]] = {
     "llama": lambda model, p, _: _llama_layer(model, p),
     "gemma3": lambda model, p, _: _gemma3_layer(model, p),
     "lfm2": _lfm2_layer,
+    "qwen3_5": _qwen3_5_layer,
 }
 # The final norm's name, where a family renames it.
 _FINAL_NORM = {"lfm2": "model.embedding_norm.weight"}
@@ -139,10 +168,14 @@ def tensor_transform(
 ) -> Optional[Callable[[np.ndarray], np.ndarray]]:
     """A float32 rewrite a tensor needs before it is stored, or None.
 
-    Gemma's RMSNorm multiplies by `1 + w`; storing `1 + w` (computed in float32, as HF does)
-    lets every family share one norm.
+    Gemma's and Qwen3.5's RMSNorms multiply by `1 + w`; storing `1 + w` (computed in float32,
+    as HF does) lets every family share one norm.
     """
-    if model["architecture"] == "gemma3" and name.endswith("norm.weight"):
+    one_plus = model["architecture"] == "gemma3" or (
+        # Qwen3.5's gated DeltaNet norm is a plain `w`; its other RMSNorms are `1 + w`.
+        model["architecture"] == "qwen3_5" and not name.endswith("linear_attn.norm.weight")
+    )
+    if one_plus and name.endswith("norm.weight"):
         return lambda w: w + np.float32(1.0)
     return None
 

@@ -1,0 +1,268 @@
+//! Qwen3.5 (`qwen3_5_text`): a hybrid of gated DeltaNet linear-attention layers and, every few
+//! layers, full attention with an output gate and partial RoPE. Each DeltaNet layer keeps a
+//! short-convolution window and a `k_dim x v_dim` state per value head in the session. The
+//! `(1 + w)` of its RMSNorms is folded into the weights at conversion (not the gated norm's,
+//! which is a plain `w`).
+
+use cellm_format::{CellmFile, Result, Tensor};
+use cellm_kernels::ops;
+use cellm_kv::{PagePool, SeqState};
+use serde::Deserialize;
+
+use crate::blocks::{
+    gather_rows, Attention, CausalConv, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope, Weights,
+};
+use crate::delta_rule::{self, HeadInputs};
+use crate::{CacheLayout, CausalLm, LayerType, ModelConfig, Step};
+
+/// The description's `linear_attention` section.
+#[derive(Deserialize)]
+struct DeltaNetConfig {
+    conv_taps: usize,
+    k_heads: usize,
+    v_heads: usize,
+    k_dim: usize,
+    v_dim: usize,
+}
+
+struct DeltaNet {
+    cfg: DeltaNetConfig,
+    in_qkv: Linear,
+    in_z: Linear,
+    in_b: Linear,
+    in_a: Linear,
+    conv: CausalConv,
+    /// `-exp(A_log)` per value head: the decay rate.
+    neg_a: Vec<f32>,
+    dt_bias: Vec<f32>,
+    norm: Tensor,
+    eps: f32,
+    out: Linear,
+    /// Indices of this layer's conv window and recurrent state in the session state.
+    conv_state: usize,
+    rec_state: usize,
+}
+
+enum Mixer {
+    DeltaNet(Box<DeltaNet>),
+    /// Attention, with its index among the KV layers.
+    Attention(Box<Attention>, usize),
+}
+
+struct Layer {
+    input_norm: RmsNorm,
+    mixer: Mixer,
+    post_attn_norm: RmsNorm,
+    mlp: GatedMlp,
+}
+
+pub struct Qwen35 {
+    cfg: ModelConfig,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    head: LmHead,
+    rope: Rope,
+}
+
+pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
+    let w = Weights { file };
+    let (h, eps) = (cfg.hidden_size, cfg.norm_eps);
+    let mut kv_layers = 0;
+    let mut buffers = 0;
+    let mut layers = Vec::with_capacity(cfg.num_layers);
+    for i in 0..cfg.num_layers {
+        let p = format!("model.layers.{i}");
+        let mixer = match cfg.layer_type(i) {
+            LayerType::LinearAttention => {
+                let net = DeltaNet::load(&w, &format!("{p}.linear_attn"), &cfg, buffers)?;
+                buffers += 2;
+                Mixer::DeltaNet(Box::new(net))
+            }
+            _ => {
+                kv_layers += 1;
+                let attn = Attention::load(&w, &format!("{p}.self_attn"), &cfg, None)?;
+                Mixer::Attention(Box::new(attn), kv_layers - 1)
+            }
+        };
+        layers.push(Layer {
+            input_norm: w.norm(&format!("{p}.input_layernorm.weight"), h, eps)?,
+            mixer,
+            post_attn_norm: w.norm(&format!("{p}.post_attention_layernorm.weight"), h, eps)?,
+            mlp: GatedMlp::load(
+                &w,
+                &format!("{p}.mlp"),
+                h,
+                cfg.intermediate_size,
+                false,
+                cfg.hidden_act,
+            )?,
+        });
+    }
+    let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
+    Ok(Box::new(Qwen35 {
+        head: LmHead::load(&w, "model.norm.weight", &cfg, &embed)?,
+        rope: Rope::from(&cfg.rope),
+        embed,
+        layers,
+        cfg,
+    }))
+}
+
+impl DeltaNet {
+    fn load(w: &Weights, p: &str, model: &ModelConfig, first_buffer: usize) -> Result<Self> {
+        let cfg: DeltaNetConfig = model.section("linear_attention")?;
+        let h = model.hidden_size;
+        let (key_dim, value_dim) = (cfg.k_heads * cfg.k_dim, cfg.v_heads * cfg.v_dim);
+        let conv_dim = 2 * key_dim + value_dim;
+        if cfg.k_heads == 0 || !cfg.v_heads.is_multiple_of(cfg.k_heads) {
+            return Err(cellm_format::Error::format(format!(
+                "bad model description: {} value heads cannot share {} key heads",
+                cfg.v_heads, cfg.k_heads
+            )));
+        }
+        let vector = |n: &str, len| -> Result<Vec<f32>> {
+            Ok(w.vector(&format!("{p}.{n}"), len)?.as_f32()?.to_vec())
+        };
+        Ok(Self {
+            in_qkv: w.linear(&format!("{p}.in_proj_qkv"), conv_dim, h, false)?,
+            in_z: w.linear(&format!("{p}.in_proj_z"), value_dim, h, false)?,
+            in_b: w.linear(&format!("{p}.in_proj_b"), cfg.v_heads, h, false)?,
+            in_a: w.linear(&format!("{p}.in_proj_a"), cfg.v_heads, h, false)?,
+            conv: CausalConv::load(w, &format!("{p}.conv1d"), conv_dim, cfg.conv_taps, false)?,
+            neg_a: vector("A_log", cfg.v_heads)?.iter().map(|a| -a.exp()).collect(),
+            dt_bias: vector("dt_bias", cfg.v_heads)?,
+            norm: w.vector(&format!("{p}.norm.weight"), cfg.v_dim)?,
+            eps: model.norm_eps,
+            out: w.linear(&format!("{p}.out_proj"), h, value_dim, false)?,
+            conv_state: first_buffer,
+            rec_state: first_buffer + 1,
+            cfg,
+        })
+    }
+
+    fn state_sizes(&self) -> [usize; 2] {
+        let c = &self.cfg;
+        [self.conv.state_len(), c.v_heads * c.k_dim * c.v_dim]
+    }
+
+    fn forward(&self, x: &[f32], step: &Step, states: &mut [&mut SeqState]) -> Vec<f32> {
+        let c = &self.cfg;
+        let tokens = step.tokens.len();
+        let (key_dim, value_dim) = (c.k_heads * c.k_dim, c.v_heads * c.v_dim);
+        let conv_dim = self.conv.channels;
+        let mut qkv = self.in_qkv.forward(x, tokens);
+        let (z, b, a) = (
+            self.in_z.forward(x, tokens),
+            self.in_b.forward(x, tokens),
+            self.in_a.forward(x, tokens),
+        );
+        let mut core = vec![0.0f32; tokens * value_dim];
+        for (span, state) in step.spans.iter().zip(states.iter_mut()) {
+            let rows = span.row0..span.row0 + span.len;
+            let qkv = &mut qkv[rows.start * conv_dim..rows.end * conv_dim];
+            self.conv.forward(qkv, state.buffer(self.conv_state));
+            ops::silu(qkv);
+            let recurrent = state.buffer(self.rec_state);
+            for hv in 0..c.v_heads {
+                let hk = hv / (c.v_heads / c.k_heads);
+                let head = |base: usize, d: usize| -> Vec<f32> {
+                    qkv.chunks_exact(conv_dim)
+                        .flat_map(|r| r[base..base + d].iter().copied())
+                        .collect()
+                };
+                let mut q = head(hk * c.k_dim, c.k_dim);
+                let mut k = head(key_dim + hk * c.k_dim, c.k_dim);
+                let v = head(2 * key_dim + hv * c.v_dim, c.v_dim);
+                l2_normalise(&mut q, c.k_dim, 1.0 / (c.k_dim as f32).sqrt());
+                l2_normalise(&mut k, c.k_dim, 1.0);
+                let g: Vec<f32> = rows
+                    .clone()
+                    .map(|r| self.neg_a[hv] * softplus(a[r * c.v_heads + hv] + self.dt_bias[hv]))
+                    .collect();
+                let beta: Vec<f32> =
+                    rows.clone().map(|r| 1.0 / (1.0 + (-b[r * c.v_heads + hv]).exp())).collect();
+                let mut out = vec![0.0f32; span.len * c.v_dim];
+                let inputs = HeadInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta };
+                let s = &mut recurrent[hv * c.k_dim * c.v_dim..(hv + 1) * c.k_dim * c.v_dim];
+                delta_rule::run(&inputs, c.k_dim, c.v_dim, s, &mut out);
+                for (r, o) in rows.clone().zip(out.chunks_exact(c.v_dim)) {
+                    core[r * value_dim + hv * c.v_dim..][..c.v_dim].copy_from_slice(o);
+                }
+            }
+        }
+        // Gated RMSNorm per value head: rms_norm(o) * w * silu(z).
+        let norm = self.norm.as_f32().expect("checked at load");
+        ops::rms_norm(&mut core, norm, self.eps);
+        let mut gate = z;
+        ops::silu(&mut gate);
+        core.iter_mut().zip(&gate).for_each(|(o, g)| *o *= g);
+        self.out.forward(&core, tokens)
+    }
+}
+
+/// Scales each `d`-wide row of `x` to unit L2 norm (eps 1e-6 inside the root, as fla does),
+/// times `scale`.
+fn l2_normalise(x: &mut [f32], d: usize, scale: f32) {
+    for row in x.chunks_exact_mut(d) {
+        let inv = scale / (row.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
+        row.iter_mut().for_each(|v| *v *= inv);
+    }
+}
+
+/// torch's softplus (beta 1, linear above 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+impl CausalLm for Qwen35 {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn cache_layout(&self) -> CacheLayout {
+        let c = &self.cfg;
+        let mut state = Vec::new();
+        let mut kv_layers = 0;
+        for layer in &self.layers {
+            match &layer.mixer {
+                Mixer::DeltaNet(net) => state.extend(net.state_sizes()),
+                Mixer::Attention(..) => kv_layers += 1,
+            }
+        }
+        CacheLayout {
+            kv_layers,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            windows: Vec::new(),
+            state,
+        }
+    }
+
+    fn forward(&self, step: &Step, kv: &mut PagePool, states: &mut [&mut SeqState]) -> Vec<f32> {
+        let c = &self.cfg;
+        let positions = step.positions();
+        let mut x = self.embed.lookup(step.tokens, 1.0).expect("ids checked by the engine");
+        let mut rows = step.tokens.len();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let normed = layer.input_norm.applied(&x);
+            let mixed = match &layer.mixer {
+                Mixer::DeltaNet(net) => net.forward(&normed, step, states),
+                Mixer::Attention(attn, kv_layer) => {
+                    attn.forward(*kv_layer, &normed, step, &positions, Some(&self.rope), kv)
+                }
+            };
+            ops::add_scaled(&mut x, &mixed, 1.0);
+            if i + 1 == self.layers.len() {
+                x = gather_rows(&x, c.hidden_size, step.logit_rows);
+                rows = step.logit_rows.len();
+            }
+            let mlp = layer.mlp.forward(&layer.post_attn_norm.applied(&x), rows);
+            ops::add_scaled(&mut x, &mlp, 1.0);
+        }
+        self.head.forward(&mut x, rows)
+    }
+}
