@@ -20,6 +20,7 @@ MODEL_FIXTURES = [
     "gemma3",
     "lfm2",
     "qwen3_5",
+    "deepseek_v3",
 ]
 
 

@@ -155,3 +155,12 @@ def test_recurrent_state_resets_and_refuses_rewinds(name, converted):
     got = e.step([(s, ids[:30])], all_logits=True)
     assert np.abs(got - want).max() < 1e-4, "reset left state behind"
     e.free_session(s)
+
+
+def test_mla_caches_the_compressed_latent(converted):
+    """DeepSeek's KV pages hold one `kv_lora_rank + rope` row per token (shared by keys and
+    values), not per-head keys and values."""
+    llm = LLM(converted("deepseek_v3", "f16"), kv_encoding="f16")
+    mla = llm.header["model"]["mla"]
+    page_tokens, f16 = 16, 2
+    assert llm._engine.kv_stats()[2] == page_tokens * (mla["kv_lora_rank"] + mla["rope_dim"]) * f16

@@ -94,6 +94,7 @@ impl Engine {
             max_pages: capacity.div_ceil(PAGE_SIZE).max(1) * layout.kv_layers,
             encoding: opts.kv_encoding,
             windows: layout.windows,
+            values_in_keys: layout.values_in_keys,
         });
         Ok(Self {
             file,

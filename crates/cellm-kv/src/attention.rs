@@ -34,7 +34,8 @@ impl PagePool {
     /// Stores each span's new keys and values for `layer`, then writes into `out` the causal
     /// attention of every query row over its own session's cache.
     ///
-    /// Shapes: `q`/`out` are `rows x n_heads*head_dim`, `k`/`v` are `rows x n_kv_heads*head_dim`.
+    /// Shapes: `q`/`out` are `rows x n_heads*head_dim`, `k`/`v` are `rows x n_kv_heads*head_dim`
+    /// (`v` is ignored when the pool keeps values in the keys).
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &mut self,
@@ -58,7 +59,7 @@ impl PagePool {
                     layer,
                     s.start + i,
                     &k[r * kv_width..][..kv_width],
-                    &v[r * kv_width..][..kv_width],
+                    v.get(r * kv_width..(r + 1) * kv_width).unwrap_or(&[]),
                 );
                 row_of.push((r, si, s.start + i));
             }
@@ -253,6 +254,7 @@ mod tests {
             max_pages: 16,
             encoding: KvEncoding::F32,
             windows: Vec::new(),
+            values_in_keys: false,
         });
         let val = |i: usize| ((i * 7919) % 97) as f32 / 48.0 - 1.0;
         let q: Vec<f32> = (0..len * n_heads * hd).map(|i| val(i + 3)).collect();

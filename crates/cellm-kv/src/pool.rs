@@ -49,6 +49,9 @@ pub struct KvConfig {
     /// Per layer, the sliding window of its attention (None: full). Pages that fall wholly out
     /// of a layer's window go back to the pool. Empty means no layer slides.
     pub windows: Vec<Option<usize>>,
+    /// Values are read from the key rows, which are stored alone (MLA caches one latent row
+    /// per token that serves as both).
+    pub values_in_keys: bool,
 }
 
 impl KvConfig {
@@ -120,7 +123,16 @@ impl PagePool {
     }
 
     pub fn page_bytes(&self) -> usize {
-        2 * self.cfg.page_size * self.row_bytes
+        self.planes() * self.cfg.page_size * self.row_bytes
+    }
+
+    /// Row planes per page: keys, and values unless they live in the keys.
+    fn planes(&self) -> usize {
+        if self.cfg.values_in_keys {
+            1
+        } else {
+            2
+        }
     }
 
     /// Makes room for positions `0..new_len` in every layer. On failure nothing changes.
@@ -205,17 +217,24 @@ impl PagePool {
     pub fn write(&mut self, seq: &SeqKv, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
         let (page, slot) = (seq.page(layer, pos / self.cfg.page_size), pos % self.cfg.page_size);
         let (rb, ps, enc) = (self.row_bytes, self.cfg.page_size, self.cfg.encoding);
+        let values = !self.cfg.values_in_keys;
         let bytes = words_as_bytes_mut(&mut self.pages[page as usize]);
         encode_row(enc, k, &mut bytes[slot * rb..(slot + 1) * rb]);
-        encode_row(enc, v, &mut bytes[(ps + slot) * rb..(ps + slot + 1) * rb]);
+        if values {
+            encode_row(enc, v, &mut bytes[(ps + slot) * rb..(ps + slot + 1) * rb]);
+        }
     }
 
     /// The key rows and the value rows of page `index` of `layer` (page_size rows each, raw
     /// encoded bytes, `row_bytes()` per row).
     pub(crate) fn page_rows(&self, seq: &SeqKv, layer: usize, index: usize) -> (&[u8], &[u8]) {
         let bytes = words_as_bytes(&self.pages[seq.page(layer, index) as usize]);
-        bytes[..2 * self.cfg.page_size * self.row_bytes]
-            .split_at(self.cfg.page_size * self.row_bytes)
+        let plane = self.cfg.page_size * self.row_bytes;
+        if self.cfg.values_in_keys {
+            (&bytes[..plane], &bytes[..plane])
+        } else {
+            bytes[..2 * plane].split_at(plane)
+        }
     }
 
     pub(crate) fn row_bytes(&self) -> usize {
@@ -269,6 +288,7 @@ mod tests {
             max_pages,
             encoding: KvEncoding::F32,
             windows: vec![None, Some(5)],
+            values_in_keys: false,
         })
     }
 

@@ -163,6 +163,7 @@ impl CausalLm for Lfm2 {
             head_dim: c.head_dim,
             windows: Vec::new(),
             state,
+            values_in_keys: false,
         }
     }
 

@@ -5,10 +5,12 @@
 
 pub mod blocks;
 mod config;
+mod deepseek;
 mod delta_rule;
 mod gemma;
 mod lfm2;
 mod llama;
+mod moe;
 mod qwen35;
 mod registry;
 
@@ -49,6 +51,8 @@ pub struct CacheLayout {
     pub windows: Vec<Option<usize>>,
     /// Floats of each recurrent-state buffer (empty: the model keeps none).
     pub state: Vec<usize>,
+    /// Values are the key rows (MLA's latent cache).
+    pub values_in_keys: bool,
 }
 
 pub trait CausalLm: Send + Sync {

@@ -70,6 +70,7 @@ impl CausalLm for Llama {
             head_dim: c.head_dim,
             windows: (0..c.num_layers).map(|i| c.window(i)).collect(),
             state: Vec::new(),
+            values_in_keys: false,
         }
     }
 

@@ -239,6 +239,7 @@ impl CausalLm for Qwen35 {
             head_dim: c.head_dim,
             windows: Vec::new(),
             state,
+            values_in_keys: false,
         }
     }
 

@@ -2,7 +2,7 @@
 
 use cellm_format::{CellmFile, Error, Result};
 
-use crate::{gemma, lfm2, llama, qwen35, CausalLm, ModelConfig};
+use crate::{deepseek, gemma, lfm2, llama, qwen35, CausalLm, ModelConfig};
 
 type Loader = fn(&CellmFile, ModelConfig) -> Result<Box<dyn CausalLm>>;
 
@@ -11,9 +11,10 @@ const FAMILIES: &[(&str, Loader)] = &[
     ("gemma3", gemma::load),
     ("lfm2", lfm2::load),
     ("qwen3_5", qwen35::load),
+    ("deepseek_v3", deepseek::load),
 ];
 
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "gemma3", "lfm2", "qwen3_5"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "gemma3", "lfm2", "qwen3_5", "deepseek_v3"];
 
 /// Builds the model a validated file describes.
 pub fn load(file: &CellmFile) -> Result<Box<dyn CausalLm>> {

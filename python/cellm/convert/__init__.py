@@ -19,7 +19,13 @@ from .progress import ProgressBar
 from .quantize import check_quantization, quantize_rows
 from .safetensors import Checkpoint, open_checkpoint
 from .tokenizer_files import TOKENIZER_BLOB, load_tokenizer_files
-from .weights import plan_tensors, settle_from_weights, stored_as_f32, tensor_transform
+from .weights import (
+    plan_tensors,
+    settle_from_weights,
+    stored_as_f32,
+    tensor_source,
+    tensor_transform,
+)
 from .writer import TensorEntry, read_header, write_cellm
 
 __all__ = ["convert", "convert_gguf", "convert_hf", "is_gguf", "read_header"]
@@ -100,7 +106,15 @@ def convert_hf(
         plan = plan_tensors(model, checkpoint)
         tok = load_tokenizer_files(src, config)
         entries = [
-            _entry(checkpoint, name, shape, dtype, quantize, tensor_transform(model, name))
+            _entry(
+                checkpoint,
+                name,
+                shape,
+                dtype,
+                quantize,
+                tensor_transform(model, name),
+                tensor_source(model, name)[0],
+            )
             for name, shape in plan
         ]
         header = {
@@ -134,21 +148,36 @@ def _entry(
     dtype: str,
     quantize: Optional[str],
     transform: Optional[Callable[[np.ndarray], np.ndarray]] = None,
+    source: Optional[str] = None,
 ) -> TensorEntry:
-    src_dtype = checkpoint.info(name).dtype
+    """Tensor `name` as stored: made from checkpoint tensor `source` (default: itself),
+    rewritten by `transform` (whole, in float32), then converted or quantized."""
+    source = source or name
+    src_dtype = checkpoint.info(source).dtype
+
+    def f32_chunks() -> Iterator[np.ndarray]:
+        if transform is None:
+            yield from float32_chunks(checkpoint.view(source), src_dtype)
+        else:
+            whole = np.concatenate(list(float32_chunks(checkpoint.view(source), src_dtype)))
+            yield np.ascontiguousarray(transform(whole).reshape(shape), dtype=np.float32)
+
     keep_f32 = stored_as_f32(name, shape)
-    fmt = "f32" if keep_f32 else dtype
-    if transform is not None:
-        # Only small tensors (norm weights) are rewritten: transform them whole.
-        values = transform(np.concatenate(list(float32_chunks(checkpoint.view(name), src_dtype))))
-        return TensorEntry.from_array(name, values.reshape(shape), fmt)
     if quantize and not keep_f32 and len(shape) == 2 and shape[1] % 32 == 0:
 
         def blocks() -> Iterator[np.ndarray]:
-            for chunk in float32_chunks(checkpoint.view(name), src_dtype):
+            for chunk in f32_chunks():
                 yield quantize_rows(chunk, quantize)
 
         return TensorEntry(name, quantize, shape, blocks)
+    fmt = "f32" if keep_f32 else dtype
+    if transform is not None:
+        return TensorEntry(
+            name,
+            fmt,
+            shape,
+            lambda: (piece for c in f32_chunks() for piece in convert_chunks(c, "F32", fmt)),
+        )
     return TensorEntry(
-        name, fmt, shape, lambda: convert_chunks(checkpoint.view(name), src_dtype, fmt)
+        name, fmt, shape, lambda: convert_chunks(checkpoint.view(source), src_dtype, fmt)
     )

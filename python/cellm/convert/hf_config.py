@@ -6,6 +6,7 @@ is resolved here so the engine only ever sees one description.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,6 +249,49 @@ def _qwen3_5_extras(r: _Reader, dims: Dims) -> dict[str, Any]:
             "v_heads": r.get_int("linear_num_value_heads"),
             "k_dim": r.get_int("linear_key_head_dim"),
             "v_dim": r.get_int("linear_value_head_dim"),
+        },
+    }
+
+
+def _deepseek_v3_extras(r: _Reader, dims: Dims) -> dict[str, Any]:
+    """Multi-head latent attention and the MoE router's shape. The q/k head is `nope + rope`
+    wide; RoPE covers the `rope` part (HF's `head_dim`), and yarn scaling also scales the
+    softmax by mscale^2."""
+    nope, rope = r.get_int("qk_nope_head_dim"), r.get_int("qk_rope_head_dim")
+    q_lora = r.get("q_lora_rank")
+    if r.get_bool("attention_bias"):
+        raise UnsupportedArchitecture(f"{r.source}: MLA with attention_bias is not supported")
+    rope_desc = rope_description(r.config, r.family, rope, dims.max_pos, r.source)
+    params = rope_parameters(r.config, r.family, r.source)
+    scale = (nope + rope) ** -0.5
+    if params["rope_type"] != "default" and params.get("mscale_all_dim"):
+        factor = float(params["factor"])
+        if factor > 1:  # HF's yarn_get_mscale
+            mscale = 0.1 * float(params["mscale_all_dim"]) * math.log(factor) + 1.0
+            scale *= mscale * mscale
+    experts = r.get_int("n_routed_experts")
+    return {
+        "head_dim": nope + rope,
+        "rope": rope_desc,
+        "attention_scale": scale,
+        "mla": {
+            "q_lora_rank": None if q_lora is None else r.get_int("q_lora_rank"),
+            "kv_lora_rank": r.get_int("kv_lora_rank"),
+            "nope_dim": nope,
+            "rope_dim": rope,
+            "v_dim": r.get_int("v_head_dim"),
+            "rope_interleave": r.get_bool("rope_interleave"),
+        },
+        "moe": {
+            "experts": experts,
+            "experts_per_token": r.get_int("num_experts_per_tok"),
+            "groups": r.get_int("n_group"),
+            "groups_per_token": r.get_int("topk_group"),
+            "norm_topk_prob": r.get_bool("norm_topk_prob"),
+            "routed_scaling_factor": r.get_float("routed_scaling_factor"),
+            "shared_experts": r.get_int("n_shared_experts", minimum=0),
+            "expert_intermediate_size": r.get_int("moe_intermediate_size"),
+            "first_moe_layer": r.get_int("first_k_dense_replace", minimum=0),
         },
     }
 
@@ -521,5 +565,30 @@ FAMILIES["qwen3_5_text"] = Family(
     sliding_rule="qwen3_5",
     layer_kinds=frozenset({"full_attention", "linear_attention"}),
     extras=_qwen3_5_extras,
+)
+FAMILIES["deepseek_v3"] = Family(
+    "deepseek_v3",
+    {
+        **_COMMON,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rope_interleave": True,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 2048,
+        "first_k_dense_replace": 3,
+    },
+    fixed={"mlp_bias": False, "qk_norm": False, "attention_out_bias": False},
+    extras=_deepseek_v3_extras,
 )
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

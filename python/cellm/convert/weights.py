@@ -137,12 +137,54 @@ def _qwen3_5_layer(model: Mapping[str, Any], p: str, kind: str) -> Shapes:
     return out + _norms(model, p, "post_attention_layernorm") + _gated_mlp(model, p)
 
 
+def _deepseek_layer(model: Mapping[str, Any], p: str, index: int) -> Shapes:
+    hidden, heads, m = model["hidden_size"], model["num_heads"], model["mla"]
+    qk, rank = m["nope_dim"] + m["rope_dim"], m["kv_lora_rank"]
+    a = p + "self_attn."
+    out = _norms(model, p, "input_layernorm")
+    if m["q_lora_rank"] is None:
+        out.append((a + "q_proj.weight", (heads * qk, hidden)))
+    else:
+        out += [
+            (a + "q_a_proj.weight", (m["q_lora_rank"], hidden)),
+            (a + "q_a_layernorm.weight", (m["q_lora_rank"],)),
+            (a + "q_b_proj.weight", (heads * qk, m["q_lora_rank"])),
+        ]
+    out += [
+        (a + "kv_a_proj_with_mqa.weight", (rank + m["rope_dim"], hidden)),
+        (a + "kv_a_layernorm.weight", (rank,)),
+        (a + "kv_b_proj.k_absorb.weight", (heads * rank, m["nope_dim"])),
+        (a + "kv_b_proj.v_up.weight", (heads * m["v_dim"], rank)),
+        (a + "o_proj.weight", (hidden, heads * m["v_dim"])),
+    ]
+    out += _norms(model, p, "post_attention_layernorm")
+    moe = model["moe"]
+    if index < moe["first_moe_layer"]:
+        return out + _gated_mlp(model, p)
+    inter = moe["expert_intermediate_size"]
+    out += [
+        (p + "mlp.gate.weight", (moe["experts"], hidden)),
+        (p + "mlp.gate.e_score_correction_bias", (moe["experts"],)),
+    ]
+    experts = [f"experts.{e}" for e in range(moe["experts"])]
+    for name, width in [(e, inter) for e in experts] + [
+        ("shared_experts", inter * moe["shared_experts"])
+    ] * (moe["shared_experts"] > 0):
+        out += [
+            (f"{p}mlp.{name}.gate_proj.weight", (width, hidden)),
+            (f"{p}mlp.{name}.up_proj.weight", (width, hidden)),
+            (f"{p}mlp.{name}.down_proj.weight", (hidden, width)),
+        ]
+    return out
+
+
 # Per engine architecture: the tensors of one decoder layer, given its name prefix and type.
 _LAYERS: dict[str, Callable[[Mapping[str, Any], str, str], Shapes]] = {
     "llama": lambda model, p, _: _llama_layer(model, p),
     "gemma3": lambda model, p, _: _gemma3_layer(model, p),
     "lfm2": _lfm2_layer,
     "qwen3_5": _qwen3_5_layer,
+    "deepseek_v3": lambda model, p, _: [],  # numbered layers: see expected_tensors
 }
 # The final norm's name, where a family renames it.
 _FINAL_NORM = {"lfm2": "model.embedding_norm.weight"}
@@ -156,11 +198,55 @@ def expected_tensors(model: Mapping[str, Any]) -> Shapes:
     types = model.get("layer_types") or ["full_attention"] * model["num_layers"]
     out: Shapes = [("model.embed_tokens.weight", (model["vocab_size"], hidden))]
     for i, kind in enumerate(types):
-        out += layer(model, f"model.layers.{i}.", kind)
+        if arch == "deepseek_v3":
+            out += _deepseek_layer(model, f"model.layers.{i}.", i)
+        else:
+            out += layer(model, f"model.layers.{i}.", kind)
     out.append((_FINAL_NORM.get(arch, "model.norm.weight"), (hidden,)))
     if not model["tie_word_embeddings"]:
         out.append(("lm_head.weight", (model["vocab_size"], hidden)))
     return out
+
+
+_K_ABSORB, _V_UP = ".kv_b_proj.k_absorb.weight", ".kv_b_proj.v_up.weight"
+
+
+def tensor_source(model: Mapping[str, Any], name: str) -> tuple[str, tuple[int, ...]]:
+    """The checkpoint tensor (name, shape) a stored tensor is made from: itself, except for
+    MLA's `kv_b_proj`, which is split into `k_absorb` and `v_up`."""
+    if model["architecture"] == "deepseek_v3" and name.endswith((_K_ABSORB, _V_UP)):
+        m = model["mla"]
+        prefix = name.rsplit(".kv_b_proj.", 1)[0]
+        shape = (model["num_heads"] * (m["nope_dim"] + m["v_dim"]), m["kv_lora_rank"])
+        return prefix + ".kv_b_proj.weight", shape
+    return name, ()
+
+
+def _mla_transform(model: Mapping[str, Any], name: str) -> Optional[Callable]:
+    """MLA weights in the engine's layout: `kv_b_proj` split per head into `W_UK^T`
+    (`k_absorb`, `rank x nope`) and `W_UV` (`v_up`, `v x rank`); with `rope_interleave`, the
+    rope rows of q and of the shared key reordered from (x0, x1), (x2, x3)... pairs to HF's
+    half-split layout (evens, then odds), which is the same rotation."""
+    m, heads = model["mla"], model["num_heads"]
+    nope, rope, rank, v = m["nope_dim"], m["rope_dim"], m["kv_lora_rank"], m["v_dim"]
+    if name.endswith(_K_ABSORB):
+        return lambda w: (
+            w.reshape(heads, nope + v, rank)[:, :nope, :].transpose(0, 2, 1).reshape(-1, nope)
+        )
+    if name.endswith(_V_UP):
+        return lambda w: w.reshape(heads, nope + v, rank)[:, nope:, :].reshape(-1, rank)
+    if not m["rope_interleave"]:
+        return None
+    half_split = np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
+    if name.endswith(("q_proj.weight", "q_b_proj.weight")):
+        order = np.concatenate(
+            [h * (nope + rope) + np.r_[np.arange(nope), nope + half_split] for h in range(heads)]
+        )
+        return lambda w: w[order]
+    if name.endswith(("kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias")):
+        order = np.r_[np.arange(rank), rank + half_split]
+        return lambda w: w[order]
+    return None
 
 
 def tensor_transform(
@@ -169,8 +255,10 @@ def tensor_transform(
     """A float32 rewrite a tensor needs before it is stored, or None.
 
     Gemma's and Qwen3.5's RMSNorms multiply by `1 + w`; storing `1 + w` (computed in float32,
-    as HF does) lets every family share one norm.
+    as HF does) lets every family share one norm. MLA weights are re-laid out.
     """
+    if model["architecture"] == "deepseek_v3":
+        return _mla_transform(model, name)
     one_plus = model["architecture"] == "gemma3" or (
         # Qwen3.5's gated DeltaNet norm is a plain `w`; its other RMSNorms are `1 + w`.
         model["architecture"] == "qwen3_5" and not name.endswith("linear_attn.norm.weight")
@@ -180,10 +268,14 @@ def tensor_transform(
     return None
 
 
+_F32_MATRICES = ("conv.conv.weight", "conv1d.weight", "mlp.gate.weight")
+
+
 def stored_as_f32(name: str, shape: tuple[int, ...]) -> bool:
     """Tensors kept in f32 whatever the requested dtype: vectors (norms, biases) are tiny and
-    precision-sensitive, and the engine reads convolution kernels as f32."""
-    return len(shape) == 1 or name.endswith(("conv.conv.weight", "conv1d.weight"))
+    precision-sensitive, the engine reads convolution kernels as f32, and HF runs MoE routers
+    in f32."""
+    return len(shape) == 1 or name.endswith(_F32_MATRICES)
 
 
 def settle_from_weights(model: dict[str, Any], checkpoint: Checkpoint) -> None:
@@ -207,7 +299,11 @@ def plan_tensors(model: Mapping[str, Any], checkpoint: Checkpoint) -> Shapes:
     config and the weights disagree (e.g. biases present but `attention_bias` false).
     """
     plan = expected_tensors(model)
-    for name, shape in plan:
+    sources = []
+    for stored, stored_shape in plan:
+        name, shape = tensor_source(model, stored)
+        shape = shape or stored_shape
+        sources.append(name)
         if name not in checkpoint:
             raise FormatError(
                 f"{checkpoint.source} is missing tensor {name} "
@@ -225,7 +321,7 @@ def plan_tensors(model: Mapping[str, Any], checkpoint: Checkpoint) -> Shapes:
                 f"{info.path}: tensor {name} has dtype {info.dtype}; only F32, F16 and BF16 "
                 "are supported"
             )
-    wanted = {name for name, _ in plan}
+    wanted = set(sources)
     # A tied model's lm_head.weight (when a checkpoint stores it anyway) is the embedding.
     skipped = {"lm_head.weight"} if model["tie_word_embeddings"] else set()
     extra = sorted(

@@ -1,0 +1,271 @@
+//! DeepSeek-V3-style models: multi-head latent attention (MLA) and mixture-of-experts MLPs
+//! after the first dense layers.
+//!
+//! MLA runs "absorbed": the cache holds, per token, the normalised KV latent `c` and the
+//! shared rotated key part `k_rot`, one row of `rank + rope` values. Each head's query is
+//! mapped into latent space (`q_lat = W_UK^T q_nope`), so its score against a token is
+//! `[q_lat | q_rot] . [c | k_rot]`; the weighted sum of latents is mapped back per head by
+//! `W_UV`. The converter splits HF's `kv_b_proj` into `k_absorb` (per head `W_UK^T`) and
+//! `v_up` (per head `W_UV`), and stores interleaved rope dims in the half-split layout.
+
+use cellm_format::{CellmFile, Result, Tensor};
+use cellm_kernels::{matmul_raw, ops, WeightRows};
+use cellm_kv::{AttentionShape, PagePool, SeqState};
+use serde::Deserialize;
+
+use crate::blocks::{gather_rows, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope, Weights};
+use crate::moe::{Moe, MoeConfig};
+use crate::{CacheLayout, CausalLm, ModelConfig, Step};
+
+/// The description's `mla` section.
+#[derive(Debug, Deserialize)]
+struct MlaConfig {
+    q_lora_rank: Option<usize>,
+    kv_lora_rank: usize,
+    nope_dim: usize,
+    rope_dim: usize,
+    v_dim: usize,
+}
+
+/// `q_b(norm(q_a(x)))`.
+struct LowRankQuery {
+    down: Linear,
+    norm: RmsNorm,
+    up: Linear,
+}
+
+enum QueryProj {
+    Direct(Linear),
+    LowRank(Box<LowRankQuery>),
+}
+
+struct Mla {
+    q: QueryProj,
+    kv_down: Linear,
+    kv_norm: RmsNorm,
+    k_absorb: Tensor,
+    v_up: Tensor,
+    o: Linear,
+    shape: AttentionShape,
+}
+
+enum Mlp {
+    Dense(GatedMlp),
+    Experts(Box<Moe>),
+}
+
+struct Layer {
+    input_norm: RmsNorm,
+    attn: Mla,
+    post_attn_norm: RmsNorm,
+    mlp: Mlp,
+}
+
+pub struct DeepSeek {
+    cfg: ModelConfig,
+    mla: MlaConfig,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    head: LmHead,
+    rope: Rope,
+}
+
+pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
+    let w = Weights { file };
+    let mla: MlaConfig = cfg.section("mla")?;
+    let (h, eps) = (cfg.hidden_size, cfg.norm_eps);
+    let mut layers = Vec::with_capacity(cfg.num_layers);
+    for i in 0..cfg.num_layers {
+        let p = format!("model.layers.{i}");
+        let moe: MoeConfig = cfg.section("moe")?;
+        let mlp = if i < moe.first_moe_layer {
+            let inter = cfg.intermediate_size;
+            Mlp::Dense(GatedMlp::load(&w, &format!("{p}.mlp"), h, inter, false, cfg.hidden_act)?)
+        } else {
+            Mlp::Experts(Box::new(Moe::load(&w, &format!("{p}.mlp"), moe, h, cfg.hidden_act)?))
+        };
+        layers.push(Layer {
+            input_norm: w.norm(&format!("{p}.input_layernorm.weight"), h, eps)?,
+            attn: Mla::load(&w, &format!("{p}.self_attn"), &cfg, &mla)?,
+            post_attn_norm: w.norm(&format!("{p}.post_attention_layernorm.weight"), h, eps)?,
+            mlp,
+        });
+    }
+    let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
+    Ok(Box::new(DeepSeek {
+        head: LmHead::load(&w, "model.norm.weight", &cfg, &embed)?,
+        rope: Rope::from(&cfg.rope),
+        embed,
+        layers,
+        mla,
+        cfg,
+    }))
+}
+
+impl Mla {
+    fn load(w: &Weights, p: &str, cfg: &ModelConfig, m: &MlaConfig) -> Result<Self> {
+        let (h, eps, heads) = (cfg.hidden_size, cfg.norm_eps, cfg.num_heads);
+        let qk = m.nope_dim + m.rope_dim;
+        let q = match m.q_lora_rank {
+            None => QueryProj::Direct(w.linear(&format!("{p}.q_proj"), heads * qk, h, false)?),
+            Some(rank) => QueryProj::LowRank(Box::new(LowRankQuery {
+                down: w.linear(&format!("{p}.q_a_proj"), rank, h, cfg.attention_bias)?,
+                norm: w.norm(&format!("{p}.q_a_layernorm.weight"), rank, eps)?,
+                up: w.linear(&format!("{p}.q_b_proj"), heads * qk, rank, false)?,
+            })),
+        };
+        let rank = m.kv_lora_rank;
+        Ok(Self {
+            q,
+            kv_down: w.linear(
+                &format!("{p}.kv_a_proj_with_mqa"),
+                rank + m.rope_dim,
+                h,
+                cfg.attention_bias,
+            )?,
+            kv_norm: w.norm(&format!("{p}.kv_a_layernorm.weight"), rank, eps)?,
+            k_absorb: w
+                .tensor(&format!("{p}.kv_b_proj.k_absorb.weight"), &[heads * rank, m.nope_dim])?,
+            v_up: w.tensor(&format!("{p}.kv_b_proj.v_up.weight"), &[heads * m.v_dim, rank])?,
+            o: w.linear(&format!("{p}.o_proj"), h, heads * m.v_dim, cfg.attention_bias)?,
+            shape: AttentionShape {
+                n_heads: heads,
+                n_kv_heads: 1,
+                head_dim: rank + m.rope_dim,
+                scale: cfg.attention_scale(),
+                window: None,
+                softcap: None,
+            },
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        layer: usize,
+        x: &[f32],
+        step: &Step,
+        positions: &[usize],
+        rope: &Rope,
+        m: &MlaConfig,
+        kv: &mut PagePool,
+    ) -> Vec<f32> {
+        let tokens = step.tokens.len();
+        let heads = self.shape.n_heads;
+        let (rank, nope, rd) = (m.kv_lora_rank, m.nope_dim, m.rope_dim);
+        let q = match &self.q {
+            QueryProj::Direct(proj) => proj.forward(x, tokens),
+            QueryProj::LowRank(q) => {
+                let mut lat = q.down.forward(x, tokens);
+                q.norm.apply(&mut lat);
+                q.up.forward(&lat, tokens)
+            }
+        };
+        // Keys: [c | k_rot] per token, the row the cache stores.
+        let latent = self.kv_down.forward(x, tokens);
+        let mut keys = vec![0.0f32; tokens * (rank + rd)];
+        let mut k_rot = vec![0.0f32; tokens * rd];
+        for (t, row) in latent.chunks_exact(rank + rd).enumerate() {
+            keys[t * (rank + rd)..][..rank].copy_from_slice(&row[..rank]);
+            k_rot[t * rd..(t + 1) * rd].copy_from_slice(&row[rank..]);
+        }
+        rope.apply(&mut k_rot, positions, rd);
+        // Queries: per head [W_UK^T q_nope | rope(q_rot)].
+        let mut q_nope = vec![0.0f32; tokens * nope];
+        let mut q_rot = vec![0.0f32; tokens * heads * rd];
+        let mut queries = vec![0.0f32; tokens * heads * (rank + rd)];
+        for (t, row) in q.chunks_exact(heads * (nope + rd)).enumerate() {
+            for (hh, head) in row.chunks_exact(nope + rd).enumerate() {
+                q_rot[(t * heads + hh) * rd..][..rd].copy_from_slice(&head[nope..]);
+            }
+        }
+        rope.apply(&mut q_rot, positions, rd);
+        let mut q_lat = vec![0.0f32; tokens * rank];
+        for hh in 0..heads {
+            for (t, row) in q.chunks_exact(heads * (nope + rd)).enumerate() {
+                q_nope[t * nope..(t + 1) * nope].copy_from_slice(&row[hh * (nope + rd)..][..nope]);
+            }
+            matmul_raw(&q_nope, tokens, head_rows(&self.k_absorb, hh, rank), &mut q_lat);
+            for t in 0..tokens {
+                let dst = &mut queries[(t * heads + hh) * (rank + rd)..][..rank + rd];
+                dst[..rank].copy_from_slice(&q_lat[t * rank..(t + 1) * rank]);
+                dst[rank..].copy_from_slice(&q_rot[(t * heads + hh) * rd..][..rd]);
+            }
+        }
+        for (t, row) in keys.chunks_exact_mut(rank + rd).enumerate() {
+            self.kv_norm.apply(&mut row[..rank]);
+            row[rank..].copy_from_slice(&k_rot[t * rd..(t + 1) * rd]);
+        }
+        let mut ctx = vec![0.0f32; queries.len()];
+        kv.attention(layer, step.spans, &queries, &keys, &[], &mut ctx, &self.shape);
+        // Back from latent space, per head: o_h = W_UV_h ctx_h[..rank].
+        let v_dim = m.v_dim;
+        let mut heads_out = vec![0.0f32; tokens * heads * v_dim];
+        let mut ctx_h = vec![0.0f32; tokens * rank];
+        let mut o_h = vec![0.0f32; tokens * v_dim];
+        for hh in 0..heads {
+            for t in 0..tokens {
+                ctx_h[t * rank..(t + 1) * rank]
+                    .copy_from_slice(&ctx[(t * heads + hh) * (rank + rd)..][..rank]);
+            }
+            matmul_raw(&ctx_h, tokens, head_rows(&self.v_up, hh, v_dim), &mut o_h);
+            for t in 0..tokens {
+                heads_out[(t * heads + hh) * v_dim..][..v_dim]
+                    .copy_from_slice(&o_h[t * v_dim..(t + 1) * v_dim]);
+            }
+        }
+        self.o.forward(&heads_out, tokens)
+    }
+}
+
+/// Rows `head * n .. (head + 1) * n` of a stored matrix.
+fn head_rows(t: &Tensor, head: usize, n: usize) -> WeightRows<'_> {
+    let cols = t.shape[1];
+    let row_bytes = t.format.nbytes(&[1, cols]).expect("checked at load");
+    WeightRows {
+        format: t.format,
+        bytes: &t.bytes()[head * n * row_bytes..(head + 1) * n * row_bytes],
+        rows: n,
+        cols,
+    }
+}
+
+impl CausalLm for DeepSeek {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn cache_layout(&self) -> CacheLayout {
+        CacheLayout {
+            kv_layers: self.cfg.num_layers,
+            kv_heads: 1,
+            head_dim: self.mla.kv_lora_rank + self.mla.rope_dim,
+            windows: Vec::new(),
+            state: Vec::new(),
+            values_in_keys: true,
+        }
+    }
+
+    fn forward(&self, step: &Step, kv: &mut PagePool, _: &mut [&mut SeqState]) -> Vec<f32> {
+        let c = &self.cfg;
+        let positions = step.positions();
+        let mut x = self.embed.lookup(step.tokens, 1.0).expect("ids checked by the engine");
+        let mut rows = step.tokens.len();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let normed = layer.input_norm.applied(&x);
+            let attn = layer.attn.forward(i, &normed, step, &positions, &self.rope, &self.mla, kv);
+            ops::add_scaled(&mut x, &attn, 1.0);
+            if i + 1 == self.layers.len() {
+                x = gather_rows(&x, c.hidden_size, step.logit_rows);
+                rows = step.logit_rows.len();
+            }
+            let normed = layer.post_attn_norm.applied(&x);
+            let mlp = match &layer.mlp {
+                Mlp::Dense(mlp) => mlp.forward(&normed, rows),
+                Mlp::Experts(moe) => moe.forward(&normed, rows),
+            };
+            ops::add_scaled(&mut x, &mlp, 1.0);
+        }
+        self.head.forward(&mut x, rows)
+    }
+}
