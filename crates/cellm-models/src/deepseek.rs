@@ -50,7 +50,7 @@ struct Mla {
 }
 
 enum Mlp {
-    Dense(GatedMlp),
+    Dense(Box<GatedMlp>),
     Experts(Box<Moe>),
 }
 
@@ -80,7 +80,14 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
         let moe: MoeConfig = cfg.section("moe")?;
         let mlp = if i < moe.first_moe_layer {
             let inter = cfg.intermediate_size;
-            Mlp::Dense(GatedMlp::load(&w, &format!("{p}.mlp"), h, inter, false, cfg.hidden_act)?)
+            Mlp::Dense(Box::new(GatedMlp::load(
+                &w,
+                &format!("{p}.mlp"),
+                h,
+                inter,
+                false,
+                cfg.hidden_act,
+            )?))
         } else {
             Mlp::Experts(Box::new(Moe::load(&w, &format!("{p}.mlp"), moe, h, cfg.hidden_act)?))
         };
