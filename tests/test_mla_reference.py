@@ -28,7 +28,6 @@ import pytest
 
 from cellm import LLM
 from cellm.convert import convert_hf
-from cellm.errors import FormatError
 from conftest import FIXTURES, Reference
 from test_convert import load_safetensors, save_safetensors
 
@@ -216,7 +215,8 @@ def forward(w: Weights, config: Config, ids: list[int]) -> np.ndarray:
 
 def write_direct_q_variant(directory: Path) -> None:
     """The fixture with q_lora_rank null: q_a_proj/q_a_layernorm/q_b_proj replaced by a random
-    `self_attn.q_proj` [heads * qk_head_dim, hidden] per layer, every other weight kept."""
+    `self_attn.q_proj` [heads * qk_head_dim, hidden] per layer, and a non-zero router
+    correction bias (the fixture's is all zeros, which would leave its use untested)."""
     shutil.copytree(FIXTURE, directory)
     config = json.loads((directory / "config.json").read_text())
     config["q_lora_rank"] = None
@@ -233,6 +233,10 @@ def write_direct_q_variant(directory: Path) -> None:
     for i in range(config["num_hidden_layers"]):
         q_proj = (rng.standard_normal((rows, config["hidden_size"])) * 0.05).astype(np.float32)
         tensors[f"model.layers.{i}.self_attn.q_proj.weight"] = ("F32", q_proj)
+        bias = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+        if bias in tensors:
+            shape = tensors[bias][1].shape
+            tensors[bias] = ("F32", (rng.standard_normal(shape) * 0.5).astype(np.float32))
     save_safetensors(directory / "model.safetensors", tensors)
 
 
@@ -248,20 +252,7 @@ class Model:
         return forward(self.weights, self.config, ids)
 
 
-# The converter reads `"q_lora_rank": null` as missing and substitutes the family default 1536
-# (hf_config._Reader.get falls back to defaults on None), then requires q_a_proj. HF treats an
-# explicit null as "no low-rank q". Strict: once the converter is fixed this XPASSes and fails,
-# so the mark must be removed; any other failure (a numeric mismatch) still fails.
-DIRECT_Q_CONVERTER_BUG = pytest.mark.xfail(
-    raises=FormatError,
-    strict=True,
-    reason="convert_hf replaces q_lora_rank=null with the default 1536 and wants q_a_proj",
-)
-
-
-@pytest.fixture(
-    scope="module", params=["q_lora", pytest.param("q_proj", marks=DIRECT_Q_CONVERTER_BUG)]
-)
+@pytest.fixture(scope="module", params=["q_lora", "q_proj"])
 def model(request, converted, tmp_path_factory) -> Model:
     """The fixture as is (low-rank q) or its direct-q variant."""
     if request.param == "q_lora":

@@ -258,7 +258,8 @@ def _deepseek_v3_extras(r: _Reader, dims: Dims) -> dict[str, Any]:
     wide; RoPE covers the `rope` part (HF's `head_dim`), and yarn scaling also scales the
     softmax by mscale^2."""
     nope, rope = r.get_int("qk_nope_head_dim"), r.get_int("qk_rope_head_dim")
-    q_lora = r.get("q_lora_rank")
+    # An explicit null means a plain q_proj; only an absent key takes the default rank.
+    q_lora = r.config["q_lora_rank"] if "q_lora_rank" in r.config else r.get("q_lora_rank")
     if r.get_bool("attention_bias"):
         raise UnsupportedArchitecture(f"{r.source}: MLA with attention_bias is not supported")
     rope_desc = rope_description(r.config, r.family, rope, dims.max_pos, r.source)
