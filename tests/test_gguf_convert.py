@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from cellm import LLM
-from cellm.convert import convert, convert_gguf, read_header
+from cellm.convert import convert, convert_gguf, convert_hf, read_header
 from cellm.convert.gguf_convert import unpermute_rows
 from cellm.convert.safetensors import open_checkpoint
 from cellm.convert.writer import data_offset, read_tensor
@@ -660,3 +660,35 @@ def test_quant_engine_default_model_chats(network_cache, monkeypatch):
     llm = LLM("smollm2-135m-instruct")
     out = llm.chat([{"role": "user", "content": "What is the capital of Germany?"}], max_tokens=16)
     assert "Berlin" in out.text, out.text
+
+
+# -- requantizing ----------------------------------------------------------------------------
+
+
+def _tensor_bytes(path: Path) -> dict:
+    header = read_header(path)
+    return {t["name"]: (t["format"], _raw_tensor(path, t["name"])) for t in header["tensors"]}
+
+
+def test_requantized_gguf_equals_quantized_hf(from_gguf, gguf_dir, tmp_path):
+    """An f32 GGUF requantized holds the very bytes the HF path quantizes to (qwen2's rows are
+    not permuted, so both see the same float rows)."""
+    from_gguf("qwen2")
+    options = {"quantize": "int4-affine", "group_size": 64, "embedding": "int8"}
+    a = convert_gguf(gguf_dir / "qwen2.gguf", tmp_path / "a.cellm", **options)
+    b = convert_hf(FIXTURES / "qwen2", tmp_path / "b.cellm", "f32", **options)
+    got, want = _tensor_bytes(a), _tensor_bytes(b)
+    assert got == want
+    assert got["model.embed_tokens.weight"][0] == "i8_row"
+    assert got["model.layers.0.mlp.up_proj.weight"][0] == "i4a_g64"
+
+
+def test_requantized_q8_0_gguf_runs(from_gguf, gguf_dir, tmp_path):
+    """q8_0 blocks decoded by the engine and requantized to int8 per row: two roundings of
+    8-bit weights, logits within 0.25 of HF's (as the q8_0 model itself)."""
+    from_gguf("llama", quant=True)
+    path = convert_gguf(gguf_dir / "llama-quant.gguf", tmp_path / "r.cellm", quantize="int8")
+    assert read_header(path)["source"]["quantize"] == "int8"
+    ref = Reference("llama")
+    got = LLM(path, kv_encoding="f32").logits(ref.sequence(0))
+    assert float(np.abs(got - ref.logits[0]).max()) < 0.25

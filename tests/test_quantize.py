@@ -1,17 +1,19 @@
-"""Quantizing HF float checkpoints into GGUF block formats at conversion (--quantize).
+"""Quantizing at conversion (--quantize, --group-size, --embedding).
 
-The blocks are compared byte for byte with llama.cpp's own Python quantizer (gguf-py, an
-independent implementation of ggml's reference rounding), then the quantized model is run
-against HF's reference logits."""
+GGUF blocks are compared byte for byte with llama.cpp's own Python quantizer (gguf-py, an
+independent implementation of ggml's reference rounding). cellm's int8/int4 formats are read
+back by a numpy decoder written from docs/format.md, which the engine's decoder must match
+exactly and which bounds the rounding error. Quantized models run against HF's reference
+logits (8-bit) or against the same weights dequantized into an f32 file (4-bit)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from cellm import LLM, InvalidArgument
+from cellm import LLM, InvalidArgument, _core
 from cellm.convert import convert, convert_hf, read_header
-from cellm.convert.quantize import QUANTIZERS, quantize_rows
+from cellm.convert.quantize import quantize_rows, stored_format
 from cellm.convert.writer import data_offset, write_cellm
 from conftest import FIXTURES, Reference
 from test_bad_input import assert_one_line_error, cli
@@ -36,15 +38,115 @@ def adversarial_rows() -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("fmt", QUANTIZERS)
+@pytest.mark.parametrize("fmt", GGML)
 def test_blocks_match_llama_cpp_quantizer(fmt):
     x = adversarial_rows()
     np.testing.assert_array_equal(quantize_rows(x, fmt), gguf_quantize(x, GGML[fmt]))
 
 
 def test_rows_must_split_into_blocks():
-    with pytest.raises(InvalidArgument, match="32-value blocks"):
+    with pytest.raises(InvalidArgument, match="q8_0 units"):
         quantize_rows(np.zeros((2, 40), np.float32), "q8_0")
+    with pytest.raises(InvalidArgument, match="i4_g128 units"):
+        quantize_rows(np.zeros((2, 192), np.float32), "i4_g128")
+
+
+# -- cellm's int8 / int4 formats, decoded from their definition in docs/format.md -----------
+
+CELLM_FORMATS = ["i8_row", "i4_g64", "i4_g128", "i4a_g64", "i4a_g128"]
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view("<f2").astype(np.float32)
+
+
+def decode_reference(fmt: str, data: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """Row bytes of a cellm format -> float32, written from the format's definition."""
+    data = data.reshape(rows, -1)
+    if fmt == "i8_row":
+        scale = data[:, :4].copy().view("<f4")
+        return data[:, 4:].view(np.int8).astype(np.float32) * scale
+    group = int(fmt.rsplit("_g", 1)[1])
+    affine = fmt.startswith("i4a")
+    head = 4 if affine else 2
+    groups = data.reshape(-1, head + group // 2)
+    d = _f16(groups[:, 0:2])
+    m = _f16(groups[:, 2:4]) if affine else np.zeros_like(d)
+    packed = groups[:, head:].reshape(-1, 16)  # 32-value sub-blocks: low nibbles first
+    q = np.concatenate([packed & 0xF, packed >> 4], axis=1).astype(np.float32)
+    q = q.reshape(len(groups), group)
+    w = d * q + m if affine else d * (q - 8)
+    return w.reshape(rows, cols)
+
+
+@pytest.mark.parametrize("fmt", CELLM_FORMATS)
+def test_cellm_formats_round_trip_within_half_a_step(fmt):
+    """Each value is within half a quantization step of its source (plus the f16 rounding of
+    the stored scale and bias), and the engine decodes the bytes exactly as specified."""
+    x = adversarial_rows()[:, :256]
+    x[3, ::32] = 50.0  # spikes within f16 range of their group's scale
+    data = quantize_rows(x, fmt)
+    got = decode_reference(fmt, data, *x.shape)
+    engine = _core.dequantize(fmt, data.tobytes(), *x.shape)
+    np.testing.assert_array_equal(engine, got)
+    if fmt == "i8_row":
+        step = np.abs(x).max(axis=1, keepdims=True) / 127
+        assert (np.abs(got - x) <= step * 0.5001 + 1e-30).all()
+        return
+    group = int(fmt.rsplit("_g", 1)[1])
+    g, w = x.reshape(-1, group), got.reshape(-1, group)
+    half_steps = np.full(g.shape, 0.5)
+    if fmt.startswith("i4a"):
+        step = (g.max(axis=1, keepdims=True) - g.min(axis=1, keepdims=True)) / 15
+    else:
+        # The largest magnitude maps to -8; values of the other sign beyond 7.5 steps clip to
+        # +7, a full step away at most (as in q4_0).
+        extreme = np.take_along_axis(g, np.abs(g).argmax(axis=1)[:, None], axis=1)
+        step = np.abs(extreme) / 8
+        clipped = g * np.sign(extreme) < -7.5 * step
+        half_steps[clipped] = 1.0
+    # f16 scale/bias rounding adds at most ~1e-3 relative of the group's range.
+    bound = step * half_steps + np.abs(g).max(axis=1, keepdims=True) * 2e-3 + 1e-30
+    assert (np.abs(w - g) <= bound).all(), float((np.abs(w - g) - bound).max())
+
+
+@pytest.mark.parametrize("fmt", CELLM_FORMATS)
+def test_engine_matmul_on_cellm_formats(fmt):
+    """The engine's integer kernels (int8 activations) against numpy on the decoded weights:
+    int8 activations keep each product within ~1% of the row's magnitude."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((24, 256)).astype(np.float32)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    data = quantize_rows(w, fmt)
+    want = x @ decode_reference(fmt, data, *w.shape).T
+    got = _core.matmul(fmt, data.tobytes(), *w.shape, x)
+    scale = np.abs(x) @ np.abs(decode_reference(fmt, data, *w.shape)).T
+    assert (np.abs(got - want) <= 0.01 * scale).all()
+
+
+@pytest.mark.parametrize(
+    "scheme,group,want",
+    [
+        ("int8", None, "i8_row"),
+        ("int4", None, "i4_g64"),
+        ("int4", 32, "q4_0"),
+        ("int4", 128, "i4_g128"),
+        ("int4-affine", 32, "q4_1"),
+        ("int4-affine", 64, "i4a_g64"),
+        ("q5_0", None, "q5_0"),
+    ],
+)
+def test_schemes_name_their_stored_format(scheme, group, want):
+    assert stored_format(scheme, group) == want
+
+
+def test_bad_scheme_options():
+    with pytest.raises(InvalidArgument, match="--group-size"):
+        stored_format("int8", 64)
+    with pytest.raises(InvalidArgument, match="--group-size"):
+        stored_format("int4", 48)
+    with pytest.raises(InvalidArgument, match="int3"):
+        stored_format("int3")
 
 
 def test_q8_0_model_against_hf_reference(tmp_path):
@@ -66,23 +168,46 @@ def test_q8_0_model_against_hf_reference(tmp_path):
     assert (got.argmax(-1) == want.argmax(-1))[clear].all()
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0"])
-def test_4_and_5_bit_models_run_their_blocks(fmt, tmp_path):
-    """4-bit blocks of random Gaussian weights lose too much to compare with HF, so the
-    quantized model is judged against the same blocks dequantized by gguf-py into an f32 file:
-    only the engine's int8 activations separate the two (logits within 0.25, as in
-    test_gguf_convert's q8_0 model)."""
+def test_int8_model_against_hf_reference(tmp_path):
+    """int8 per row, like q8_0 above: logits within 0.25 of HF's, argmax kept where clear."""
     ref = Reference("qwen3")
-    path = convert_hf(FIXTURES / "qwen3", tmp_path / "q.cellm", "f32", quantize=fmt)
+    path = convert_hf(FIXTURES / "qwen3", tmp_path / "q.cellm", "f32", quantize="int8")
+    formats = {t["name"]: t["format"] for t in read_header(path)["tensors"]}
+    assert formats["model.layers.0.mlp.down_proj.weight"] == "i8_row"
+    got = LLM(path, kv_encoding="f32").logits(ref.sequence(1))
+    want = ref.logits[1]
+    assert float(np.abs(got - want).max()) < 0.25
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.25
+    assert clear.sum() >= 100, clear.sum()
+    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
+
+
+@pytest.mark.parametrize(
+    "scheme,group",
+    [("q4_0", None), ("q4_1", None), ("q5_0", None), ("int4", 64), ("int4-affine", 128)],
+)
+def test_4_and_5_bit_models_run_their_blocks(scheme, group, tmp_path):
+    """4-bit blocks of random Gaussian weights lose too much to compare with HF, so the
+    quantized model is judged against the same blocks dequantized independently (gguf-py for
+    GGUF formats, this file's decoder for cellm's) into an f32 file: only the engine's int8
+    activations separate the two (logits within 0.25, as in test_gguf_convert's q8_0 model)."""
+    ref = Reference("qwen3")
+    path = convert_hf(
+        FIXTURES / "qwen3", tmp_path / "q.cellm", "f32", quantize=scheme, group_size=group
+    )
     header, raw, offset = read_header(path), path.read_bytes(), data_offset(path)
     tensors = []
     for t in header["tensors"]:
         data = np.frombuffer(raw, np.uint8, t["nbytes"], offset + t["offset"])
+        rows, cols = t["shape"][0], t["shape"][-1]
         if t["format"] == "f32":
             tensors.append((t["name"], data.view(np.float32).reshape(t["shape"]), "f32"))
+        elif t["format"] in GGML:
+            blocks = data.reshape(rows, -1)
+            tensors.append((t["name"], gguf_dequantize(blocks, GGML[t["format"]]), "f32"))
         else:
-            blocks = data.reshape(t["shape"][0], -1)
-            tensors.append((t["name"], gguf_dequantize(blocks, GGML[fmt]), "f32"))
+            tensors.append((t["name"], decode_reference(t["format"], data, rows, cols), "f32"))
     blobs = [(b["name"], raw[offset + b["offset"] :][: b["nbytes"]]) for b in header["blobs"]]
     reference = write_cellm(tmp_path / "f32.cellm", header, tensors, blobs)
     ids = ref.sequence(1)
@@ -104,8 +229,24 @@ def test_cli_quantizes_and_rejects_unknown_formats(tmp_path):
     assert_one_line_error(cli(*args, "--quantize", "int3"), "--quantize")
 
 
-def test_quantize_applies_to_hf_checkpoints_only(tmp_path):
+def test_cli_group_size_and_embedding(tmp_path):
+    out = tmp_path / "m.cellm"
+    args = ["cellm.convert", "--input", str(FIXTURES / "gemma3"), "--output", str(out)]
+    proc = cli(*args, "--quantize", "int4", "--group-size", "128", "--embedding", "f16")
+    assert proc.returncode == 0, proc.stderr
+    header = read_header(out)
+    formats = {t["name"]: t["format"] for t in header["tensors"]}
+    assert formats["model.layers.0.mlp.down_proj.weight"] == "i4_g128"  # rows of 128
+    # Rows of 64 values hold no whole group of 128: they keep the float dtype.
+    assert formats["model.layers.0.self_attn.q_proj.weight"] == "f16"
+    assert formats["model.embed_tokens.weight"] == "f16"
+    assert header["source"]["group_size"] == 128
+    assert_one_line_error(cli(*args, "--quantize", "int8", "--group-size", "64"), "group-size")
+    assert_one_line_error(cli(*args, "--embedding", "int8"), "--quantize")
+
+
+def test_dtype_applies_to_hf_checkpoints_only(tmp_path):
     gguf_file = tmp_path / "x.gguf"
     gguf_file.write_bytes(b"GGUF" + b"\0" * 60)
-    with pytest.raises(InvalidArgument, match="--quantize"):
-        convert(gguf_file, tmp_path / "o.cellm", quantize="q8_0")
+    with pytest.raises(InvalidArgument, match="--dtype"):
+        convert(gguf_file, tmp_path / "o.cellm", dtype="f16")

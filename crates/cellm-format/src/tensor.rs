@@ -20,28 +20,58 @@ pub enum TensorFormat {
     Q4K,
     Q5K,
     Q6K,
+    /// cellm int8 per row: an f32 scale, then the row's int8 values (`w = s * q`).
+    I8Row,
+    /// cellm int4, symmetric, groups of 64 / 128: per group an f16 scale `d`, then its 4-bit
+    /// values, 32 at a time in ggml's nibble order (`w = d * (q - 8)`). Groups of 32 are
+    /// `q4_0`'s layout, which the converter writes for them.
+    I4G64,
+    I4G128,
+    /// cellm int4, affine (MLX style), groups of 64 / 128: an f16 scale `d` and bias `m`,
+    /// then the values as above (`w = d * q + m`). Groups of 32 are `q4_1`.
+    I4AG64,
+    I4AG128,
 }
 
-/// Every format: file name, elements per block, bytes per block.
-const FORMATS: &[(TensorFormat, &str, usize, usize)] = &[
-    (TensorFormat::F32, "f32", 1, 4),
-    (TensorFormat::F16, "f16", 1, 2),
-    (TensorFormat::BF16, "bf16", 1, 2),
-    (TensorFormat::Q8_0, "q8_0", 32, 34),
-    (TensorFormat::Q4_0, "q4_0", 32, 18),
-    (TensorFormat::Q4_1, "q4_1", 32, 20),
-    (TensorFormat::Q5_0, "q5_0", 32, 22),
-    (TensorFormat::Q4K, "q4_k", 256, 144),
-    (TensorFormat::Q5K, "q5_k", 256, 176),
-    (TensorFormat::Q6K, "q6_k", 256, 210),
+/// One format: file name, elements per block, bytes per block, bytes of a per-row header.
+struct FormatInfo(TensorFormat, &'static str, usize, usize, usize);
+
+const FORMATS: &[FormatInfo] = &[
+    FormatInfo(TensorFormat::F32, "f32", 1, 4, 0),
+    FormatInfo(TensorFormat::F16, "f16", 1, 2, 0),
+    FormatInfo(TensorFormat::BF16, "bf16", 1, 2, 0),
+    FormatInfo(TensorFormat::Q8_0, "q8_0", 32, 34, 0),
+    FormatInfo(TensorFormat::Q4_0, "q4_0", 32, 18, 0),
+    FormatInfo(TensorFormat::Q4_1, "q4_1", 32, 20, 0),
+    FormatInfo(TensorFormat::Q5_0, "q5_0", 32, 22, 0),
+    FormatInfo(TensorFormat::Q4K, "q4_k", 256, 144, 0),
+    FormatInfo(TensorFormat::Q5K, "q5_k", 256, 176, 0),
+    FormatInfo(TensorFormat::Q6K, "q6_k", 256, 210, 0),
+    FormatInfo(TensorFormat::I8Row, "i8_row", 32, 32, 4),
+    FormatInfo(TensorFormat::I4G64, "i4_g64", 64, 34, 0),
+    FormatInfo(TensorFormat::I4G128, "i4_g128", 128, 66, 0),
+    FormatInfo(TensorFormat::I4AG64, "i4a_g64", 64, 36, 0),
+    FormatInfo(TensorFormat::I4AG128, "i4a_g128", 128, 68, 0),
 ];
 
 impl TensorFormat {
-    /// The GGUF block formats, in one order other tables can index by.
-    pub const BLOCKS: [TensorFormat; 7] =
-        [Self::Q8_0, Self::Q4_0, Self::Q4_1, Self::Q5_0, Self::Q4K, Self::Q5K, Self::Q6K];
+    /// The block formats (GGUF's, then cellm's), in one order other tables can index by.
+    pub const BLOCKS: [TensorFormat; 12] = [
+        Self::Q8_0,
+        Self::Q4_0,
+        Self::Q4_1,
+        Self::Q5_0,
+        Self::Q4K,
+        Self::Q5K,
+        Self::Q6K,
+        Self::I8Row,
+        Self::I4G64,
+        Self::I4G128,
+        Self::I4AG64,
+        Self::I4AG128,
+    ];
 
-    fn entry(self) -> &'static (TensorFormat, &'static str, usize, usize) {
+    fn entry(self) -> &'static FormatInfo {
         FORMATS.iter().find(|e| e.0 == self).expect("every format is in the table")
     }
 
@@ -67,6 +97,11 @@ impl TensorFormat {
         self.entry().3
     }
 
+    /// Bytes before a row's first block (i8_row's scale; 0 for the others).
+    pub fn row_header(self) -> usize {
+        self.entry().4
+    }
+
     /// Bytes of a tensor of this shape, or None when its rows do not split into whole blocks
     /// (blocks never cross rows) or the size overflows.
     pub fn nbytes(self, shape: &[usize]) -> Option<usize> {
@@ -77,7 +112,8 @@ impl TensorFormat {
         if !cols.is_multiple_of(self.block_len()) {
             return None;
         }
-        rows.checked_mul(cols / self.block_len())?.checked_mul(self.block_bytes())
+        let row = (cols / self.block_len()).checked_mul(self.block_bytes())? + self.row_header();
+        rows.checked_mul(row)
     }
 
     /// Required alignment of the data pointer for typed access (blocks are read unaligned).

@@ -107,6 +107,7 @@ impl Embedding {
 
 /// Rotary position embedding in the half-split layout HF uses (`rotate_half`): dimension `i`
 /// pairs with `i + rot/2`. GGUF's interleaved layout is undone at conversion.
+#[derive(Clone)]
 pub struct Rope {
     pub inv_freq: Vec<f32>,
     pub attention_factor: f32,
@@ -208,6 +209,8 @@ pub struct Attention {
     pub q_norm: Option<RmsNorm>,
     pub k_norm: Option<RmsNorm>,
     pub shape: AttentionShape,
+    /// The layer's rotary embedding (None: no positions, as in smollm3's NoPE layers).
+    pub rope: Option<Rope>,
     /// Qwen3.5's output gate: `q` also yields, per head, a gate whose sigmoid scales that
     /// head's attention output.
     pub gated: bool,
@@ -220,7 +223,6 @@ impl Attention {
         x: &[f32],
         step: &Step,
         positions: &[usize],
-        rope: Option<&Rope>,
         kv: &mut PagePool,
     ) -> Vec<f32> {
         let tokens = step.tokens.len();
@@ -232,7 +234,7 @@ impl Attention {
             qn.apply(&mut q);
             kn.apply(&mut k);
         }
-        if let Some(rope) = rope {
+        if let Some(rope) = &self.rope {
             rope.apply(&mut q, positions, hd);
             rope.apply(&mut k, positions, hd);
         }
@@ -269,8 +271,9 @@ impl Attention {
         prefix: &str,
         cfg: &ModelConfig,
         window: Option<usize>,
+        rope: Option<Rope>,
     ) -> Result<Self> {
-        Self::load_named(w, prefix, ATTENTION_NAMES, cfg, window)
+        Self::load_named(w, prefix, ATTENTION_NAMES, cfg, window, rope)
     }
 
     /// An attention block whose tensors have other names (in [`ATTENTION_NAMES`] order).
@@ -280,6 +283,7 @@ impl Attention {
         [q, k, v, o, q_norm, k_norm]: [&str; 6],
         cfg: &ModelConfig,
         window: Option<usize>,
+        rope: Option<Rope>,
     ) -> Result<Self> {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let (q_out, kv_out) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
@@ -303,6 +307,7 @@ impl Attention {
                 window,
                 softcap: cfg.attn_logit_softcap,
             },
+            rope,
             gated: cfg.attn_output_gate,
         })
     }

@@ -9,16 +9,17 @@
 //! `v_up` (per head `W_UV`), and stores interleaved rope dims in the half-split layout.
 
 use cellm_format::{CellmFile, Result, Tensor};
-use cellm_kernels::{matmul_raw, ops, WeightRows};
+use cellm_kernels::{matmul_raw, WeightRows};
 use cellm_kv::{AttentionShape, PagePool, SeqState};
 use serde::Deserialize;
 
-use crate::blocks::{gather_rows, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope, Weights};
+use crate::blocks::{Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope, Weights};
+use crate::decoder::{run_layers, DecoderLayer, StepCtx};
 use crate::moe::{Moe, MoeConfig};
 use crate::{CacheLayout, CausalLm, ModelConfig, Step};
 
 /// The description's `mla` section.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 struct MlaConfig {
     q_lora_rank: Option<usize>,
     kv_lora_rank: usize,
@@ -47,6 +48,9 @@ struct Mla {
     v_up: Tensor,
     o: Linear,
     shape: AttentionShape,
+    dims: MlaConfig,
+    rope: Rope,
+    kv_layer: usize,
 }
 
 enum Mlp {
@@ -67,7 +71,6 @@ pub struct DeepSeek {
     embed: Embedding,
     layers: Vec<Layer>,
     head: LmHead,
-    rope: Rope,
 }
 
 pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
@@ -93,7 +96,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
         };
         layers.push(Layer {
             input_norm: w.norm(&format!("{p}.input_layernorm.weight"), h, eps)?,
-            attn: Mla::load(&w, &format!("{p}.self_attn"), &cfg, &mla)?,
+            attn: Mla::load(&w, &format!("{p}.self_attn"), &cfg, &mla, i)?,
             post_attn_norm: w.norm(&format!("{p}.post_attention_layernorm.weight"), h, eps)?,
             mlp,
         });
@@ -101,7 +104,6 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
     let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
     Ok(Box::new(DeepSeek {
         head: LmHead::load(&w, "model.norm.weight", &cfg, &embed)?,
-        rope: Rope::from(&cfg.rope),
         embed,
         layers,
         mla,
@@ -110,7 +112,13 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
 }
 
 impl Mla {
-    fn load(w: &Weights, p: &str, cfg: &ModelConfig, m: &MlaConfig) -> Result<Self> {
+    fn load(
+        w: &Weights,
+        p: &str,
+        cfg: &ModelConfig,
+        m: &MlaConfig,
+        kv_layer: usize,
+    ) -> Result<Self> {
         let (h, eps, heads) = (cfg.hidden_size, cfg.norm_eps, cfg.num_heads);
         let qk = m.nope_dim + m.rope_dim;
         let q = match m.q_lora_rank {
@@ -143,20 +151,14 @@ impl Mla {
                 window: None,
                 softcap: None,
             },
+            dims: m.clone(),
+            rope: Rope::from(&cfg.rope),
+            kv_layer,
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn forward(
-        &self,
-        layer: usize,
-        x: &[f32],
-        step: &Step,
-        positions: &[usize],
-        rope: &Rope,
-        m: &MlaConfig,
-        kv: &mut PagePool,
-    ) -> Vec<f32> {
+    fn forward(&self, x: &[f32], ctx: &mut StepCtx) -> Vec<f32> {
+        let (step, positions, m, rope) = (ctx.step, ctx.positions, &self.dims, &self.rope);
         let tokens = step.tokens.len();
         let heads = self.shape.n_heads;
         let (rank, nope, rd) = (m.kv_lora_rank, m.nope_dim, m.rope_dim);
@@ -203,8 +205,10 @@ impl Mla {
             self.kv_norm.apply(&mut row[..rank]);
             row[rank..].copy_from_slice(&k_rot[t * rd..(t + 1) * rd]);
         }
-        let mut ctx = vec![0.0f32; queries.len()];
-        kv.attention(layer, step.spans, &queries, &keys, &[], &mut ctx, &self.shape);
+        // Per head, the attention-weighted sum of [c | k_rot] rows.
+        let mut attended = vec![0.0f32; queries.len()];
+        let shape = &self.shape;
+        ctx.kv.attention(self.kv_layer, step.spans, &queries, &keys, &[], &mut attended, shape);
         // Back from latent space, per head: o_h = W_UV_h ctx_h[..rank].
         let v_dim = m.v_dim;
         let mut heads_out = vec![0.0f32; tokens * heads * v_dim];
@@ -213,7 +217,7 @@ impl Mla {
         for hh in 0..heads {
             for t in 0..tokens {
                 ctx_h[t * rank..(t + 1) * rank]
-                    .copy_from_slice(&ctx[(t * heads + hh) * (rank + rd)..][..rank]);
+                    .copy_from_slice(&attended[(t * heads + hh) * (rank + rd)..][..rank]);
             }
             matmul_raw(&ctx_h, tokens, head_rows(&self.v_up, hh, v_dim), &mut o_h);
             for t in 0..tokens {
@@ -253,26 +257,25 @@ impl CausalLm for DeepSeek {
         }
     }
 
-    fn forward(&self, step: &Step, kv: &mut PagePool, _: &mut [&mut SeqState]) -> Vec<f32> {
-        let c = &self.cfg;
+    fn forward(&self, step: &Step, kv: &mut PagePool, states: &mut [&mut SeqState]) -> Vec<f32> {
         let positions = step.positions();
-        let mut x = self.embed.lookup(step.tokens, 1.0).expect("ids checked by the engine");
-        let mut rows = step.tokens.len();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let normed = layer.input_norm.applied(&x);
-            let attn = layer.attn.forward(i, &normed, step, &positions, &self.rope, &self.mla, kv);
-            ops::add_scaled(&mut x, &attn, 1.0);
-            if i + 1 == self.layers.len() {
-                x = gather_rows(&x, c.hidden_size, step.logit_rows);
-                rows = step.logit_rows.len();
-            }
-            let normed = layer.post_attn_norm.applied(&x);
-            let mlp = match &layer.mlp {
-                Mlp::Dense(mlp) => mlp.forward(&normed, rows),
-                Mlp::Experts(moe) => moe.forward(&normed, rows),
-            };
-            ops::add_scaled(&mut x, &mlp, 1.0);
-        }
+        let x = self.embed.lookup(step.tokens, 1.0).expect("ids checked by the engine");
+        let mut ctx = StepCtx { step, positions: &positions, kv, states };
+        let (mut x, rows) = run_layers(&self.layers, x, self.cfg.hidden_size, 1.0, &mut ctx);
         self.head.forward(&mut x, rows)
+    }
+}
+
+impl DecoderLayer for Layer {
+    fn mix(&self, x: &[f32], ctx: &mut StepCtx) -> Vec<f32> {
+        self.attn.forward(&self.input_norm.applied(x), ctx)
+    }
+
+    fn feed_forward(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        let normed = self.post_attn_norm.applied(x);
+        match &self.mlp {
+            Mlp::Dense(mlp) => mlp.forward(&normed, rows),
+            Mlp::Experts(moe) => moe.forward(&normed, rows),
+        }
     }
 }

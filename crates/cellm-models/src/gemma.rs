@@ -4,20 +4,20 @@
 //! its RMSNorm is folded into the weights at conversion.
 
 use cellm_format::{CellmFile, Result};
-use cellm_kernels::ops;
 use cellm_kv::{PagePool, SeqState};
 
-use crate::blocks::{gather_rows, Attention, Embedding, GatedMlp, LmHead, RmsNorm, Rope, Weights};
+use crate::blocks::{Attention, Embedding, GatedMlp, LmHead, RmsNorm, Rope, Weights};
+use crate::decoder::{attention_cache_layout, run_layers, DecoderLayer, StepCtx};
 use crate::{CacheLayout, CausalLm, LayerType, ModelConfig, Step};
 
 struct Layer {
+    index: usize,
     input_norm: RmsNorm,
     attn: Attention,
     post_attn_norm: RmsNorm,
     pre_mlp_norm: RmsNorm,
     mlp: GatedMlp,
     post_mlp_norm: RmsNorm,
-    sliding: bool,
 }
 
 pub struct Gemma {
@@ -25,20 +25,30 @@ pub struct Gemma {
     embed: Embedding,
     layers: Vec<Layer>,
     head: LmHead,
-    rope_full: Rope,
-    rope_local: Rope,
 }
 
 pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
     let w = Weights { file };
     let (h, eps) = (cfg.hidden_size, cfg.norm_eps);
+    let rope_full = Rope::from(&cfg.rope);
+    let rope_local = Rope::from(cfg.rope_local.as_ref().unwrap_or(&cfg.rope));
     let layers = (0..cfg.num_layers)
         .map(|i| {
             let p = format!("model.layers.{i}");
             let norm = |n: &str| w.norm(&format!("{p}.{n}.weight"), h, eps);
+            // Sliding layers use the local RoPE, full layers the global one.
+            let sliding = cfg.layer_type(i) == LayerType::SlidingAttention;
+            let rope = if sliding { rope_local.clone() } else { rope_full.clone() };
             Ok(Layer {
+                index: i,
                 input_norm: norm("input_layernorm")?,
-                attn: Attention::load(&w, &format!("{p}.self_attn"), &cfg, cfg.window(i))?,
+                attn: Attention::load(
+                    &w,
+                    &format!("{p}.self_attn"),
+                    &cfg,
+                    cfg.window(i),
+                    Some(rope),
+                )?,
                 post_attn_norm: norm("post_attention_layernorm")?,
                 pre_mlp_norm: norm("pre_feedforward_layernorm")?,
                 mlp: GatedMlp::load(
@@ -50,19 +60,31 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
                     cfg.hidden_act,
                 )?,
                 post_mlp_norm: norm("post_feedforward_layernorm")?,
-                sliding: cfg.layer_type(i) == LayerType::SlidingAttention,
             })
         })
         .collect::<Result<Vec<_>>>()?;
     let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
     Ok(Box::new(Gemma {
         head: LmHead::load(&w, "model.norm.weight", &cfg, &embed)?,
-        rope_full: Rope::from(&cfg.rope),
-        rope_local: Rope::from(cfg.rope_local.as_ref().unwrap_or(&cfg.rope)),
         embed,
         layers,
         cfg,
     }))
+}
+
+impl DecoderLayer for Layer {
+    fn mix(&self, x: &[f32], ctx: &mut StepCtx) -> Vec<f32> {
+        let normed = self.input_norm.applied(x);
+        let mut out = self.attn.forward(self.index, &normed, ctx.step, ctx.positions, ctx.kv);
+        self.post_attn_norm.apply(&mut out);
+        out
+    }
+
+    fn feed_forward(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        let mut out = self.mlp.forward(&self.pre_mlp_norm.applied(x), rows);
+        self.post_mlp_norm.apply(&mut out);
+        out
+    }
 }
 
 impl CausalLm for Gemma {
@@ -71,39 +93,18 @@ impl CausalLm for Gemma {
     }
 
     fn cache_layout(&self) -> CacheLayout {
-        let c = &self.cfg;
-        CacheLayout {
-            kv_layers: c.num_layers,
-            kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-            windows: (0..c.num_layers).map(|i| c.window(i)).collect(),
-            state: Vec::new(),
-            values_in_keys: false,
-        }
+        attention_cache_layout(&self.cfg)
     }
 
-    fn forward(&self, step: &Step, kv: &mut PagePool, _: &mut [&mut SeqState]) -> Vec<f32> {
+    fn forward(&self, step: &Step, kv: &mut PagePool, states: &mut [&mut SeqState]) -> Vec<f32> {
         let c = &self.cfg;
         let positions = step.positions();
-        let mut x = self
+        let x = self
             .embed
             .lookup(step.tokens, c.embedding_multiplier)
             .expect("ids checked by the engine");
-        let mut rows = step.tokens.len();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let rope = if layer.sliding { &self.rope_local } else { &self.rope_full };
-            let normed = layer.input_norm.applied(&x);
-            let mut attn = layer.attn.forward(i, &normed, step, &positions, Some(rope), kv);
-            layer.post_attn_norm.apply(&mut attn);
-            ops::add_scaled(&mut x, &attn, 1.0);
-            if i + 1 == self.layers.len() {
-                x = gather_rows(&x, c.hidden_size, step.logit_rows);
-                rows = step.logit_rows.len();
-            }
-            let mut mlp = layer.mlp.forward(&layer.pre_mlp_norm.applied(&x), rows);
-            layer.post_mlp_norm.apply(&mut mlp);
-            ops::add_scaled(&mut x, &mlp, 1.0);
-        }
+        let mut ctx = StepCtx { step, positions: &positions, kv, states };
+        let (mut x, rows) = run_layers(&self.layers, x, c.hidden_size, 1.0, &mut ctx);
         self.head.forward(&mut x, rows)
     }
 }

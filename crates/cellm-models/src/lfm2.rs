@@ -4,12 +4,14 @@
 //! `embedding_norm`. Conv layers keep their last inputs in the session's state.
 
 use cellm_format::{CellmFile, Result};
-use cellm_kernels::ops;
 use cellm_kv::{PagePool, SeqState};
 use serde::Deserialize;
 
 use crate::blocks::{
-    gather_rows, Attention, CausalConv, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope, Weights,
+    Attention, CausalConv, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope, Weights,
+};
+use crate::decoder::{
+    hybrid_cache_layout, run_layers, DecoderLayer, Mixer, RecurrentBlock, StepCtx,
 };
 use crate::{CacheLayout, CausalLm, LayerType, ModelConfig, Step};
 
@@ -30,15 +32,9 @@ struct ShortConv {
     state: usize,
 }
 
-enum Mixer {
-    Conv(Box<ShortConv>),
-    /// Attention, with its index among the KV layers.
-    Attention(Box<Attention>, usize),
-}
-
 struct Layer {
     operator_norm: RmsNorm,
-    mixer: Mixer,
+    mixer: Mixer<ShortConv>,
     ffn_norm: RmsNorm,
     mlp: GatedMlp,
 }
@@ -48,7 +44,6 @@ pub struct Lfm2 {
     embed: Embedding,
     layers: Vec<Layer>,
     head: LmHead,
-    rope: Rope,
 }
 
 const ATTENTION_NAMES: [&str; 6] =
@@ -58,6 +53,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
     let w = Weights { file };
     let conv_cfg: ConvConfig = cfg.section("conv")?;
     let (h, eps) = (cfg.hidden_size, cfg.norm_eps);
+    let rope = Rope::from(&cfg.rope);
     let (mut kv_layers, mut conv_layers) = (0, 0);
     let mut layers = Vec::with_capacity(cfg.num_layers);
     for i in 0..cfg.num_layers {
@@ -66,7 +62,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
             LayerType::Conv => {
                 let c = format!("{p}.conv");
                 conv_layers += 1;
-                Mixer::Conv(Box::new(ShortConv {
+                Mixer::Recurrent(Box::new(ShortConv {
                     in_proj: w.linear(&format!("{c}.in_proj"), 3 * h, h, conv_cfg.bias)?,
                     conv: CausalConv::load(
                         &w,
@@ -81,13 +77,9 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
             }
             _ => {
                 kv_layers += 1;
-                let attn = Attention::load_named(
-                    &w,
-                    &format!("{p}.self_attn"),
-                    ATTENTION_NAMES,
-                    &cfg,
-                    None,
-                )?;
+                let prefix = format!("{p}.self_attn");
+                let rope = Some(rope.clone());
+                let attn = Attention::load_named(&w, &prefix, ATTENTION_NAMES, &cfg, None, rope)?;
                 Mixer::Attention(Box::new(attn), kv_layers - 1)
             }
         };
@@ -109,14 +101,17 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
     let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
     Ok(Box::new(Lfm2 {
         head: LmHead::load(&w, "model.embedding_norm.weight", &cfg, &embed)?,
-        rope: Rope::from(&cfg.rope),
         embed,
         layers,
         cfg,
     }))
 }
 
-impl ShortConv {
+impl RecurrentBlock for ShortConv {
+    fn state_sizes(&self) -> Vec<usize> {
+        vec![self.conv.state_len()]
+    }
+
     fn forward(&self, x: &[f32], step: &Step, states: &mut [&mut SeqState]) -> Vec<f32> {
         let tokens = step.tokens.len();
         let h = self.conv.channels;
@@ -142,52 +137,30 @@ impl ShortConv {
     }
 }
 
+impl DecoderLayer for Layer {
+    fn mix(&self, x: &[f32], ctx: &mut StepCtx) -> Vec<f32> {
+        self.mixer.forward(&self.operator_norm.applied(x), ctx)
+    }
+
+    fn feed_forward(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        self.mlp.forward(&self.ffn_norm.applied(x), rows)
+    }
+}
+
 impl CausalLm for Lfm2 {
     fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
     fn cache_layout(&self) -> CacheLayout {
-        let c = &self.cfg;
-        let mut state = Vec::new();
-        let mut kv_layers = 0;
-        for layer in &self.layers {
-            match &layer.mixer {
-                Mixer::Conv(conv) => state.push(conv.conv.state_len()),
-                Mixer::Attention(..) => kv_layers += 1,
-            }
-        }
-        CacheLayout {
-            kv_layers,
-            kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-            windows: Vec::new(),
-            state,
-            values_in_keys: false,
-        }
+        hybrid_cache_layout(&self.cfg, self.layers.iter().map(|l| &l.mixer))
     }
 
     fn forward(&self, step: &Step, kv: &mut PagePool, states: &mut [&mut SeqState]) -> Vec<f32> {
-        let c = &self.cfg;
         let positions = step.positions();
-        let mut x = self.embed.lookup(step.tokens, 1.0).expect("ids checked by the engine");
-        let mut rows = step.tokens.len();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let normed = layer.operator_norm.applied(&x);
-            let mixed = match &layer.mixer {
-                Mixer::Conv(conv) => conv.forward(&normed, step, states),
-                Mixer::Attention(attn, kv_layer) => {
-                    attn.forward(*kv_layer, &normed, step, &positions, Some(&self.rope), kv)
-                }
-            };
-            ops::add_scaled(&mut x, &mixed, 1.0);
-            if i + 1 == self.layers.len() {
-                x = gather_rows(&x, c.hidden_size, step.logit_rows);
-                rows = step.logit_rows.len();
-            }
-            let mlp = layer.mlp.forward(&layer.ffn_norm.applied(&x), rows);
-            ops::add_scaled(&mut x, &mlp, 1.0);
-        }
+        let x = self.embed.lookup(step.tokens, 1.0).expect("ids checked by the engine");
+        let mut ctx = StepCtx { step, positions: &positions, kv, states };
+        let (mut x, rows) = run_layers(&self.layers, x, self.cfg.hidden_size, 1.0, &mut ctx);
         self.head.forward(&mut x, rows)
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod blocks;
 mod config;
+mod decoder;
 mod deepseek;
 mod delta_rule;
 mod gemma;

@@ -10,7 +10,10 @@ use cellm_kv::{PagePool, SeqState};
 use serde::Deserialize;
 
 use crate::blocks::{
-    gather_rows, Attention, CausalConv, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope, Weights,
+    Attention, CausalConv, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope, Weights,
+};
+use crate::decoder::{
+    hybrid_cache_layout, run_layers, DecoderLayer, Mixer, RecurrentBlock, StepCtx,
 };
 use crate::delta_rule::{self, HeadInputs};
 use crate::{CacheLayout, CausalLm, LayerType, ModelConfig, Step};
@@ -43,15 +46,9 @@ struct DeltaNet {
     rec_state: usize,
 }
 
-enum Mixer {
-    DeltaNet(Box<DeltaNet>),
-    /// Attention, with its index among the KV layers.
-    Attention(Box<Attention>, usize),
-}
-
 struct Layer {
     input_norm: RmsNorm,
-    mixer: Mixer,
+    mixer: Mixer<DeltaNet>,
     post_attn_norm: RmsNorm,
     mlp: GatedMlp,
 }
@@ -61,12 +58,12 @@ pub struct Qwen35 {
     embed: Embedding,
     layers: Vec<Layer>,
     head: LmHead,
-    rope: Rope,
 }
 
 pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
     let w = Weights { file };
     let (h, eps) = (cfg.hidden_size, cfg.norm_eps);
+    let rope = Rope::from(&cfg.rope);
     let mut kv_layers = 0;
     let mut buffers = 0;
     let mut layers = Vec::with_capacity(cfg.num_layers);
@@ -76,11 +73,12 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
             LayerType::LinearAttention => {
                 let net = DeltaNet::load(&w, &format!("{p}.linear_attn"), &cfg, buffers)?;
                 buffers += 2;
-                Mixer::DeltaNet(Box::new(net))
+                Mixer::Recurrent(Box::new(net))
             }
             _ => {
                 kv_layers += 1;
-                let attn = Attention::load(&w, &format!("{p}.self_attn"), &cfg, None)?;
+                let rope = Some(rope.clone());
+                let attn = Attention::load(&w, &format!("{p}.self_attn"), &cfg, None, rope)?;
                 Mixer::Attention(Box::new(attn), kv_layers - 1)
             }
         };
@@ -101,7 +99,6 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
     let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
     Ok(Box::new(Qwen35 {
         head: LmHead::load(&w, "model.norm.weight", &cfg, &embed)?,
-        rope: Rope::from(&cfg.rope),
         embed,
         layers,
         cfg,
@@ -139,10 +136,13 @@ impl DeltaNet {
             cfg,
         })
     }
+}
 
-    fn state_sizes(&self) -> [usize; 2] {
+impl RecurrentBlock for DeltaNet {
+    /// The conv window, then the per-head recurrent states.
+    fn state_sizes(&self) -> Vec<usize> {
         let c = &self.cfg;
-        [self.conv.state_len(), c.v_heads * c.k_dim * c.v_dim]
+        vec![self.conv.state_len(), c.v_heads * c.k_dim * c.v_dim]
     }
 
     fn forward(&self, x: &[f32], step: &Step, states: &mut [&mut SeqState]) -> Vec<f32> {
@@ -218,52 +218,30 @@ fn softplus(x: f32) -> f32 {
     }
 }
 
+impl DecoderLayer for Layer {
+    fn mix(&self, x: &[f32], ctx: &mut StepCtx) -> Vec<f32> {
+        self.mixer.forward(&self.input_norm.applied(x), ctx)
+    }
+
+    fn feed_forward(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        self.mlp.forward(&self.post_attn_norm.applied(x), rows)
+    }
+}
+
 impl CausalLm for Qwen35 {
     fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
     fn cache_layout(&self) -> CacheLayout {
-        let c = &self.cfg;
-        let mut state = Vec::new();
-        let mut kv_layers = 0;
-        for layer in &self.layers {
-            match &layer.mixer {
-                Mixer::DeltaNet(net) => state.extend(net.state_sizes()),
-                Mixer::Attention(..) => kv_layers += 1,
-            }
-        }
-        CacheLayout {
-            kv_layers,
-            kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-            windows: Vec::new(),
-            state,
-            values_in_keys: false,
-        }
+        hybrid_cache_layout(&self.cfg, self.layers.iter().map(|l| &l.mixer))
     }
 
     fn forward(&self, step: &Step, kv: &mut PagePool, states: &mut [&mut SeqState]) -> Vec<f32> {
-        let c = &self.cfg;
         let positions = step.positions();
-        let mut x = self.embed.lookup(step.tokens, 1.0).expect("ids checked by the engine");
-        let mut rows = step.tokens.len();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let normed = layer.input_norm.applied(&x);
-            let mixed = match &layer.mixer {
-                Mixer::DeltaNet(net) => net.forward(&normed, step, states),
-                Mixer::Attention(attn, kv_layer) => {
-                    attn.forward(*kv_layer, &normed, step, &positions, Some(&self.rope), kv)
-                }
-            };
-            ops::add_scaled(&mut x, &mixed, 1.0);
-            if i + 1 == self.layers.len() {
-                x = gather_rows(&x, c.hidden_size, step.logit_rows);
-                rows = step.logit_rows.len();
-            }
-            let mlp = layer.mlp.forward(&layer.post_attn_norm.applied(&x), rows);
-            ops::add_scaled(&mut x, &mlp, 1.0);
-        }
+        let x = self.embed.lookup(step.tokens, 1.0).expect("ids checked by the engine");
+        let mut ctx = StepCtx { step, positions: &positions, kv, states };
+        let (mut x, rows) = run_layers(&self.layers, x, self.cfg.hidden_size, 1.0, &mut ctx);
         self.head.forward(&mut x, rows)
     }
 }

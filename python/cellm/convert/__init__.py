@@ -11,12 +11,12 @@ from typing import Optional, Union
 import numpy as np
 
 from ..errors import FormatError, InvalidArgument
-from .dtypes import check_format, convert_chunks, float32_chunks
+from .dtypes import BLOCK_FORMATS, check_format, convert_chunks, float32_chunks
 from .gguf import MAGIC as GGUF_MAGIC
 from .gguf_convert import convert_gguf
 from .hf_config import family_of, load_config, normalise_config
 from .progress import ProgressBar
-from .quantize import check_quantization, quantize_rows
+from .quantize import Quantization, plan_quantization, quantize_rows
 from .safetensors import Checkpoint, open_checkpoint
 from .tokenizer_files import TOKENIZER_BLOB, load_tokenizer_files
 from .weights import (
@@ -50,24 +50,27 @@ def convert(
     dtype: Optional[str] = None,
     progress: Optional[bool] = None,
     quantize: Optional[str] = None,
+    group_size: Optional[int] = None,
+    embedding: Optional[str] = None,
 ) -> Path:
     """Convert a HF checkpoint directory or a GGUF file to a `.cellm` file; return its path.
 
-    `dtype` (default f16) and `quantize` apply to HF checkpoints only: GGUF tensors keep their
-    formats.
+    `dtype` (default f16) applies to HF checkpoints only: GGUF tensors keep their formats
+    unless `quantize` (with `group_size` and `embedding`; see `convert_hf`) requantizes them.
     """
     src = Path(input_path)
     if not src.exists():
         raise FormatError(f"{src}: no such file or directory")
+    options = {"quantize": quantize, "group_size": group_size, "embedding": embedding}
     if src.is_dir():
-        return convert_hf(src, output_path, dtype or "f16", progress=progress, quantize=quantize)
+        return convert_hf(src, output_path, dtype or "f16", progress=progress, **options)
     if src.suffix.lower() == ".gguf" or is_gguf(src):
-        if dtype is not None or quantize is not None:
+        if dtype is not None:
             raise InvalidArgument(
-                "--dtype and --quantize apply to HuggingFace checkpoints only; GGUF tensors "
-                "keep their formats"
+                "--dtype applies to HuggingFace checkpoints only; GGUF tensors keep their "
+                "formats (or take --quantize)"
             )
-        return convert_gguf(src, output_path, progress=progress)
+        return convert_gguf(src, output_path, progress=progress, **options)
     raise FormatError(f"{src} is neither a HuggingFace checkpoint directory nor a GGUF file")
 
 
@@ -77,17 +80,21 @@ def convert_hf(
     dtype: str = "f16",
     progress: Optional[bool] = None,
     quantize: Optional[str] = None,
+    group_size: Optional[int] = None,
+    embedding: Optional[str] = None,
 ) -> Path:
     """Convert a HuggingFace checkpoint directory to a `.cellm` file and return its path.
 
     `dtype` (f32, f16, bf16) applies to tensors of two or more dimensions; 1-D tensors (norms,
-    biases) are always stored as f32. `quantize` (q8_0, q4_0, q4_1, q5_0) stores every matrix
-    whose rows split into 32-value blocks in that GGUF block format instead. `progress`: None
-    shows a bar on a terminal for large models, True always shows it on stderr, False never.
+    biases) are always stored as f32. `quantize` stores every matrix whose rows split into its
+    units in that format instead: `int8` (per row), `int4` / `int4-affine` (groups of
+    `group_size` 32, 64 or 128; default 64), or a GGUF block format (q8_0, q4_0, q4_1, q5_0).
+    `embedding` (a scheme, or f16/f32/bf16) overrides it for the token embedding. `progress`:
+    None shows a bar on a terminal for large models, True always shows it on stderr, False
+    never.
     """
     check_format(dtype)
-    if quantize is not None:
-        check_quantization(quantize)
+    quantization = plan_quantization(quantize, group_size, embedding)
     src = Path(input_dir)
     if not src.exists():
         raise FormatError(f"{src}: no such file or directory")
@@ -111,7 +118,7 @@ def convert_hf(
                 name,
                 shape,
                 dtype,
-                quantize,
+                quantization,
                 tensor_transform(model, name),
                 tensor_source(model, name)[0],
             )
@@ -125,7 +132,7 @@ def convert_hf(
             "source": {
                 "kind": "hf",
                 "dtype": dtype,
-                **({"quantize": quantize} if quantize else {}),
+                **(quantization.source_record() if quantization else {}),
             },
         }
         total = sum(e.nbytes for e in entries)
@@ -146,7 +153,7 @@ def _entry(
     name: str,
     shape: tuple[int, ...],
     dtype: str,
-    quantize: Optional[str],
+    quantization: Optional[Quantization],
     transform: Optional[Callable[[np.ndarray], np.ndarray]] = None,
     source: Optional[str] = None,
 ) -> TensorEntry:
@@ -163,14 +170,16 @@ def _entry(
             yield np.ascontiguousarray(transform(whole).reshape(shape), dtype=np.float32)
 
     keep_f32 = stored_as_f32(name, shape)
-    if quantize and not keep_f32 and len(shape) == 2 and shape[1] % 32 == 0:
+    fmt = "f32" if keep_f32 else dtype
+    if quantization is not None and not keep_f32 and len(shape) == 2:
+        fmt = quantization.format_for(name, shape[1], dtype)
+    if fmt in BLOCK_FORMATS:
 
         def blocks() -> Iterator[np.ndarray]:
             for chunk in f32_chunks():
-                yield quantize_rows(chunk, quantize)
+                yield quantize_rows(chunk, fmt)
 
-        return TensorEntry(name, quantize, shape, blocks)
-    fmt = "f32" if keep_f32 else dtype
+        return TensorEntry(name, fmt, shape, blocks)
     if transform is not None:
         return TensorEntry(
             name,

@@ -9,7 +9,7 @@ from typing import Optional
 from ..cli import Parser, run
 from . import convert, read_header
 from .dtypes import FORMATS
-from .quantize import QUANTIZERS
+from .quantize import FLOAT_DTYPES, GROUP_SIZES, SCHEMES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,10 +34,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quantize",
-        choices=tuple(QUANTIZERS),
+        choices=SCHEMES,
         default=None,
-        help="HF only: store every matrix whose rows split into 32-value blocks in this GGUF "
-        "block format (ggml's reference rounding)",
+        help="store every matrix whose rows split into its units in this format: int8 (per "
+        "row), int4 / int4-affine (groups of --group-size), or a GGUF block format (ggml's "
+        "reference rounding). A GGUF input is dequantized and requantized",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        choices=GROUP_SIZES,
+        default=None,
+        help="values per int4 scale (default 64)",
+    )
+    p.add_argument(
+        "--embedding",
+        choices=SCHEMES + FLOAT_DTYPES,
+        default=None,
+        help="format of the token embedding (and a tied output head); default: as --quantize",
     )
     p.add_argument(
         "--progress",
@@ -53,15 +67,17 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def body() -> int:
         path = convert(
-            args.input, args.output, args.dtype, progress=args.progress, quantize=args.quantize
+            args.input,
+            args.output,
+            args.dtype,
+            progress=args.progress,
+            quantize=args.quantize,
+            group_size=args.group_size,
+            embedding=args.embedding,
         )
         size = path.stat().st_size
         source = read_header(path)["source"]
-        kind = (
-            source.get("quantize") or source.get("dtype")
-            if source.get("kind") == "hf"
-            else "from GGUF"
-        )
+        kind = source.get("quantize") or source.get("dtype") or "from GGUF, formats kept"
         print(f"wrote {path} ({size / (1 << 20):,.1f} MiB, {kind})")
         return 0
 

@@ -12,8 +12,9 @@ from .safetensors import to_f32
 # `.cellm` format name -> numpy dtype of its stored elements (bf16 kept as raw uint16 bits).
 FORMAT_DTYPE = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2")}
 FORMATS = tuple(FORMAT_DTYPE)
-# GGUF (ggml) block formats, stored as the source's raw blocks (bytes, hence uint8 chunks):
-# name -> (elements per block, bytes per block). Layouts in docs/format.md.
+# Block formats, stored as raw bytes (hence uint8 chunks): GGUF's, kept as the source's blocks,
+# and cellm's int8/int4: name -> (elements per block, bytes per block). Layouts in
+# docs/format.md.
 BLOCK_FORMATS = {
     "q4_0": (32, 18),
     "q4_1": (32, 20),
@@ -22,7 +23,14 @@ BLOCK_FORMATS = {
     "q4_k": (256, 144),
     "q5_k": (256, 176),
     "q6_k": (256, 210),
+    "i8_row": (32, 32),
+    "i4_g64": (64, 34),
+    "i4_g128": (128, 66),
+    "i4a_g64": (64, 36),
+    "i4a_g128": (128, 68),
 }
+# Bytes before each row's blocks (i8_row's f32 scale).
+ROW_HEADER = {"i8_row": 4}
 
 # Source dtype that already *is* a given format, so it can be copied bit for bit.
 _SAME = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
@@ -42,7 +50,8 @@ def format_nbytes(fmt: str, shape: tuple[int, ...]) -> int:
     n = int(np.prod(shape, dtype=np.int64))
     if fmt in BLOCK_FORMATS:
         block, block_bytes = BLOCK_FORMATS[fmt]
-        return n // block * block_bytes
+        rows = n // shape[-1] if shape and shape[-1] else 0
+        return n // block * block_bytes + rows * ROW_HEADER.get(fmt, 0)
     return n * FORMAT_DTYPE[fmt].itemsize
 
 

@@ -2,7 +2,8 @@
 
 The GGUF metadata is translated into the HF config keys it was made from, so the model
 description comes from the same `normalise_config` as the HF path. Tensors keep their stored
-format: quantized ones are copied block for block, 1-D ones (norms, biases) become f32.
+format: quantized ones are copied block for block, 1-D ones (norms, biases) become f32. With
+`quantize`, matrices are instead decoded (by the engine's own row kernels) and requantized.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from ..errors import FormatError, UnsupportedArchitecture
-from .dtypes import CHUNK_BYTES, storage_dtype
+from .dtypes import BLOCK_FORMATS, CHUNK_BYTES, storage_dtype
+from .dtypes import convert as convert_float
 from .gguf import GGUFFile, GGUFTensor
 from .hf_config import normalise_config
 from .progress import ProgressBar
+from .quantize import Quantization, plan_quantization, quantize_rows
 from .safetensors import to_f32
 from .tokenizer_files import TOKENIZER_BLOB
-from .weights import expected_tensors
+from .weights import expected_tensors, stored_as_f32
 from .writer import TensorEntry, write_cellm
 
 __all__ = ["convert_gguf", "GGUF_ARCHITECTURES", "gguf_to_hf_config", "hf_tensor_name"]
@@ -101,12 +104,17 @@ def convert_gguf(
     input_path: Union[str, os.PathLike],
     output_path: Union[str, os.PathLike],
     progress: Optional[bool] = None,
+    quantize: Optional[str] = None,
+    group_size: Optional[int] = None,
+    embedding: Optional[str] = None,
 ) -> Path:
-    """Convert a GGUF file (llama, qwen2) to a `.cellm` file and return its path.
+    """Convert a GGUF file (llama, qwen2, gemma3) to a `.cellm` file and return its path.
 
     Tensors keep their GGUF formats (f32, f16, bf16 or ggml blocks such as q8_0, q4_k);
-    1-D tensors are stored as f32. `progress` as for `convert_hf`.
+    1-D tensors are stored as f32. `quantize`, `group_size` and `embedding` requantize the
+    matrices as for `convert_hf`. `progress` as for `convert_hf`.
     """
+    quantization = plan_quantization(quantize, group_size, embedding)
     src = Path(input_path)
     if src.is_dir():
         raise FormatError(f"{src} is a directory, not a GGUF file")
@@ -124,7 +132,7 @@ def convert_gguf(
         model = normalise_config(config, None, str(src))
         if _ROPE_FREQS in gg.tensors:
             model["rope"] = _with_freq_factors(model["rope"], _float_vector(gg, _ROPE_FREQS))
-        entries = _plan(gg, model, arch)
+        entries = _plan(gg, model, arch, quantization)
         tokens = md.get("tokenizer.ggml.tokens")
         if tokens is not None and len(tokens) > model["vocab_size"]:
             raise FormatError(
@@ -144,6 +152,7 @@ def convert_gguf(
                 "path": src.name,
                 "general.name": md.get("general.name"),
                 "file_type": _plain(md.get("general.file_type")),
+                **(quantization.source_record() if quantization else {}),
             },
         }
         total = sum(e.nbytes for e in entries)
@@ -299,7 +308,12 @@ def _maybe_div(a: Any, b: Any) -> Optional[int]:
 # -- tensors ---------------------------------------------------------------------------------
 
 
-def _plan(gg: GGUFFile, model: Mapping[str, Any], arch: GGUFArch) -> list[TensorEntry]:
+def _plan(
+    gg: GGUFFile,
+    model: Mapping[str, Any],
+    arch: GGUFArch,
+    quantization: Optional[Quantization] = None,
+) -> list[TensorEntry]:
     """One entry per tensor the engine reads, in its order, checked against the GGUF file."""
     by_hf = {hf_tensor_name(name, arch): name for name in gg.tensors}
     plan = expected_tensors(model)
@@ -330,8 +344,37 @@ def _plan(gg: GGUFFile, model: Mapping[str, Any], arch: GGUFArch) -> list[Tensor
             heads = model["num_heads"]
         elif arch.permuted_qk and hf.endswith(("k_proj.weight", "k_proj.bias")):
             heads = model["num_kv_heads"]
-        entries.append(_entry(gg, t, hf, heads))
+        entry = _entry(gg, t, hf, heads)
+        if quantization is not None and len(t.shape) == 2 and not stored_as_f32(hf, t.shape):
+            fmt = quantization.format_for(hf, t.shape[1], t.format)
+            if fmt != t.format:
+                entry = _requantized(entry, fmt)
+        entries.append(entry)
     return entries
+
+
+def _requantized(entry: TensorEntry, fmt: str) -> TensorEntry:
+    """`entry` decoded to float32 by the engine's row kernels and stored as `fmt`."""
+    from .. import _core  # the engine's decoders read every GGUF format
+
+    rows, cols = entry.shape
+    row_bytes = entry.nbytes // rows
+
+    def chunks() -> Iterator[np.ndarray]:
+        for raw in entry.chunks():
+            data = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+            n = len(data) // row_bytes
+            if entry.format in _FLOAT_FORMATS:
+                values = to_f32(data.view(storage_dtype(entry.format)), entry.format.upper())
+                values = np.asarray(values, dtype=np.float32).reshape(n, cols)
+            else:
+                values = _core.dequantize(entry.format, data.tobytes(), n, cols)
+            if fmt in BLOCK_FORMATS:
+                yield quantize_rows(values, fmt)
+            else:
+                yield convert_float(values, "F32", fmt)
+
+    return TensorEntry(entry.name, fmt, entry.shape, chunks)
 
 
 def _gguf_name(hf: str, arch: GGUFArch) -> str:

@@ -1,6 +1,7 @@
-//! GGUF block formats, decoded exactly as ggml defines them. Row kernels decode one block at a
-//! time into a stack buffer, so weights stay in their file layout (no load-time dequantize).
-//! These are the scalar reference; integer-dot SIMD paths compare against them.
+//! Block formats, decoded exactly as ggml defines GGUF's and as docs/format.md defines cellm's.
+//! Row kernels decode one block at a time into a stack buffer, so weights stay in their file
+//! layout (no load-time dequantize). These are the scalar reference; integer-dot SIMD paths
+//! compare against them.
 
 use cellm_format::TensorFormat;
 use half::f16;
@@ -10,20 +11,21 @@ use super::RowKernels;
 /// Largest block (the K-quants' 256 elements).
 const MAX_BLOCK: usize = 256;
 
-type DecodeBlock = fn(&[u8], &mut [f32]);
+/// Decodes one block; the second argument is the row's header (i8_row's scale, else empty).
+type DecodeBlock = fn(&[u8], &[u8], &mut [f32]);
 
 fn half_at(b: &[u8], i: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
 }
 
-fn q8_0(b: &[u8], y: &mut [f32]) {
+fn q8_0(b: &[u8], _: &[u8], y: &mut [f32]) {
     let d = half_at(b, 0);
     for (y, &q) in y.iter_mut().zip(&b[2..34]) {
         *y = f32::from(q as i8) * d;
     }
 }
 
-fn q4_0(b: &[u8], y: &mut [f32]) {
+fn q4_0(b: &[u8], _: &[u8], y: &mut [f32]) {
     let d = half_at(b, 0);
     for (j, &q) in b[2..18].iter().enumerate() {
         y[j] = (i32::from(q & 0xF) - 8) as f32 * d;
@@ -31,7 +33,7 @@ fn q4_0(b: &[u8], y: &mut [f32]) {
     }
 }
 
-fn q4_1(b: &[u8], y: &mut [f32]) {
+fn q4_1(b: &[u8], _: &[u8], y: &mut [f32]) {
     let (d, m) = (half_at(b, 0), half_at(b, 2));
     for (j, &q) in b[4..20].iter().enumerate() {
         y[j] = f32::from(q & 0xF) * d + m;
@@ -39,7 +41,7 @@ fn q4_1(b: &[u8], y: &mut [f32]) {
     }
 }
 
-fn q5_0(b: &[u8], y: &mut [f32]) {
+fn q5_0(b: &[u8], _: &[u8], y: &mut [f32]) {
     let d = half_at(b, 0);
     let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
     for (j, &q) in b[6..22].iter().enumerate() {
@@ -60,7 +62,7 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
     (f32::from(sc), f32::from(m))
 }
 
-fn q4_k(b: &[u8], y: &mut [f32]) {
+fn q4_k(b: &[u8], _: &[u8], y: &mut [f32]) {
     let (d, dmin) = (half_at(b, 0), half_at(b, 2));
     let (scales, qs) = (&b[4..16], &b[16..144]);
     for chunk in 0..4 {
@@ -75,7 +77,7 @@ fn q4_k(b: &[u8], y: &mut [f32]) {
     }
 }
 
-fn q5_k(b: &[u8], y: &mut [f32]) {
+fn q5_k(b: &[u8], _: &[u8], y: &mut [f32]) {
     let (d, dmin) = (half_at(b, 0), half_at(b, 2));
     let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
     for chunk in 0..4 {
@@ -93,7 +95,7 @@ fn q5_k(b: &[u8], y: &mut [f32]) {
     }
 }
 
-fn q6_k(b: &[u8], y: &mut [f32]) {
+fn q6_k(b: &[u8], _: &[u8], y: &mut [f32]) {
     let d = half_at(b, 208);
     for half in 0..2 {
         let ql = &b[64 * half..64 * half + 64];
@@ -116,6 +118,35 @@ fn q6_k(b: &[u8], y: &mut [f32]) {
     }
 }
 
+fn i8_row(b: &[u8], header: &[u8], y: &mut [f32]) {
+    let s = f32::from_le_bytes([header[0], header[1], header[2], header[3]]);
+    for (y, &q) in y.iter_mut().zip(b) {
+        *y = f32::from(q as i8) * s;
+    }
+}
+
+/// A cellm int4 group: `d` (and `m` when affine) as f16, then 32-value sub-blocks of 16 bytes,
+/// low nibbles first.
+fn int4_group(b: &[u8], y: &mut [f32], affine: bool) {
+    let (d, m, head) =
+        if affine { (half_at(b, 0), half_at(b, 2), 4) } else { (half_at(b, 0), 0.0, 2) };
+    let offset = if affine { 0 } else { -8 };
+    for (sub, out) in b[head..].chunks_exact(16).zip(y.chunks_exact_mut(32)) {
+        for (j, &q) in sub.iter().enumerate() {
+            out[j] = (i32::from(q & 0xF) + offset) as f32 * d + m;
+            out[j + 16] = (i32::from(q >> 4) + offset) as f32 * d + m;
+        }
+    }
+}
+
+fn i4_sym(b: &[u8], _: &[u8], y: &mut [f32]) {
+    int4_group(b, y, false);
+}
+
+fn i4_affine(b: &[u8], _: &[u8], y: &mut [f32]) {
+    int4_group(b, y, true);
+}
+
 fn block_decoder(format: TensorFormat) -> Option<DecodeBlock> {
     Some(match format {
         TensorFormat::Q8_0 => q8_0,
@@ -125,6 +156,9 @@ fn block_decoder(format: TensorFormat) -> Option<DecodeBlock> {
         TensorFormat::Q4K => q4_k,
         TensorFormat::Q5K => q5_k,
         TensorFormat::Q6K => q6_k,
+        TensorFormat::I8Row => i8_row,
+        TensorFormat::I4G64 | TensorFormat::I4G128 => i4_sym,
+        TensorFormat::I4AG64 | TensorFormat::I4AG128 => i4_affine,
         TensorFormat::F32 | TensorFormat::F16 | TensorFormat::BF16 => return None,
     })
 }
@@ -135,8 +169,9 @@ fn for_each_block(format: TensorFormat, row: &[u8], mut f: impl FnMut(usize, &[f
     let decode = block_decoder(format).expect("block format");
     let (n, bytes) = (format.block_len(), format.block_bytes());
     let mut buf = [0.0f32; MAX_BLOCK];
-    for (i, block) in row.chunks_exact(bytes).enumerate() {
-        decode(block, &mut buf[..n]);
+    let (header, blocks) = row.split_at(format.row_header());
+    for (i, block) in blocks.chunks_exact(bytes).enumerate() {
+        decode(block, header, &mut buf[..n]);
         f(i * n, &buf[..n]);
     }
 }
@@ -181,6 +216,11 @@ block_kernels! {
     k_q4_k => TensorFormat::Q4K,
     k_q5_k => TensorFormat::Q5K,
     k_q6_k => TensorFormat::Q6K,
+    k_i8_row => TensorFormat::I8Row,
+    k_i4_g64 => TensorFormat::I4G64,
+    k_i4_g128 => TensorFormat::I4G128,
+    k_i4a_g64 => TensorFormat::I4AG64,
+    k_i4a_g128 => TensorFormat::I4AG128,
 }
 
 #[cfg(test)]
@@ -199,21 +239,91 @@ mod tests {
             .collect()
     }
 
-    /// Random blocks with finite f16 scales (d and dmin set to small normal values).
+    /// Random blocks with finite scales (f16 d and dmin set to small normal values, i8_row's
+    /// f32 row scale too).
     fn random_row(format: TensorFormat, blocks: usize, seed: u64) -> Vec<u8> {
-        let mut row = noise(blocks * format.block_bytes(), seed);
+        let header = format.row_header();
+        let mut row = noise(header + blocks * format.block_bytes(), seed);
+        if header > 0 {
+            row[..4].copy_from_slice(&0.0123f32.to_le_bytes());
+        }
         let scale_at: &[usize] = match format {
             TensorFormat::Q6K => &[208],
-            TensorFormat::Q4_1 | TensorFormat::Q4K | TensorFormat::Q5K => &[0, 2],
+            TensorFormat::Q4_1
+            | TensorFormat::Q4K
+            | TensorFormat::Q5K
+            | TensorFormat::I4AG64
+            | TensorFormat::I4AG128 => &[0, 2],
+            TensorFormat::I8Row => &[],
             _ => &[0],
         };
-        for (b, block) in row.chunks_exact_mut(format.block_bytes()).enumerate() {
+        for (b, block) in row[header..].chunks_exact_mut(format.block_bytes()).enumerate() {
             for &at in scale_at {
                 let v = f16::from_f32(0.01 + 0.001 * (b + at) as f32).to_bits().to_le_bytes();
                 block[at..at + 2].copy_from_slice(&v);
             }
         }
         row
+    }
+
+    /// Rows whose scale fields hold `bits` (an f16; i8_row's f32 header gets its value).
+    fn row_with_scales(format: TensorFormat, blocks: usize, bits: u16, seed: u64) -> Vec<u8> {
+        let mut row = random_row(format, blocks, seed);
+        let header = format.row_header();
+        if header > 0 {
+            row[..4].copy_from_slice(&f16::from_bits(bits).to_f32().to_le_bytes());
+        }
+        let at: &[usize] = match format {
+            TensorFormat::Q6K => &[208],
+            TensorFormat::I8Row => &[],
+            TensorFormat::Q4_1
+            | TensorFormat::Q4K
+            | TensorFormat::Q5K
+            | TensorFormat::I4AG64
+            | TensorFormat::I4AG128 => &[0, 2],
+            _ => &[0],
+        };
+        for block in row[header..].chunks_exact_mut(format.block_bytes()) {
+            for &i in at {
+                block[i..i + 2].copy_from_slice(&bits.to_le_bytes());
+            }
+        }
+        row
+    }
+
+    /// Zero blocks, the largest f16 scale and the smallest subnormal one: every ISA's integer
+    /// kernel still equals the scalar reference (relative to the row's magnitude).
+    #[test]
+    fn adversarial_blocks_match_scalar() {
+        use crate::acts::{ActScheme, Q8Acts};
+        use crate::Isa;
+        for format in TensorFormat::BLOCKS {
+            let n = 2 * format.block_len().max(256);
+            let blocks = n / format.block_len();
+            let zero = vec![0u8; format.nbytes(&[1, n]).unwrap()];
+            let rows = [
+                zero,
+                row_with_scales(format, blocks, 0x7BFF, 11), // 65504
+                row_with_scales(format, blocks, 0x0001, 12), // 2^-24
+            ];
+            let x: Vec<f32> = (0..n).map(|i| (((i * 7919) % 251) as f32 - 125.0) / 7.0).collect();
+            let acts = Q8Acts::quantize(&x, n, ActScheme::for_format(format));
+            for row in &rows {
+                let mut w = vec![0.0; n];
+                (kernels(format).unwrap().decode)(row, &mut w);
+                let mag: f32 = w.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
+                let scalar = super::super::kernels(format, Isa::Scalar).qdot.unwrap().0;
+                let want = scalar(row, acts.row(0));
+                assert!(want.is_finite(), "{format:?}");
+                for isa in Isa::available() {
+                    let got = super::super::kernels(format, isa).qdot.unwrap().0(row, acts.row(0));
+                    assert!(
+                        (got - want).abs() <= 1e-5 * mag + f32::MIN_POSITIVE,
+                        "{format:?} {isa:?}: {got} vs {want}"
+                    );
+                }
+            }
+        }
     }
 
     /// dot and axpy agree with the decoded row, block for block.

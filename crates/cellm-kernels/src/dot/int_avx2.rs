@@ -57,21 +57,38 @@ unsafe fn unsigned_blocks<const N: usize>(
     unpack: impl Fn(*const u8) -> __m256i,
     scales: impl Fn(*const u8) -> __m128,
 ) -> [f32; N] {
+    unsigned_groups(row, x, bytes, 1, |blk, _| unpack(blk), scales)
+}
+
+/// As [`unsigned_blocks`] for groups of `subs` 32-value sub-blocks sharing one `[d, c]`;
+/// `unpack(group, j)` gives sub-block `j`.
+#[inline(always)]
+unsafe fn unsigned_groups<const N: usize>(
+    row: &[u8],
+    x: &[Q8Row; N],
+    bytes: usize,
+    subs: usize,
+    unpack: impl Fn(*const u8, usize) -> __m256i,
+    scales: impl Fn(*const u8) -> __m128,
+) -> [f32; N] {
     let mut acc = [_mm256_setzero_ps(); N];
     // Lane 1 of `offset` sums c * s.
     let mut offset = [_mm_setzero_ps(); N];
     let base = row.as_ptr();
-    for b in 0..row.len() / bytes {
-        let blk = base.add(bytes * b);
-        let (u, dc) = (unpack(blk), scales(blk));
-        for t in 0..N {
-            let xt = &x[t];
-            // (d * dx, c * s) in one multiply.
-            let ds = _mm_castsi128_ps(_mm_loadl_epi64(xt.ds.as_ptr().add(b).cast()));
-            let prod = _mm_mul_ps(dc, ds);
-            offset[t] = _mm_add_ps(offset[t], prod);
-            let p = _mm256_cvtepi32_ps(dot_u8_i8(u, xblock(xt, b)));
-            acc[t] = _mm256_fmadd_ps(_mm256_broadcastss_ps(prod), p, acc[t]);
+    for g in 0..row.len() / bytes {
+        let blk = base.add(bytes * g);
+        let dc = scales(blk);
+        for j in 0..subs {
+            let (u, b) = (unpack(blk, j), g * subs + j);
+            for t in 0..N {
+                let xt = &x[t];
+                // (d * dx, c * s) in one multiply.
+                let ds = _mm_castsi128_ps(_mm_loadl_epi64(xt.ds.as_ptr().add(b).cast()));
+                let prod = _mm_mul_ps(dc, ds);
+                offset[t] = _mm_add_ps(offset[t], prod);
+                let p = _mm256_cvtepi32_ps(dot_u8_i8(u, xblock(xt, b)));
+                acc[t] = _mm256_fmadd_ps(_mm256_broadcastss_ps(prod), p, acc[t]);
+            }
         }
     }
     let mut out = [0.0; N];
@@ -106,6 +123,69 @@ unsafe fn q8_0<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
         }
     }
     acc.map(|a| hsum(a))
+}
+
+/// cellm int8 per row: q8_0's block product without per-block weight scales, times the f32
+/// row scale at the end.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn i8_row<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    let mut acc = [_mm256_setzero_ps(); N];
+    let scale = f32::from_le_bytes([row[0], row[1], row[2], row[3]]);
+    let base = row.as_ptr().add(4);
+    for b in 0..(row.len() - 4) / 32 {
+        let w = _mm256_loadu_si256(base.add(32 * b).cast());
+        let wabs = _mm256_sign_epi8(w, w);
+        for t in 0..N {
+            let xt = &x[t];
+            let dx = _mm256_set1_ps(xt.ds[b][0]);
+            let p = _mm256_cvtepi32_ps(dot_u8_i8(wabs, _mm256_sign_epi8(xblock(xt, b), w)));
+            acc[t] = _mm256_fmadd_ps(dx, p, acc[t]);
+        }
+    }
+    acc.map(|a| scale * hsum(a))
+}
+
+/// cellm int4 groups of `GROUP` (symmetric: `c = -8d`; affine: `c = m`).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn int4_groups<const N: usize, const GROUP: usize, const AFFINE: bool>(
+    row: &[u8],
+    x: &[Q8Row; N],
+) -> [f32; N] {
+    let head = if AFFINE { 4 } else { 2 };
+    unsigned_groups(
+        row,
+        x,
+        head + GROUP / 2,
+        GROUP / 32,
+        |g, j| unsafe { nibbles32(g.add(head + 16 * j)) },
+        |g| unsafe {
+            if AFFINE {
+                _mm_cvtph_ps(_mm_cvtsi32_si128(g.cast::<i32>().read_unaligned()))
+            } else {
+                scale_and_multiple(g, -8.0)
+            }
+        },
+    )
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn i4_g64<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    int4_groups::<N, 64, false>(row, x)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn i4_g128<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    int4_groups::<N, 128, false>(row, x)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn i4a_g64<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    int4_groups::<N, 64, true>(row, x)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn i4a_g128<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    int4_groups::<N, 128, true>(row, x)
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -295,7 +375,7 @@ macro_rules! safe_entry {
 
 /// Every activation row covers the weight row.
 fn check(row: &[u8], x: &[Q8Row], f: TensorFormat) {
-    let elems = row.len() / f.block_bytes() * f.block_len();
+    let elems = (row.len() - f.row_header()) / f.block_bytes() * f.block_len();
     for r in x {
         assert!(r.qs.len() >= elems && r.ds.len() * 32 >= elems);
     }
@@ -309,4 +389,9 @@ safe_entry! {
     safe_q4_k, safe4_q4_k => q4_k, TensorFormat::Q4K;
     safe_q5_k, safe4_q5_k => q5_k, TensorFormat::Q5K;
     safe_q6_k, safe4_q6_k => q6_k, TensorFormat::Q6K;
+    safe_i8_row, safe4_i8_row => i8_row, TensorFormat::I8Row;
+    safe_i4_g64, safe4_i4_g64 => i4_g64, TensorFormat::I4G64;
+    safe_i4_g128, safe4_i4_g128 => i4_g128, TensorFormat::I4G128;
+    safe_i4a_g64, safe4_i4a_g64 => i4a_g64, TensorFormat::I4AG64;
+    safe_i4a_g128, safe4_i4a_g128 => i4a_g128, TensorFormat::I4AG128;
 }

@@ -128,16 +128,63 @@ pub fn q6_k(row: &[u8], x: Q8Row) -> f32 {
     sum
 }
 
+/// cellm int8 per row: the f32 row scale, then 32-value blocks.
+pub fn i8_row(row: &[u8], x: Q8Row) -> f32 {
+    let (scale, blocks) = row.split_at(4);
+    let mut sum = 0.0;
+    for (b, blk) in blocks.chunks_exact(32).enumerate() {
+        let s = idot(blk.iter().map(|&q| i32::from(q as i8)), &x.qs[32 * b..32 * b + 32]);
+        sum += x.ds[b][0] * s as f32;
+    }
+    f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]) * sum
+}
+
+/// cellm int4 groups of `group` values sharing `d` (and `m` when affine): per 32-value
+/// sub-block, `d * dx * sum((q - 8) x)` or `d * dx * sum(q x) + m * s`.
+fn int4_groups(row: &[u8], x: Q8Row, group: usize, affine: bool) -> f32 {
+    let head = if affine { 4 } else { 2 };
+    let mut sum = 0.0;
+    for (g, blk) in row.chunks_exact(head + group / 2).enumerate() {
+        let (d, m) = (half(blk, 0), if affine { half(blk, 2) } else { 0.0 });
+        for (j, qs) in blk[head..].chunks_exact(16).enumerate() {
+            let xb = g * group / 32 + j;
+            let q = nibbles(qs).map(|q| if affine { q } else { q - 8 });
+            let s = idot(q, &x.qs[32 * xb..32 * xb + 32]);
+            sum += d * x.ds[xb][0] * s as f32 + m * x.ds[xb][1];
+        }
+    }
+    sum
+}
+
+pub fn i4_g64(row: &[u8], x: Q8Row) -> f32 {
+    int4_groups(row, x, 64, false)
+}
+
+pub fn i4_g128(row: &[u8], x: Q8Row) -> f32 {
+    int4_groups(row, x, 128, false)
+}
+
+pub fn i4a_g64(row: &[u8], x: Q8Row) -> f32 {
+    int4_groups(row, x, 64, true)
+}
+
+pub fn i4a_g128(row: &[u8], x: Q8Row) -> f32 {
+    int4_groups(row, x, 128, true)
+}
+
 /// The single-row kernels, in `TensorFormat::BLOCKS` order.
-const ONE: [QDotFn; 7] = [q8_0, q4_0, q4_1, q5_0, q4_k, q5_k, q6_k];
+const ONE: [QDotFn; 12] =
+    [q8_0, q4_0, q4_1, q5_0, q4_k, q5_k, q6_k, i8_row, i4_g64, i4_g128, i4a_g64, i4a_g128];
 
 /// Four rows as four single-row calls: the reference the SIMD four-row kernels match.
 fn four<const I: usize>(row: &[u8], x: &[Q8Row; 4]) -> [f32; 4] {
     x.map(|r| ONE[I](row, r))
 }
 
-const FOUR: [QDot4Fn; 7] =
-    [four::<0>, four::<1>, four::<2>, four::<3>, four::<4>, four::<5>, four::<6>];
+const FOUR: [QDot4Fn; 12] = [
+    four::<0>, four::<1>, four::<2>, four::<3>, four::<4>, four::<5>, four::<6>, four::<7>,
+    four::<8>, four::<9>, four::<10>, four::<11>,
+];
 
 pub fn qdot(format: TensorFormat) -> Option<(QDotFn, QDot4Fn)> {
     let i = TensorFormat::BLOCKS.iter().position(|&f| f == format)?;
