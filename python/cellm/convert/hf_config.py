@@ -120,6 +120,15 @@ class _Reader:
         return value
 
 
+# HF activation names -> the engine's.
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_tanh": "gelu_tanh",
+}
+
+
 def normalise_config(
     config: Mapping[str, Any],
     tensor_names: Optional[Container[str]] = None,
@@ -500,96 +509,88 @@ FAMILIES: dict[str, Family] = {
         nope_layers=True,
         sliding_rule="smollm3",
     ),
+    "gemma3_text": Family(
+        "gemma3",
+        {
+            "rms_norm_eps": 1e-6,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "max_position_embeddings": 131072,
+            "tie_word_embeddings": True,
+            "head_dim": 256,
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+            "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10_000.0,
+        },
+        # Gemma3Attention always has q/k norms; its MLP has no biases.
+        fixed={"mlp_bias": False, "qk_norm": True},
+        sliding_rule="gemma3",
+        layer_kinds=frozenset({"full_attention", "sliding_attention"}),
+        act_key="hidden_activation",
+        extras=_gemma3_extras,
+    ),
+    "lfm2": Family(
+        "lfm2",
+        {
+            "norm_eps": 1e-5,
+            "hidden_act": "silu",
+            "max_position_embeddings": 128_000,
+            "tie_word_embeddings": True,
+            "rope_theta": 1_000_000.0,
+            "conv_L_cache": 3,
+            "conv_bias": False,
+        },
+        # Lfm2Attention: no biases, always q/k norms; Lfm2MLP: no biases.
+        fixed={"attention_bias": False, "mlp_bias": False, "qk_norm": True},
+        sliding_rule="lfm2",
+        layer_kinds=frozenset({"full_attention", "conv"}),
+        eps_key="norm_eps",
+        extras=_lfm2_extras,
+    ),
+    "qwen3_5_text": Family(
+        "qwen3_5",
+        {
+            **_COMMON,
+            "max_position_embeddings": 32768,
+            "tie_word_embeddings": False,
+            "head_dim": 256,
+            "partial_rotary_factor": 0.25,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+        },
+        # Qwen3_5Attention always has q/k norms; Qwen3_5MLP has no biases.
+        fixed={"mlp_bias": False, "qk_norm": True},
+        sliding_rule="qwen3_5",
+        layer_kinds=frozenset({"full_attention", "linear_attention"}),
+        extras=_qwen3_5_extras,
+    ),
+    "deepseek_v3": Family(
+        "deepseek_v3",
+        {
+            **_COMMON,
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": False,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "rope_interleave": True,
+            "n_routed_experts": 256,
+            "num_experts_per_tok": 8,
+            "n_group": 8,
+            "topk_group": 4,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 2048,
+            "first_k_dense_replace": 3,
+        },
+        fixed={"mlp_bias": False, "qk_norm": False, "attention_out_bias": False},
+        extras=_deepseek_v3_extras,
+    ),
 }
-FAMILIES["gemma3_text"] = Family(
-    "gemma3",
-    {
-        "rms_norm_eps": 1e-6,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": True,
-        "head_dim": 256,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 4096,
-        "rope_theta": 1_000_000.0,
-        "rope_local_base_freq": 10_000.0,
-    },
-    # Gemma3Attention always has q/k norms; its MLP has no biases.
-    fixed={"mlp_bias": False, "qk_norm": True},
-    sliding_rule="gemma3",
-    layer_kinds=frozenset({"full_attention", "sliding_attention"}),
-    act_key="hidden_activation",
-    extras=_gemma3_extras,
-)
-FAMILIES["lfm2"] = Family(
-    "lfm2",
-    {
-        "norm_eps": 1e-5,
-        "hidden_act": "silu",
-        "max_position_embeddings": 128_000,
-        "tie_word_embeddings": True,
-        "rope_theta": 1_000_000.0,
-        "conv_L_cache": 3,
-        "conv_bias": False,
-    },
-    # Lfm2Attention: no biases, always q/k norms; Lfm2MLP: no biases.
-    fixed={"attention_bias": False, "mlp_bias": False, "qk_norm": True},
-    sliding_rule="lfm2",
-    layer_kinds=frozenset({"full_attention", "conv"}),
-    eps_key="norm_eps",
-    extras=_lfm2_extras,
-)
-
-# HF activation names -> the engine's.
-_ACTIVATIONS = {
-    "silu": "silu",
-    "swish": "silu",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_tanh": "gelu_tanh",
-}
-FAMILIES["qwen3_5_text"] = Family(
-    "qwen3_5",
-    {
-        **_COMMON,
-        "max_position_embeddings": 32768,
-        "tie_word_embeddings": False,
-        "head_dim": 256,
-        "partial_rotary_factor": 0.25,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-    },
-    # Qwen3_5Attention always has q/k norms; Qwen3_5MLP has no biases.
-    fixed={"mlp_bias": False, "qk_norm": True},
-    sliding_rule="qwen3_5",
-    layer_kinds=frozenset({"full_attention", "linear_attention"}),
-    extras=_qwen3_5_extras,
-)
-FAMILIES["deepseek_v3"] = Family(
-    "deepseek_v3",
-    {
-        **_COMMON,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "rope_interleave": True,
-        "n_routed_experts": 256,
-        "num_experts_per_tok": 8,
-        "n_group": 8,
-        "topk_group": 4,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "n_shared_experts": 1,
-        "moe_intermediate_size": 2048,
-        "first_k_dense_replace": 3,
-    },
-    fixed={"mlp_bias": False, "qk_norm": False, "attention_out_bias": False},
-    extras=_deepseek_v3_extras,
-)
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
