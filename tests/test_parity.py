@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cellm import LLM, _core
-from conftest import MODEL_FIXTURES, Reference
+from conftest import FIXTURES, MODEL_FIXTURES, Reference
 
 ATOL = 1e-3
 # Qwen3.5's gated DeltaNet norm divides by the RMS of outputs that are tiny at some positions,
@@ -103,3 +103,27 @@ def test_every_kernel_path_matches_reference(isa, converted):
             assert float(np.abs(got - ref.logits[0]).max()) < tol
     finally:
         _core.set_isa(before)
+
+
+def test_gemma3_soft_caps(tmp_path):
+    """Gemma's final soft-cap is `cap * tanh(logits / cap)` of the uncapped model's logits,
+    which the fixture (no caps) gives through the reference; the attention cap reaches the
+    description (its math is tested against dense attention in cellm-kv)."""
+    import json
+    import shutil
+
+    from cellm.convert import convert_hf
+
+    src = tmp_path / "gemma3"
+    shutil.copytree(FIXTURES / "gemma3", src)
+    config = json.loads((src / "config.json").read_text())
+    config["final_logit_softcapping"] = 3.0
+    (src / "config.json").write_text(json.dumps(config))
+    ref = Reference("gemma3")
+    llm = LLM(convert_hf(src, tmp_path / "capped.cellm", "f32"), kv_encoding="f32")
+    want = 3.0 * np.tanh(ref.logits[0] / 3.0)
+    assert np.abs(llm.logits(ref.sequence(0)) - want).max() < ATOL
+    config["attn_logit_softcapping"] = 50.0
+    (src / "config.json").write_text(json.dumps(config))
+    model = LLM(convert_hf(src, tmp_path / "both.cellm", "f32")).header["model"]
+    assert (model["attn_logit_softcap"], model["final_logit_softcap"]) == (50.0, 3.0)

@@ -233,18 +233,18 @@ mod tests {
 
     /// Paged attention equals a dense softmax(q.K^T * scale) V computed directly, for a
     /// sequence spanning several pages and with grouped heads, with and without a sliding
-    /// window that starts inside a page.
+    /// window that starts inside a page, and with and without soft-capped scores.
     #[test]
     fn matches_dense_attention() {
-        for window in [None, Some(6)] {
-            check_dense(window, false);
+        for (window, softcap) in [(None, None), (Some(6), None), (None, Some(0.5))] {
+            check_dense(window, softcap, false);
             // The last token alone on four threads: its context is split into page chunks.
             let pool = cellm_kernels::pool::ThreadPool::new(4).unwrap();
-            pool.install(|| check_dense(window, true));
+            pool.install(|| check_dense(window, softcap, true));
         }
     }
 
-    fn check_dense(window: Option<usize>, last_alone: bool) {
+    fn check_dense(window: Option<usize>, softcap: Option<f32>, last_alone: bool) {
         let (n_heads, n_kv, hd, len) = (4, 2, 8, 11);
         let mut pool = PagePool::new(KvConfig {
             num_layers: 1,
@@ -268,7 +268,7 @@ mod tests {
             head_dim: hd,
             scale: 0.35,
             window,
-            softcap: None,
+            softcap,
         };
         let mut out = vec![0.0; q.len()];
         let first_row = if last_alone { len - 1 } else { 0 };
@@ -299,6 +299,7 @@ mod tests {
                             .sum::<f32>()
                             * 0.35
                     })
+                    .map(|s| softcap.map_or(s, |cap| cap * (s / cap).tanh()))
                     .collect();
                 let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
                 let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
