@@ -2,7 +2,7 @@
 windows of 512), in cellm and in llama.cpp on the same GGUF file; with --requantize, also in
 cellm after requantizing each GGUF to every format cellm writes.
 
-usage: python tools/perplexity_table.py [--requantize] [NAME ...]
+usage: python tools/perplexity_table.py [--requantize [--formats F,...]] [NAME ...]
        (the llama.cpp column needs llama-cpp-python; see .ci/run)
 """
 
@@ -41,7 +41,7 @@ def against_llama_cpp(names: list[str]) -> None:
         print(f"| {name} | {len(ids)} | {ours:.4f} | {theirs:.4f} | {ours / theirs - 1:+.3%} |")
 
 
-def requantized(names: list[str]) -> None:
+def requantized(names: list[str], formats: list[str]) -> None:
     print("| model | format | file MiB | perplexity | vs the original GGUF |")
     print("|---|---|---:|---:|---:|")
     for name in names:
@@ -52,6 +52,8 @@ def requantized(names: list[str]) -> None:
         print(f"| {name} | original GGUF | {size:.0f} | {base:.4f} | |", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             for label, options in REQUANTIZED:
+                if formats and label.split()[0] not in formats:
+                    continue
                 path = convert_gguf(fetch_gguf(name), Path(tmp) / "m.cellm", **options)
                 ppl = perplexity(LLM(path, threads=2).logits, ids)
                 size = path.stat().st_size / 2**20
@@ -64,9 +66,15 @@ def requantized(names: list[str]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requantize", action="store_true", help="the requantized-formats table")
+    p.add_argument(
+        "--formats", default="", help="with --requantize: only these (int8,q8_0,int4,...)"
+    )
     p.add_argument("names", nargs="*", default=REAL_MODELS)
     args = p.parse_args()
-    (requantized if args.requantize else against_llama_cpp)(args.names)
+    if args.requantize:
+        requantized(args.names, [f for f in args.formats.split(",") if f])
+    else:
+        against_llama_cpp(args.names)
 
 
 if __name__ == "__main__":
