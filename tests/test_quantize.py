@@ -13,7 +13,7 @@ import pytest
 
 from cellm import LLM, InvalidArgument, _core
 from cellm.convert import convert, convert_hf, read_header
-from cellm.convert.quantize import quantize_rows, stored_format
+from cellm.convert.quantize import plan_quantization, quantize_rows, stored_format
 from cellm.convert.writer import data_offset, write_cellm
 from conftest import FIXTURES, Reference
 from test_bad_input import assert_one_line_error, cli
@@ -138,6 +138,14 @@ def test_engine_matmul_on_cellm_formats(fmt):
 )
 def test_schemes_name_their_stored_format(scheme, group, want):
     assert stored_format(scheme, group) == want
+
+
+def test_embedding_stays_8_bit_below_8_bits():
+    assert plan_quantization("int4", 64).embedding == "i8_row"
+    assert plan_quantization("q4_0").embedding == "i8_row"
+    assert plan_quantization("q8_0").embedding == "q8_0"
+    assert plan_quantization("int4", 64, "int4").embedding == "i4_g64"
+    assert plan_quantization("int8", None, "f16").embedding == "f16"
 
 
 def test_bad_scheme_options():

@@ -159,6 +159,7 @@ class Quantization:
 
 
 EMBEDDING = "model.embed_tokens.weight"
+EIGHT_BIT = ("i8_row", "q8_0")
 FLOAT_DTYPES = ("f32", "f16", "bf16")
 
 
@@ -166,15 +167,17 @@ def plan_quantization(
     scheme: Optional[str], group_size: Optional[int] = None, embedding: Optional[str] = None
 ) -> Optional[Quantization]:
     """The quantization a conversion's options ask for, or None for plain float weights.
-    The embedding follows the matrices unless `embedding` (a scheme or a float dtype) says
-    otherwise."""
+    The embedding follows 8-bit schemes; below 8 bits it stays int8, since it is also the
+    output head of a tied model and the logits are where 4-bit rounding hurts most (llama.cpp
+    keeps that tensor at 6 bits for the same reason). `embedding` (a scheme or a float dtype)
+    overrides it."""
     if scheme is None:
         if group_size is not None or embedding is not None:
             raise InvalidArgument("--group-size and --embedding need --quantize")
         return None
     matrices = stored_format(scheme, group_size)
     if embedding is None:
-        embed = matrices
+        embed = matrices if matrices in EIGHT_BIT else "i8_row"
     elif embedding in FLOAT_DTYPES:
         embed = embedding
     else:
