@@ -112,9 +112,15 @@ def decode_bytes(cellm_path: Path, context: int) -> float:
 
 
 def bench_model(name: str, threads: int, runs: int) -> dict[str, Any]:
+    """A registry model, or a GGUF file by path (converted once, as `cellm.LLM` would)."""
     from cellm.fetch import fetch, fetch_gguf
+    from cellm.resolve import resolve_model
 
-    gguf, cellm_file = fetch_gguf(name), fetch(name)
+    if name.endswith(".gguf"):
+        gguf, cellm_file = Path(name), resolve_model(name)
+        name = gguf.stem
+    else:
+        gguf, cellm_file = fetch_gguf(name), fetch(name)
     samples: dict[str, list[dict[str, Any]]] = {e: [] for e in ENGINES}
     for _ in range(runs):  # alternate, so machine noise hits both engines alike
         samples["cellm"].append(_run_worker("cellm", cellm_file, threads))
@@ -155,7 +161,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(_worker(argv[1], argv[2], int(argv[3]))))
         return 0
     p = Parser(prog="python -m cellm.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
+    p.add_argument(
+        "--models",
+        default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct,gemma-3-270m",
+        help="registry names or GGUF paths (benches/random_gguf.py writes random-weight ones)",
+    )
     p.add_argument("--threads", type=bounded(int, 1), default=2)
     p.add_argument("--runs", type=bounded(int, 1), default=5)
     p.add_argument("--out", help="also write the table to this markdown file")
