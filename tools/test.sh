@@ -5,6 +5,6 @@ cd "$(dirname "$0")/.."
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
-ruff check python tests
-ruff format --check python tests
+ruff check python tests tools benches
+ruff format --check python tests tools benches
 python -m pytest -q
