@@ -83,7 +83,8 @@ def write_gguf(path: Path, shape: Shape, fmt: str) -> None:
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_uint32(f"{a}.rope.dimension_count", shape.hidden // shape.heads)
     writer.add_tokenizer_model("llama")
-    tokens = ["<unk>", "<s>", "</s>"] + [f"\u2581t{i}" for i in range(shape.vocab - 3)]
+    # ASCII only: llama.cpp logs a cut-off prefix of this list, which must stay valid UTF-8.
+    tokens = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(shape.vocab - 3)]
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0] * shape.vocab)
     writer.add_token_types([2, 3, 3] + [1] * (shape.vocab - 3))
@@ -103,12 +104,12 @@ def write_gguf(path: Path, shape: Shape, fmt: str) -> None:
     writer.close()
 
 
-def quantize_q4_k_m(src: Path, dst: Path) -> None:
-    """llama.cpp's own Q4_K_M recipe (llama_model_quantize), from the F16 file."""
+def quantize_with_llama_cpp(src: Path, dst: Path, recipe: str = "Q4_K_M") -> None:
+    """llama.cpp's own quantization recipe (llama_model_quantize), e.g. Q4_K_M, from F16."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{recipe}")
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize failed ({rc}) for {src}")
@@ -132,7 +133,7 @@ def main() -> None:
                 f16 = out / f"{name}-f16.gguf"
                 if not f16.exists():
                     write_gguf(f16, shape, "f16")
-                quantize_q4_k_m(f16, path)
+                quantize_with_llama_cpp(f16, path, "Q4_K_M")
             else:
                 write_gguf(path, shape, fmt)
             print(f"wrote {path} ({path.stat().st_size / 2**20:,.0f} MiB)", flush=True)

@@ -15,7 +15,7 @@ from cellm import LLM, InvalidArgument, _core
 from cellm.convert import convert, convert_hf, read_header
 from cellm.convert.quantize import plan_quantization, quantize_rows, stored_format
 from cellm.convert.writer import data_offset, write_cellm
-from conftest import FIXTURES, Reference
+from conftest import FIXTURES, ROOT, Reference
 from test_bad_input import assert_one_line_error, cli
 
 gguf = pytest.importorskip("gguf")
@@ -258,3 +258,44 @@ def test_dtype_applies_to_hf_checkpoints_only(tmp_path):
     gguf_file.write_bytes(b"GGUF" + b"\0" * 60)
     with pytest.raises(InvalidArgument, match="--dtype"):
         convert(gguf_file, tmp_path / "o.cellm", dtype="f16")
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_quantized(tmp_path_factory):
+    """A random-weight llama GGUF (rows of 256) at F16 and llama.cpp's own Q4_K_S of it."""
+    import importlib.util
+    import os
+    import sys
+
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        if os.environ.get("CELLM_REQUIRE_PEER") == "1":
+            raise
+        pytest.skip("llama-cpp-python is not installed (see .ci/run)")
+    spec = importlib.util.spec_from_file_location("random_gguf", ROOT / "benches/random_gguf.py")
+    random_gguf = importlib.util.module_from_spec(spec)
+    sys.modules["random_gguf"] = random_gguf  # dataclasses look their module up
+    spec.loader.exec_module(random_gguf)
+    out = tmp_path_factory.mktemp("q4k")
+    shape = random_gguf.Shape("llama", 512, 256, 512, 2, 4, 2, 10000.0)
+    random_gguf.write_gguf(out / "f16.gguf", shape, "f16")
+    random_gguf.quantize_with_llama_cpp(out / "f16.gguf", out / "q4_k_s.gguf", "Q4_K_S")
+    return out / "f16.gguf", out / "q4_k_s.gguf"
+
+
+def test_q4_k_matches_llama_cpp_quantizer(llama_cpp_quantized):
+    """ggml's quantize_row_q4_K_ref (its weighted least-squares search over 21 grids),
+    reproduced byte for byte: every q4_k tensor llama.cpp's Q4_K_S recipe writes."""
+    from cellm.convert.gguf import GGUFFile
+
+    f16, q4 = (GGUFFile(p) for p in llama_cpp_quantized)
+    checked = 0
+    for name, t in q4.tensors.items():
+        if t.format != "q4_k":
+            continue
+        x = np.frombuffer(f16.data(name), "<f2").astype(np.float32).reshape(t.shape)
+        theirs = np.frombuffer(q4.data(name), np.uint8).reshape(t.shape[0], -1)
+        np.testing.assert_array_equal(quantize_rows(x, "q4_k"), theirs, err_msg=name)
+        checked += 1
+    assert checked >= 10, checked

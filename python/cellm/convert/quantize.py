@@ -70,6 +70,84 @@ def q5_0(b: np.ndarray) -> np.ndarray:
     return np.concatenate([_f16_bytes(d), qh, _pack_nibbles(q)], axis=1)
 
 
+def _seq_sum(v: np.ndarray) -> np.ndarray:
+    """Row sums accumulated left to right in float32, as ggml's C loops do (numpy's own sum
+    is pairwise, which rounds differently)."""
+    return np.cumsum(v, axis=1, dtype=np.float32)[:, -1:]
+
+
+def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int) -> tuple:
+    """ggml's make_qkx2_quants (rmin -1, rdelta 0.1, 20 steps, squared error) for each row of
+    `x` (sub-blocks) with importance weights `w`: the weighted least-squares scale and min
+    over 21 candidate grids. Returns (scale, -min, levels)."""
+    f32 = np.float32
+    lo = np.minimum(x.min(axis=1, keepdims=True), f32(0))
+    hi = x.max(axis=1, keepdims=True)
+    flat = hi == lo
+    span = np.where(flat, f32(1), hi - lo)
+    sum_w, sum_x = _seq_sum(w), _seq_sum(w * x)
+    iscale = f32(nmax) / span
+    levels = np.clip(np.rint(iscale * (x - lo)), 0, nmax)
+    scale = f32(1) / iscale
+    diff = scale * levels + lo - x
+    best = _seq_sum(w * (diff * diff))
+    for step in range(21):
+        # ggml moves `min` to each better fit, and later grids are spanned from it.
+        span = np.where(flat, f32(1), hi - lo)
+        iscale = (f32(-1) + f32(0.1) * f32(step) + f32(nmax)) / span
+        aux = np.clip(np.rint(iscale * (x - lo)), 0, nmax).astype(np.float32)
+        sum_l, sum_l2 = _seq_sum(w * aux), _seq_sum(w * aux * aux)
+        sum_xl = _seq_sum(w * aux * x)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        with np.errstate(divide="ignore", invalid="ignore"):
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+            positive = this_min > 0
+            this_scale = np.where(positive, sum_xl / sum_l2, this_scale)
+        this_min = np.where(positive, f32(0), this_min)
+        diff = this_scale * aux + this_min - x
+        err = _seq_sum(w * (diff * diff))
+        better = (det > 0) & (err < best) & ~flat
+        levels = np.where(better, aux, levels)
+        best = np.where(better, err, best)
+        scale = np.where(better, this_scale, scale)
+        lo = np.where(better, this_min, lo)
+    scale = np.where(flat, f32(0), scale)
+    levels = np.where(flat, f32(0), levels)
+    return scale.astype(np.float32), (-lo).astype(np.float32), levels
+
+
+def q4_k(b: np.ndarray) -> np.ndarray:
+    """ggml's quantize_row_q4_K_ref on 256-value super-blocks: 8 sub-blocks of 32 with 6-bit
+    scales and mins relative to the super-block's f16 `d` and `dmin`."""
+    f32 = np.float32
+    n = len(b)
+    sub = b.reshape(n * 8, 32)
+    av = np.sqrt(_seq_sum(sub * sub) / f32(32))
+    scales, mins, levels = _make_qkx2_quants(sub, av + np.abs(sub), 15)
+    scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
+    max_scale, max_min = scales.max(axis=1, keepdims=True), mins.max(axis=1, keepdims=True)
+    inv_scale = np.where(max_scale > 0, f32(63) / np.where(max_scale > 0, max_scale, 1), 0)
+    inv_min = np.where(max_min > 0, f32(63) / np.where(max_min > 0, max_min, 1), 0)
+    ls = np.minimum(np.rint(inv_scale * scales), 63).astype(np.uint8)
+    lm = np.minimum(np.rint(inv_min * mins), 63).astype(np.uint8)
+    d = (max_scale / f32(63)).astype(np.float16)
+    dmin = (max_min / f32(63)).astype(np.float16)
+    # Levels again from the 6-bit scales actually stored (sub-blocks with d = 0 keep theirs).
+    sd = d.astype(f32) * ls
+    sm = dmin.astype(f32) * lm
+    with np.errstate(divide="ignore", invalid="ignore"):
+        again = np.clip(np.rint((b.reshape(n, 8, 32) + sm[..., None]) / sd[..., None]), 0, 15)
+    levels = np.where(sd[..., None] != 0, again, levels.reshape(n, 8, 32)).astype(np.uint8)
+    scale_bytes = np.zeros((n, 12), np.uint8)
+    scale_bytes[:, 0:4] = ls[:, 0:4] | ((ls[:, 4:8] >> 4) << 6)
+    scale_bytes[:, 4:8] = lm[:, 0:4] | ((lm[:, 4:8] >> 4) << 6)
+    scale_bytes[:, 8:12] = (ls[:, 4:8] & 0xF) | ((lm[:, 4:8] & 0xF) << 4)
+    q = levels.reshape(n, 4, 2, 32)  # chunks of 64: low nibbles then high nibbles
+    packed = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(n, 128)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scale_bytes, packed], axis=1)
+
+
 def i8_row(x: np.ndarray) -> np.ndarray:
     """Whole rows: an f32 scale `max|w| / 127`, then the int8 values, rounded to nearest."""
     s = np.abs(x).max(axis=1, keepdims=True) / np.float32(127)
@@ -103,6 +181,7 @@ _FORMATS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], Optional[int]]] = 
     "q4_0": (q4_0, BLOCK),
     "q4_1": (q4_1, BLOCK),
     "q5_0": (q5_0, BLOCK),
+    "q4_k": (q4_k, 256),
     "i8_row": (i8_row, None),
     "i4_g64": (lambda g: _int4_groups(g, 64, False), 64),
     "i4_g128": (lambda g: _int4_groups(g, 128, False), 128),
@@ -111,7 +190,7 @@ _FORMATS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], Optional[int]]] = 
 }
 
 # User-facing schemes: cellm's by kind, and the GGUF formats by name.
-SCHEMES = ("int8", "int4", "int4-affine", "q8_0", "q4_0", "q4_1", "q5_0")
+SCHEMES = ("int8", "int4", "int4-affine", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k")
 GROUP_SIZES = (32, 64, 128)
 
 
