@@ -88,7 +88,8 @@ def convert_hf(
     `dtype` (f32, f16, bf16) applies to tensors of two or more dimensions; 1-D tensors (norms,
     biases) are always stored as f32. `quantize` stores every matrix whose rows split into its
     units in that format instead: `int8` (per row), `int4` / `int4-affine` (groups of
-    `group_size` 32, 64 or 128; default 64), or a GGUF block format (q8_0, q4_0, q4_1, q5_0).
+    `group_size` 32, 64 or 128; default 64), or a GGUF block format (q8_0, q4_0, q4_1, q5_0,
+    q4_k).
     `embedding` (a scheme, or f16/f32/bf16) overrides it for the token embedding. `progress`:
     None shows a bar on a terminal for large models, True always shows it on stderr, False
     never.
