@@ -25,6 +25,7 @@ REQUANTIZED = [
     ("int4-affine g64", {"quantize": "int4-affine", "group_size": 64}),
     ("int4 g64", {"quantize": "int4", "group_size": 64}),
     ("int4 g128", {"quantize": "int4", "group_size": 128}),
+    ("q4_k", {"quantize": "q4_k"}),
     ("q4_1 (int4-affine g32)", {"quantize": "q4_1"}),
     ("q4_0 (int4 g32)", {"quantize": "q4_0"}),
 ]
