@@ -1,11 +1,44 @@
-//! What every family's forward shares: the residual loop over layers, token mixers that are
-//! either attention or a recurrent block, and the cache layout they imply.
+//! What every family shares: the model itself (embedding, a stack of decoder layers, the
+//! head), the residual loop over layers, token mixers that are either attention or a
+//! recurrent block, and the cache layout they imply. A family only defines its layer.
 
 use cellm_kernels::ops;
 use cellm_kv::{PagePool, SeqState};
 
-use crate::blocks::{gather_rows, Attention};
-use crate::{CacheLayout, ModelConfig, Step};
+use crate::blocks::{gather_rows, Attention, Embedding, LmHead};
+use crate::{CacheLayout, CausalLm, ModelConfig, Step};
+
+/// A decoder-only language model: embed, run the layers, project to logits.
+pub struct Decoder<L> {
+    pub cfg: ModelConfig,
+    pub embed: Embedding,
+    pub layers: Vec<L>,
+    pub head: LmHead,
+    pub cache: CacheLayout,
+}
+
+impl<L: DecoderLayer + Send + Sync> CausalLm for Decoder<L> {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn cache_layout(&self) -> CacheLayout {
+        self.cache.clone()
+    }
+
+    fn forward(&self, step: &Step, kv: &mut PagePool, states: &mut [&mut SeqState]) -> Vec<f32> {
+        let c = &self.cfg;
+        let positions = step.positions();
+        let x = self
+            .embed
+            .lookup(step.tokens, c.embedding_multiplier)
+            .expect("ids checked by the engine");
+        let mut ctx = StepCtx { step, positions: &positions, kv, states };
+        let (mut x, rows) =
+            run_layers(&self.layers, x, c.hidden_size, c.residual_multiplier, &mut ctx);
+        self.head.forward(&mut x, rows)
+    }
+}
 
 /// What a layer may read and write during one step.
 pub struct StepCtx<'a, 'b> {

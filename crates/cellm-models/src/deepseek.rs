@@ -10,13 +10,13 @@
 
 use cellm_format::{CellmFile, Result, Tensor};
 use cellm_kernels::{matmul_raw, WeightRows};
-use cellm_kv::{AttentionShape, PagePool, SeqState};
+use cellm_kv::AttentionShape;
 use serde::Deserialize;
 
 use crate::blocks::{Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope, Weights};
-use crate::decoder::{run_layers, DecoderLayer, StepCtx};
+use crate::decoder::{Decoder, DecoderLayer, StepCtx};
 use crate::moe::{Moe, MoeConfig};
-use crate::{CacheLayout, CausalLm, ModelConfig, Step};
+use crate::{CacheLayout, CausalLm, ModelConfig};
 
 /// The description's `mla` section.
 #[derive(Debug, Clone, Deserialize)]
@@ -65,14 +65,6 @@ struct Layer {
     mlp: Mlp,
 }
 
-pub struct DeepSeek {
-    cfg: ModelConfig,
-    mla: MlaConfig,
-    embed: Embedding,
-    layers: Vec<Layer>,
-    head: LmHead,
-}
-
 pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
     let w = Weights { file };
     let mla: MlaConfig = cfg.section("mla")?;
@@ -102,12 +94,20 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
         });
     }
     let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
-    Ok(Box::new(DeepSeek {
+    let cache = CacheLayout {
+        kv_layers: cfg.num_layers,
+        kv_heads: 1,
+        head_dim: mla.kv_lora_rank + mla.rope_dim,
+        windows: Vec::new(),
+        state: Vec::new(),
+        values_in_keys: true,
+    };
+    Ok(Box::new(Decoder {
         head: LmHead::load(&w, "model.norm.weight", &cfg, &embed)?,
         embed,
         layers,
-        mla,
         cfg,
+        cache,
     }))
 }
 
@@ -238,31 +238,6 @@ fn head_rows(t: &Tensor, head: usize, n: usize) -> WeightRows<'_> {
         bytes: &t.bytes()[head * n * row_bytes..(head + 1) * n * row_bytes],
         rows: n,
         cols,
-    }
-}
-
-impl CausalLm for DeepSeek {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn cache_layout(&self) -> CacheLayout {
-        CacheLayout {
-            kv_layers: self.cfg.num_layers,
-            kv_heads: 1,
-            head_dim: self.mla.kv_lora_rank + self.mla.rope_dim,
-            windows: Vec::new(),
-            state: Vec::new(),
-            values_in_keys: true,
-        }
-    }
-
-    fn forward(&self, step: &Step, kv: &mut PagePool, states: &mut [&mut SeqState]) -> Vec<f32> {
-        let positions = step.positions();
-        let x = self.embed.lookup(step.tokens, 1.0).expect("ids checked by the engine");
-        let mut ctx = StepCtx { step, positions: &positions, kv, states };
-        let (mut x, rows) = run_layers(&self.layers, x, self.cfg.hidden_size, 1.0, &mut ctx);
-        self.head.forward(&mut x, rows)
     }
 }
 

@@ -4,11 +4,10 @@
 //! its RMSNorm is folded into the weights at conversion.
 
 use cellm_format::{CellmFile, Result};
-use cellm_kv::{PagePool, SeqState};
 
 use crate::blocks::{Attention, Embedding, GatedMlp, LmHead, RmsNorm, Rope, Weights};
-use crate::decoder::{attention_cache_layout, run_layers, DecoderLayer, StepCtx};
-use crate::{CacheLayout, CausalLm, LayerType, ModelConfig, Step};
+use crate::decoder::{attention_cache_layout, Decoder, DecoderLayer, StepCtx};
+use crate::{CausalLm, LayerType, ModelConfig};
 
 struct Layer {
     index: usize,
@@ -18,13 +17,6 @@ struct Layer {
     pre_mlp_norm: RmsNorm,
     mlp: GatedMlp,
     post_mlp_norm: RmsNorm,
-}
-
-pub struct Gemma {
-    cfg: ModelConfig,
-    embed: Embedding,
-    layers: Vec<Layer>,
-    head: LmHead,
 }
 
 pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
@@ -64,11 +56,13 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
         })
         .collect::<Result<Vec<_>>>()?;
     let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
-    Ok(Box::new(Gemma {
+    let cache = attention_cache_layout(&cfg);
+    Ok(Box::new(Decoder {
         head: LmHead::load(&w, "model.norm.weight", &cfg, &embed)?,
         embed,
         layers,
         cfg,
+        cache,
     }))
 }
 
@@ -84,27 +78,5 @@ impl DecoderLayer for Layer {
         let mut out = self.mlp.forward(&self.pre_mlp_norm.applied(x), rows);
         self.post_mlp_norm.apply(&mut out);
         out
-    }
-}
-
-impl CausalLm for Gemma {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn cache_layout(&self) -> CacheLayout {
-        attention_cache_layout(&self.cfg)
-    }
-
-    fn forward(&self, step: &Step, kv: &mut PagePool, states: &mut [&mut SeqState]) -> Vec<f32> {
-        let c = &self.cfg;
-        let positions = step.positions();
-        let x = self
-            .embed
-            .lookup(step.tokens, c.embedding_multiplier)
-            .expect("ids checked by the engine");
-        let mut ctx = StepCtx { step, positions: &positions, kv, states };
-        let (mut x, rows) = run_layers(&self.layers, x, c.hidden_size, 1.0, &mut ctx);
-        self.head.forward(&mut x, rows)
     }
 }

@@ -4,16 +4,14 @@
 //! `embedding_norm`. Conv layers keep their last inputs in the session's state.
 
 use cellm_format::{CellmFile, Result};
-use cellm_kv::{PagePool, SeqState};
+use cellm_kv::SeqState;
 use serde::Deserialize;
 
 use crate::blocks::{
     Attention, CausalConv, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope, Weights,
 };
-use crate::decoder::{
-    hybrid_cache_layout, run_layers, DecoderLayer, Mixer, RecurrentBlock, StepCtx,
-};
-use crate::{CacheLayout, CausalLm, LayerType, ModelConfig, Step};
+use crate::decoder::{hybrid_cache_layout, Decoder, DecoderLayer, Mixer, RecurrentBlock, StepCtx};
+use crate::{CausalLm, LayerType, ModelConfig, Step};
 
 /// The description's `conv` section.
 #[derive(Deserialize)]
@@ -37,13 +35,6 @@ struct Layer {
     mixer: Mixer<ShortConv>,
     ffn_norm: RmsNorm,
     mlp: GatedMlp,
-}
-
-pub struct Lfm2 {
-    cfg: ModelConfig,
-    embed: Embedding,
-    layers: Vec<Layer>,
-    head: LmHead,
 }
 
 const ATTENTION_NAMES: [&str; 6] =
@@ -99,11 +90,13 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
         });
     }
     let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
-    Ok(Box::new(Lfm2 {
+    let cache = hybrid_cache_layout(&cfg, layers.iter().map(|l: &Layer| &l.mixer));
+    Ok(Box::new(Decoder {
         head: LmHead::load(&w, "model.embedding_norm.weight", &cfg, &embed)?,
         embed,
         layers,
         cfg,
+        cache,
     }))
 }
 
@@ -144,23 +137,5 @@ impl DecoderLayer for Layer {
 
     fn feed_forward(&self, x: &[f32], rows: usize) -> Vec<f32> {
         self.mlp.forward(&self.ffn_norm.applied(x), rows)
-    }
-}
-
-impl CausalLm for Lfm2 {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn cache_layout(&self) -> CacheLayout {
-        hybrid_cache_layout(&self.cfg, self.layers.iter().map(|l| &l.mixer))
-    }
-
-    fn forward(&self, step: &Step, kv: &mut PagePool, states: &mut [&mut SeqState]) -> Vec<f32> {
-        let positions = step.positions();
-        let x = self.embed.lookup(step.tokens, 1.0).expect("ids checked by the engine");
-        let mut ctx = StepCtx { step, positions: &positions, kv, states };
-        let (mut x, rows) = run_layers(&self.layers, x, self.cfg.hidden_size, 1.0, &mut ctx);
-        self.head.forward(&mut x, rows)
     }
 }

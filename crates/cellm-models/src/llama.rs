@@ -3,11 +3,10 @@
 //! smollm3 (layers without RoPE). Their differences are config data, not code paths.
 
 use cellm_format::{CellmFile, Result};
-use cellm_kv::{PagePool, SeqState};
 
 use crate::blocks::{Attention, Embedding, GatedMlp, LmHead, RmsNorm, Rope, Weights};
-use crate::decoder::{attention_cache_layout, run_layers, DecoderLayer, StepCtx};
-use crate::{CacheLayout, CausalLm, ModelConfig, Step};
+use crate::decoder::{attention_cache_layout, Decoder, DecoderLayer, StepCtx};
+use crate::{CausalLm, ModelConfig};
 
 struct Layer {
     index: usize,
@@ -15,13 +14,6 @@ struct Layer {
     attn: Attention,
     post_attn_norm: RmsNorm,
     mlp: GatedMlp,
-}
-
-pub struct Llama {
-    cfg: ModelConfig,
-    embed: Embedding,
-    layers: Vec<Layer>,
-    head: LmHead,
 }
 
 pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
@@ -55,11 +47,13 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
         })
         .collect::<Result<Vec<_>>>()?;
     let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
-    Ok(Box::new(Llama {
+    let cache = attention_cache_layout(&cfg);
+    Ok(Box::new(Decoder {
         head: LmHead::load(&w, "model.norm.weight", &cfg, &embed)?,
         embed,
         layers,
         cfg,
+        cache,
     }))
 }
 
@@ -71,28 +65,5 @@ impl DecoderLayer for Layer {
 
     fn feed_forward(&self, x: &[f32], rows: usize) -> Vec<f32> {
         self.mlp.forward(&self.post_attn_norm.applied(x), rows)
-    }
-}
-
-impl CausalLm for Llama {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn cache_layout(&self) -> CacheLayout {
-        attention_cache_layout(&self.cfg)
-    }
-
-    fn forward(&self, step: &Step, kv: &mut PagePool, states: &mut [&mut SeqState]) -> Vec<f32> {
-        let c = &self.cfg;
-        let positions = step.positions();
-        let x = self
-            .embed
-            .lookup(step.tokens, c.embedding_multiplier)
-            .expect("ids checked by the engine");
-        let mut ctx = StepCtx { step, positions: &positions, kv, states };
-        let (mut x, rows) =
-            run_layers(&self.layers, x, c.hidden_size, c.residual_multiplier, &mut ctx);
-        self.head.forward(&mut x, rows)
     }
 }
