@@ -5,7 +5,9 @@
 use cellm_kernels::ops;
 use cellm_kv::{PagePool, SeqState};
 
-use crate::blocks::{gather_rows, Attention, Embedding, LmHead};
+use cellm_format::Result;
+
+use crate::blocks::{gather_rows, Attention, Embedding, LmHead, Weights};
 use crate::{CacheLayout, CausalLm, ModelConfig, Step};
 
 /// A decoder-only language model: embed, run the layers, project to logits.
@@ -15,6 +17,23 @@ pub struct Decoder<L> {
     pub layers: Vec<L>,
     pub head: LmHead,
     pub cache: CacheLayout,
+}
+
+impl<L: DecoderLayer + Send + Sync + 'static> Decoder<L> {
+    /// The model around `layers`: the token embedding, and the head behind the final norm
+    /// `final_norm` (tied to the embedding when the config says so).
+    pub fn assemble(
+        w: &Weights,
+        cfg: ModelConfig,
+        layers: Vec<L>,
+        final_norm: &str,
+        cache: CacheLayout,
+    ) -> Result<Box<dyn CausalLm>> {
+        let shape = [cfg.vocab_size, cfg.hidden_size];
+        let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &shape)? };
+        let head = LmHead::load(w, final_norm, &cfg, &embed)?;
+        Ok(Box::new(Self { cfg, embed, layers, head, cache }))
+    }
 }
 
 impl<L: DecoderLayer + Send + Sync> CausalLm for Decoder<L> {

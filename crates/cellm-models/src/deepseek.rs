@@ -13,7 +13,7 @@ use cellm_kernels::{matmul_raw, WeightRows};
 use cellm_kv::AttentionShape;
 use serde::Deserialize;
 
-use crate::blocks::{Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope, Weights};
+use crate::blocks::{GatedMlp, Linear, RmsNorm, Rope, Weights};
 use crate::decoder::{Decoder, DecoderLayer, StepCtx};
 use crate::moe::{Moe, MoeConfig};
 use crate::{CacheLayout, CausalLm, ModelConfig};
@@ -93,7 +93,6 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
             mlp,
         });
     }
-    let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
     let cache = CacheLayout {
         kv_layers: cfg.num_layers,
         kv_heads: 1,
@@ -102,13 +101,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
         state: Vec::new(),
         values_in_keys: true,
     };
-    Ok(Box::new(Decoder {
-        head: LmHead::load(&w, "model.norm.weight", &cfg, &embed)?,
-        embed,
-        layers,
-        cfg,
-        cache,
-    }))
+    Decoder::assemble(&w, cfg, layers, "model.norm.weight", cache)
 }
 
 impl Mla {

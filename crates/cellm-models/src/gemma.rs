@@ -5,7 +5,7 @@
 
 use cellm_format::{CellmFile, Result};
 
-use crate::blocks::{Attention, Embedding, GatedMlp, LmHead, RmsNorm, Rope, Weights};
+use crate::blocks::{Attention, GatedMlp, RmsNorm, Rope, Weights};
 use crate::decoder::{attention_cache_layout, Decoder, DecoderLayer, StepCtx};
 use crate::{CausalLm, LayerType, ModelConfig};
 
@@ -55,15 +55,8 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
     let cache = attention_cache_layout(&cfg);
-    Ok(Box::new(Decoder {
-        head: LmHead::load(&w, "model.norm.weight", &cfg, &embed)?,
-        embed,
-        layers,
-        cfg,
-        cache,
-    }))
+    Decoder::assemble(&w, cfg, layers, "model.norm.weight", cache)
 }
 
 impl DecoderLayer for Layer {

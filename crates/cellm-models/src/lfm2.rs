@@ -7,9 +7,7 @@ use cellm_format::{CellmFile, Result};
 use cellm_kv::SeqState;
 use serde::Deserialize;
 
-use crate::blocks::{
-    Attention, CausalConv, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope, Weights,
-};
+use crate::blocks::{Attention, CausalConv, GatedMlp, Linear, RmsNorm, Rope, Weights};
 use crate::decoder::{hybrid_cache_layout, Decoder, DecoderLayer, Mixer, RecurrentBlock, StepCtx};
 use crate::{CausalLm, LayerType, ModelConfig, Step};
 
@@ -89,15 +87,8 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
             )?,
         });
     }
-    let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
     let cache = hybrid_cache_layout(&cfg, layers.iter().map(|l: &Layer| &l.mixer));
-    Ok(Box::new(Decoder {
-        head: LmHead::load(&w, "model.embedding_norm.weight", &cfg, &embed)?,
-        embed,
-        layers,
-        cfg,
-        cache,
-    }))
+    Decoder::assemble(&w, cfg, layers, "model.embedding_norm.weight", cache)
 }
 
 impl RecurrentBlock for ShortConv {

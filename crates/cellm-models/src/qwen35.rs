@@ -9,9 +9,7 @@ use cellm_kernels::ops;
 use cellm_kv::SeqState;
 use serde::Deserialize;
 
-use crate::blocks::{
-    Attention, CausalConv, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope, Weights,
-};
+use crate::blocks::{Attention, CausalConv, GatedMlp, Linear, RmsNorm, Rope, Weights};
 use crate::decoder::{hybrid_cache_layout, Decoder, DecoderLayer, Mixer, RecurrentBlock, StepCtx};
 use crate::delta_rule::{self, HeadInputs};
 use crate::{CausalLm, LayerType, ModelConfig, Step};
@@ -87,15 +85,8 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
             )?,
         });
     }
-    let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])? };
     let cache = hybrid_cache_layout(&cfg, layers.iter().map(|l: &Layer| &l.mixer));
-    Ok(Box::new(Decoder {
-        head: LmHead::load(&w, "model.norm.weight", &cfg, &embed)?,
-        embed,
-        layers,
-        cfg,
-        cache,
-    }))
+    Decoder::assemble(&w, cfg, layers, "model.norm.weight", cache)
 }
 
 impl DeltaNet {
