@@ -157,38 +157,27 @@ def test_bad_scheme_options():
         stored_format("int3")
 
 
-def test_q8_0_model_against_hf_reference(tmp_path):
-    """q8_0 keeps each weight within half a step of 1/127 of its block's max; on this 4-layer
-    model the logits move by at most ~0.2 (p99 ~0.08). Argmax judged where the reference's top
-    two logits are further apart than that."""
+def assert_close_where_clear(got: np.ndarray, want: np.ndarray) -> None:
+    """Logits within 0.25, and the same argmax wherever the top two are further apart."""
+    assert float(np.abs(got - want).max()) < 0.25
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.25
+    assert clear.sum() >= 100, clear.sum()
+    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
+
+
+@pytest.mark.parametrize("scheme,stored", [("q8_0", "q8_0"), ("int8", "i8_row")])
+def test_8_bit_models_against_hf_reference(scheme, stored, tmp_path):
+    """8-bit weights keep each value within half a step of 1/127 of its block's (q8_0) or
+    row's (int8) max; on this 4-layer model the logits move by at most ~0.2 (p99 ~0.08)."""
     ref = Reference("qwen3")
-    path = convert_hf(FIXTURES / "qwen3", tmp_path / "q.cellm", "f32", quantize="q8_0")
+    path = convert_hf(FIXTURES / "qwen3", tmp_path / "q.cellm", "f32", quantize=scheme)
     formats = {t["name"]: t["format"] for t in read_header(path)["tensors"]}
-    assert formats["model.layers.0.mlp.down_proj.weight"] == "q8_0"
-    assert formats["model.embed_tokens.weight"] == "q8_0"
+    assert formats["model.layers.0.mlp.down_proj.weight"] == stored
+    assert formats["model.embed_tokens.weight"] == stored
     assert formats["model.norm.weight"] == "f32"
     got = LLM(path, kv_encoding="f32").logits(ref.sequence(1))
-    want = ref.logits[1]
-    assert float(np.abs(got - want).max()) < 0.25
-    top2 = np.sort(want, axis=-1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) > 0.25
-    assert clear.sum() >= 100, clear.sum()
-    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
-
-
-def test_int8_model_against_hf_reference(tmp_path):
-    """int8 per row, like q8_0 above: logits within 0.25 of HF's, argmax kept where clear."""
-    ref = Reference("qwen3")
-    path = convert_hf(FIXTURES / "qwen3", tmp_path / "q.cellm", "f32", quantize="int8")
-    formats = {t["name"]: t["format"] for t in read_header(path)["tensors"]}
-    assert formats["model.layers.0.mlp.down_proj.weight"] == "i8_row"
-    got = LLM(path, kv_encoding="f32").logits(ref.sequence(1))
-    want = ref.logits[1]
-    assert float(np.abs(got - want).max()) < 0.25
-    top2 = np.sort(want, axis=-1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) > 0.25
-    assert clear.sum() >= 100, clear.sum()
-    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
+    assert_close_where_clear(got, ref.logits[1])
 
 
 @pytest.mark.parametrize(
@@ -220,12 +209,7 @@ def test_4_and_5_bit_models_run_their_blocks(scheme, group, tmp_path):
     reference = write_cellm(tmp_path / "f32.cellm", header, tensors, blobs)
     ids = ref.sequence(1)
     got = LLM(path, kv_encoding="f32").logits(ids)
-    want = LLM(reference, kv_encoding="f32").logits(ids)
-    assert float(np.abs(got - want).max()) < 0.25
-    top2 = np.sort(want, axis=-1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) > 0.25
-    assert clear.sum() >= 100, clear.sum()
-    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
+    assert_close_where_clear(got, LLM(reference, kv_encoding="f32").logits(ids))
 
 
 def test_cli_quantizes_and_rejects_unknown_formats(tmp_path):
