@@ -177,8 +177,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     table = _table(results, bandwidth, args.threads, args.runs)
     print(table)
     if args.out:
-        Path(args.out).write_text(table + "\n")
+        write_between_markers(Path(args.out), table)
     return 0
+
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def write_between_markers(path: Path, table: str) -> None:
+    """Put `table` between the BEGIN/END markers of `path`, keeping the prose around them (a
+    file without markers is replaced whole)."""
+    block = f"{BEGIN}\n{table}\n{END}"
+    text = path.read_text() if path.exists() else ""
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = block + "\n"
+    path.write_text(text)
 
 
 if __name__ == "__main__":
