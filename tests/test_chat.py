@@ -215,3 +215,13 @@ def test_resolve_template() -> None:
     assert set(CHAT_FORMATS) == {"auto", "chatml", "llama3", "gemma", "plain"}
     with pytest.raises(InvalidArgument, match="unknown chat format 'vicuna'"):
         resolve_template("vicuna", None)
+
+
+def test_templateless_models_chat_in_their_familys_format():
+    """A GGUF without tokenizer.chat_template (gemma-3-270m's) gets its family's builtin
+    format under --chat-format auto; other families get chatml."""
+    from cellm.chat import BUILTIN_TEMPLATES, resolve_template
+
+    assert resolve_template("auto", None, "gemma3") == BUILTIN_TEMPLATES["gemma"]
+    assert resolve_template("auto", None, "llama") == BUILTIN_TEMPLATES["chatml"]
+    assert resolve_template("auto", "{{ 'own' }}", "gemma3") == "{{ 'own' }}"
