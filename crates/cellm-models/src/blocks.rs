@@ -170,6 +170,12 @@ impl GatedMlp {
         Self::load_named(w, prefix, MLP_NAMES, hidden, inter, bias, act)
     }
 
+    /// The HF layout at the config's width, bias and activation.
+    pub fn from_config(w: &Weights, prefix: &str, cfg: &ModelConfig) -> Result<Self> {
+        let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
+        Self::load(w, prefix, h, inter, cfg.mlp_bias, cfg.hidden_act)
+    }
+
     /// A gated MLP whose gate, up and down projections have other names.
     pub fn load_named(
         w: &Weights,

@@ -43,14 +43,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
                 )?,
                 post_attn_norm: norm("post_attention_layernorm")?,
                 pre_mlp_norm: norm("pre_feedforward_layernorm")?,
-                mlp: GatedMlp::load(
-                    &w,
-                    &format!("{p}.mlp"),
-                    h,
-                    cfg.intermediate_size,
-                    cfg.mlp_bias,
-                    cfg.hidden_act,
-                )?,
+                mlp: GatedMlp::from_config(&w, &format!("{p}.mlp"), &cfg)?,
                 post_mlp_norm: norm("post_feedforward_layernorm")?,
             })
         })

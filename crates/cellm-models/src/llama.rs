@@ -35,14 +35,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
                     cfg.layer_uses_rope(i).then(|| rope.clone()),
                 )?,
                 post_attn_norm: w.norm(&format!("{p}.post_attention_layernorm.weight"), h, eps)?,
-                mlp: GatedMlp::load(
-                    &w,
-                    &format!("{p}.mlp"),
-                    h,
-                    cfg.intermediate_size,
-                    cfg.mlp_bias,
-                    cfg.hidden_act,
-                )?,
+                mlp: GatedMlp::from_config(&w, &format!("{p}.mlp"), &cfg)?,
             })
         })
         .collect::<Result<Vec<_>>>()?;

@@ -75,14 +75,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
             input_norm: w.norm(&format!("{p}.input_layernorm.weight"), h, eps)?,
             mixer,
             post_attn_norm: w.norm(&format!("{p}.post_attention_layernorm.weight"), h, eps)?,
-            mlp: GatedMlp::load(
-                &w,
-                &format!("{p}.mlp"),
-                h,
-                cfg.intermediate_size,
-                false,
-                cfg.hidden_act,
-            )?,
+            mlp: GatedMlp::from_config(&w, &format!("{p}.mlp"), &cfg)?,
         });
     }
     let cache = hybrid_cache_layout(&cfg, layers.iter().map(|l: &Layer| &l.mixer));
