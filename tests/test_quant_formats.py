@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cellm import InvalidArgument, _core
+from cellm.convert.interleave import deinterleave_rows, interleave_rows
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -57,3 +58,47 @@ def test_dequantize_rejects_bad_sizes():
         _core.dequantize("q4_k", b"\0" * 10, 1, 256)
     with pytest.raises(InvalidArgument):
         _core.dequantize("q8_0", b"\0" * 34, 1, 31)
+
+
+# -- interleaved layouts ---------------------------------------------------------------------
+
+X8 = {"q8_0": "q8_0x8", "q4_0": "q4_0x8", "q4_1": "q4_1x8", "q5_0": "q5_0x8"}
+
+
+@pytest.mark.parametrize("fmt", X8)
+def test_interleaving_is_a_permutation_of_the_blocks(fmt):
+    qtype, offsets = FORMATS[fmt]
+    data = random_blocks(qtype, offsets, 24, 96, np.random.default_rng(3))
+    x8 = interleave_rows(data, fmt)
+    assert x8.shape == data.shape and not np.array_equal(x8, data)
+    np.testing.assert_array_equal(np.sort(x8, axis=None), np.sort(data, axis=None))
+    np.testing.assert_array_equal(deinterleave_rows(x8, X8[fmt]), data)
+
+
+@pytest.mark.parametrize("fmt", X8)
+@pytest.mark.parametrize("isa", _core.available_isas())
+def test_interleaved_layout_decodes_and_multiplies_as_gguf(fmt, isa):
+    """The engine reads an x8 tensor as llama.cpp's reference decodes its source blocks, and
+    its group kernels multiply it as numpy does the decoded matrix (int8 activations: within
+    1% of the products' magnitude)."""
+    qtype, offsets = FORMATS[fmt]
+    rng = np.random.default_rng(sum(map(ord, fmt)) + 1)
+    rows, cols = 40, 256
+    data = random_blocks(qtype, offsets, rows, cols, rng)
+    x8 = interleave_rows(data, fmt).tobytes()
+    w = dequantize(data, qtype).astype(np.float32)
+    x = rng.standard_normal((6, cols)).astype(np.float32)
+    before = _core.selected_isa()
+    try:
+        _core.set_isa(isa)
+        decoded = _core.dequantize(X8[fmt], x8, rows, cols)
+        got = _core.matmul(X8[fmt], x8, rows, cols, x)
+    finally:
+        _core.set_isa(before)
+    np.testing.assert_allclose(decoded, w, rtol=1e-6, atol=1e-6)
+    assert (np.abs(got - x @ w.T) <= 0.01 * (np.abs(x) @ np.abs(w).T)).all()
+
+
+def test_interleaved_layout_needs_whole_groups():
+    with pytest.raises(InvalidArgument):
+        _core.dequantize("q4_0x8", b"\0" * 18 * 4, 4, 32)

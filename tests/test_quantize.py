@@ -13,6 +13,7 @@ import pytest
 
 from cellm import LLM, InvalidArgument, _core
 from cellm.convert import convert, convert_hf, read_header
+from cellm.convert.interleave import SOURCE, deinterleave_rows
 from cellm.convert.quantize import plan_quantization, quantize_rows, stored_format
 from cellm.convert.writer import data_offset, write_cellm
 from conftest import FIXTURES, ROOT, Reference
@@ -166,7 +167,7 @@ def assert_close_where_clear(got: np.ndarray, want: np.ndarray) -> None:
     assert (got.argmax(-1) == want.argmax(-1))[clear].all()
 
 
-@pytest.mark.parametrize("scheme,stored", [("q8_0", "q8_0"), ("int8", "i8_row")])
+@pytest.mark.parametrize("scheme,stored", [("q8_0", "q8_0x8"), ("int8", "i8_row")])
 def test_8_bit_models_against_hf_reference(scheme, stored, tmp_path):
     """8-bit weights keep each value within half a step of 1/127 of its block's (q8_0) or
     row's (int8) max; on this 4-layer model the logits move by at most ~0.2 (p99 ~0.08)."""
@@ -200,9 +201,11 @@ def test_4_and_5_bit_models_run_their_blocks(scheme, group, tmp_path):
         rows, cols = t["shape"][0], t["shape"][-1]
         if t["format"] == "f32":
             tensors.append((t["name"], data.view(np.float32).reshape(t["shape"]), "f32"))
-        elif t["format"] in GGML:
-            blocks = data.reshape(rows, -1)
-            tensors.append((t["name"], gguf_dequantize(blocks, GGML[t["format"]]), "f32"))
+        elif t["format"] in GGML or t["format"] in SOURCE:
+            blocks, fmt = data.reshape(rows, -1), t["format"]
+            if fmt in SOURCE:  # interleaved: back to the GGUF blocks first
+                blocks, fmt = deinterleave_rows(blocks, fmt), SOURCE[fmt][0]
+            tensors.append((t["name"], gguf_dequantize(blocks, GGML[fmt]), "f32"))
         else:
             tensors.append((t["name"], decode_reference(t["format"], data, rows, cols), "f32"))
     blobs = [(b["name"], raw[offset + b["offset"] :][: b["nbytes"]]) for b in header["blobs"]]

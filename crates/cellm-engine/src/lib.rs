@@ -10,7 +10,7 @@ use cellm_models::{CausalLm, Step};
 
 pub use cellm_format;
 pub use cellm_kernels::pool::{stream_read, ThreadPool};
-pub use cellm_kernels::{dot, isa, matmul_raw, WeightRows};
+pub use cellm_kernels::{decode_row_raw, dot, isa, matmul_raw, WeightRows};
 pub use cellm_kv::KvEncoding;
 
 /// Tokens per KV page.

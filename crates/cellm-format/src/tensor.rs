@@ -31,7 +31,17 @@ pub enum TensorFormat {
     /// then the values as above (`w = d * q + m`). Groups of 32 are `q4_1`.
     I4AG64,
     I4AG128,
+    /// Row-interleaved q8_0 / q4_0 / q4_1 / q5_0: the same blocks, regrouped so that a kernel reads
+    /// 8 rows at once (`docs/format.md`, "Interleaved formats"). The converter writes them;
+    /// the row count must be a multiple of [`INTERLEAVE`].
+    Q8_0X8,
+    Q4_0X8,
+    Q4_1X8,
+    Q5_0X8,
 }
+
+/// Rows per group of an interleaved format.
+pub const INTERLEAVE: usize = 8;
 
 /// One format: file name, elements per block, bytes per block, bytes of a per-row header.
 struct FormatInfo(TensorFormat, &'static str, usize, usize, usize);
@@ -52,6 +62,19 @@ const FORMATS: &[FormatInfo] = &[
     FormatInfo(TensorFormat::I4G128, "i4_g128", 128, 66, 0),
     FormatInfo(TensorFormat::I4AG64, "i4a_g64", 64, 36, 0),
     FormatInfo(TensorFormat::I4AG128, "i4a_g128", 128, 68, 0),
+    FormatInfo(TensorFormat::Q8_0X8, "q8_0x8", 32, 34, 0),
+    FormatInfo(TensorFormat::Q4_0X8, "q4_0x8", 32, 18, 0),
+    FormatInfo(TensorFormat::Q4_1X8, "q4_1x8", 32, 20, 0),
+    FormatInfo(TensorFormat::Q5_0X8, "q5_0x8", 32, 22, 0),
+];
+
+/// Interleaved formats: (format, the format of its blocks, bytes of f16 fields that open each
+/// block before its quants).
+const INTERLEAVED: &[(TensorFormat, TensorFormat, usize)] = &[
+    (TensorFormat::Q8_0X8, TensorFormat::Q8_0, 2),
+    (TensorFormat::Q4_0X8, TensorFormat::Q4_0, 2),
+    (TensorFormat::Q4_1X8, TensorFormat::Q4_1, 4),
+    (TensorFormat::Q5_0X8, TensorFormat::Q5_0, 2),
 ];
 
 impl TensorFormat {
@@ -70,6 +93,21 @@ impl TensorFormat {
         Self::I4AG64,
         Self::I4AG128,
     ];
+
+    /// The interleaved formats, in one order other tables can index by.
+    pub const INTERLEAVED: [TensorFormat; 4] =
+        [Self::Q8_0X8, Self::Q4_0X8, Self::Q4_1X8, Self::Q5_0X8];
+
+    /// For an interleaved format, the format of its blocks and the bytes of f16 fields at the
+    /// front of each block (1 or 2 fields); None for the others.
+    pub fn interleaved(self) -> Option<(TensorFormat, usize)> {
+        INTERLEAVED.iter().find(|e| e.0 == self).map(|e| (e.1, e.2))
+    }
+
+    /// The interleaved variant of a block format, if it has one.
+    pub fn interleaved_variant(self) -> Option<TensorFormat> {
+        INTERLEAVED.iter().find(|e| e.1 == self).map(|e| e.0)
+    }
 
     fn entry(self) -> &'static FormatInfo {
         FORMATS.iter().find(|e| e.0 == self).expect("every format is in the table")
@@ -103,13 +141,16 @@ impl TensorFormat {
     }
 
     /// Bytes of a tensor of this shape, or None when its rows do not split into whole blocks
-    /// (blocks never cross rows) or the size overflows.
+    /// (blocks never cross rows), an interleaved format's rows into whole groups, or the size
+    /// overflows.
     pub fn nbytes(self, shape: &[usize]) -> Option<usize> {
         let cols = shape.last().copied().unwrap_or(1);
         let rows = shape[..shape.len().saturating_sub(1)]
             .iter()
             .try_fold(1usize, |a, &d| a.checked_mul(d))?;
-        if !cols.is_multiple_of(self.block_len()) {
+        if !cols.is_multiple_of(self.block_len())
+            || (self.interleaved().is_some() && !rows.is_multiple_of(INTERLEAVE))
+        {
             return None;
         }
         let row = (cols / self.block_len()).checked_mul(self.block_bytes())? + self.row_header();

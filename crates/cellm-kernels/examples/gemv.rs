@@ -7,11 +7,19 @@ use cellm_format::TensorFormat;
 use cellm_kernels::{isa, matmul_raw, Isa, WeightRows};
 
 fn main() {
-    let (rows, cols) = (8192usize, 2048usize);
-    let x: Vec<f32> = (0..cols).map(|i| ((i * 7919) % 251) as f32 / 125.0 - 1.0).collect();
-    let mut out = vec![0.0f32; rows];
+    // `gemv [ROWS COLS [TOKENS]]`: the default matrix is larger than any cache; small ones
+    // time the kernel alone, and TOKENS > 1 times the prefill path.
+    let args: Vec<usize> =
+        std::env::args().skip(1).map(|a| a.parse().expect("ROWS COLS [TOKENS]")).collect();
+    let (rows, cols, tokens) = match args[..] {
+        [r, c] => (r, c, 1),
+        [r, c, t] => (r, c, t),
+        _ => (8192, 2048, 1),
+    };
+    let x: Vec<f32> = (0..cols * tokens).map(|i| ((i * 7919) % 251) as f32 / 125.0 - 1.0).collect();
+    let mut out = vec![0.0f32; rows * tokens];
     let paths: Vec<Isa> = Isa::available().into_iter().filter(|i| *i != Isa::Scalar).collect();
-    for format in TensorFormat::BLOCKS {
+    for format in TensorFormat::BLOCKS.into_iter().chain(TensorFormat::INTERLEAVED) {
         let n = format.nbytes(&[rows, cols]).unwrap();
         let mut bytes: Vec<u8> = (0..n).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
         for blk in bytes.chunks_exact_mut(format.block_bytes()) {
@@ -28,15 +36,16 @@ fn main() {
                 isa::set_override(path).expect("available");
                 let t = Instant::now();
                 for _ in 0..10 {
-                    matmul_raw(&x, 1, w, &mut out);
+                    matmul_raw(&x, tokens, w, &mut out);
                 }
                 *b = b.min(t.elapsed().as_secs_f64() / 10.0);
             }
         }
         for (dt, path) in best.iter().zip(&paths) {
             let gbs = n as f64 / dt / 1e9;
+            let ns_per_block = dt * 1e9 / (rows * cols / 32 * tokens) as f64;
             println!(
-                "{:5} {:11} {:6.1} MB {:7.3} ms {gbs:6.2} GB/s",
+                "{:5} {:11} {:6.1} MB {:7.3} ms {gbs:6.2} GB/s {ns_per_block:5.2} ns/(32 weights x token)",
                 format.name(),
                 path.name(),
                 n as f64 / 1e6,

@@ -10,4 +10,4 @@ pub mod ops;
 pub mod pool;
 
 pub use isa::Isa;
-pub use matmul::{decode_row, matmul, matmul_raw, WeightRows};
+pub use matmul::{decode_row, decode_row_raw, matmul, matmul_raw, WeightRows};

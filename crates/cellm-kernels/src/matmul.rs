@@ -3,10 +3,11 @@
 //! Work is split over blocks of weight rows so each row is read from memory once per call and
 //! reused for every token of the batch while it sits in L1.
 
-use cellm_format::{Tensor, TensorFormat};
+use cellm_format::{Tensor, TensorFormat, INTERLEAVE};
 
-use crate::acts::{ActScheme, Q8Acts, QBLOCK};
-use crate::dot::kernels;
+use crate::acts::{ActScheme, Q8Acts, Q8Row, QBLOCK};
+use crate::dot::x8::{self, QDotX8Fn};
+use crate::dot::{group_kernel, kernels};
 use crate::isa;
 use crate::pool::{self, SharedOut};
 
@@ -35,6 +36,11 @@ pub fn matmul_raw(x: &[f32], tokens: usize, w: WeightRows, out: &mut [f32]) {
     assert_eq!(w.format.nbytes(&[n, k]), Some(w.bytes.len()), "matmul: weight size");
     assert_eq!(x.len(), tokens * k, "matmul: activations do not match the weight");
     assert_eq!(out.len(), tokens * n, "matmul: output does not match the weight");
+    if let Some((base, _)) = w.format.interleaved() {
+        let kern = group_kernel(w.format, isa::selected()).expect("interleaved kernel");
+        let acts = Q8Acts::quantize(x, k, ActScheme::for_format(base));
+        return groups_times_tokens(w, &acts, tokens, out, kern);
+    }
     let kern = kernels(w.format, isa::selected());
     match kern.qdot {
         Some((one, four)) if k.is_multiple_of(w.format.block_len().max(QBLOCK)) => {
@@ -94,11 +100,73 @@ fn rows_times_tokens(
     pool::parallel_for(n.div_ceil(per), |b| run_block(b * per..((b + 1) * per).min(n)));
 }
 
+/// `out[t, r]` for an interleaved format: each task takes whole groups of 8 rows, and each
+/// group is read once per 4 tokens.
+fn groups_times_tokens(
+    w: WeightRows,
+    acts: &Q8Acts,
+    tokens: usize,
+    out: &mut [f32],
+    kern: QDotX8Fn,
+) {
+    let (n, k) = (w.rows, w.cols);
+    let groups = n / INTERLEAVE;
+    let stride = w.bytes.len() / groups.max(1);
+    let dst = SharedOut(out.as_mut_ptr());
+    let rows: Vec<Q8Row> = (0..tokens).map(|t| acts.row(t)).collect();
+    let run_groups = |range: std::ops::Range<usize>| {
+        let mut vals = [[0.0f32; INTERLEAVE]; x8::MAX_TOKENS];
+        for g in range {
+            let group = &w.bytes[g * stride..(g + 1) * stride];
+            for t in (0..tokens).step_by(x8::MAX_TOKENS) {
+                let count = (tokens - t).min(x8::MAX_TOKENS);
+                kern(group, &rows[t..t + count], &mut vals[..count]);
+                for (i, v) in vals[..count].iter().enumerate() {
+                    // SAFETY: each task owns distinct groups `g`, and the 8 values end at
+                    // (t + i) * n + 8g + 8 <= tokens * n, the length of `out`.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            v.as_ptr(),
+                            dst.at((t + i) * n + g * INTERLEAVE),
+                            INTERLEAVE,
+                        )
+                    };
+                }
+            }
+        }
+    };
+    let threads = pool::current_threads();
+    if n * k * tokens < PARALLEL_MIN_WORK || threads == 1 {
+        run_groups(0..groups);
+        return;
+    }
+    // Pairs of groups keep each task's writes to `out` in whole cache lines.
+    let per = groups.div_ceil(threads * 4).next_multiple_of(2);
+    pool::parallel_for(groups.div_ceil(per), |b| run_groups(b * per..((b + 1) * per).min(groups)));
+}
+
 /// Decodes row `r` of `w` into `out` (embedding lookup).
 pub fn decode_row(w: &Tensor, r: usize, out: &mut [f32]) {
     let (n, k) = w.rows_cols();
     assert!(r < n && out.len() == k, "decode_row: row {r} of {w:?}");
-    let bytes = w.bytes();
-    let stride = bytes.len() / n;
-    (kernels(w.format, isa::selected()).decode)(&bytes[r * stride..(r + 1) * stride], out);
+    decode_row_raw(WeightRows { format: w.format, bytes: w.bytes(), rows: n, cols: k }, r, out);
+}
+
+/// [`decode_row`] on raw stored rows; an interleaved row is first taken out of its group.
+pub fn decode_row_raw(w: WeightRows, r: usize, out: &mut [f32]) {
+    assert!(r < w.rows && out.len() == w.cols, "decode_row: row {r} of {} rows", w.rows);
+    if let Some((base, _)) = w.format.interleaved() {
+        let stride = w.bytes.len() / (w.rows / INTERLEAVE);
+        let g = r / INTERLEAVE;
+        let mut row = Vec::with_capacity(stride / INTERLEAVE);
+        x8::row_of_group(
+            w.format,
+            &w.bytes[g * stride..(g + 1) * stride],
+            r % INTERLEAVE,
+            &mut row,
+        );
+        return (kernels(base, isa::selected()).decode)(&row, out);
+    }
+    let stride = w.bytes.len() / w.rows;
+    (kernels(w.format, isa::selected()).decode)(&w.bytes[r * stride..(r + 1) * stride], out);
 }

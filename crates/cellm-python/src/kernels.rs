@@ -48,11 +48,10 @@ pub fn dequantize<'py>(
     }
     let words = aligned_copy(data);
     let bytes = &as_bytes(&words)[..need];
-    let decode = cellm_engine::dot::kernels(fmt, isa::selected()).decode;
+    let w = cellm_engine::WeightRows { format: fmt, bytes, rows, cols };
     let mut out = vec![0.0f32; rows * cols];
-    let stride = need / rows.max(1);
     for (r, row) in out.chunks_exact_mut(cols).enumerate() {
-        decode(&bytes[r * stride..(r + 1) * stride], row);
+        cellm_engine::decode_row_raw(w, r, row);
     }
     out.into_pyarray(py).reshape([rows, cols])
 }

@@ -15,6 +15,7 @@ from .dtypes import BLOCK_FORMATS, check_format, convert_chunks, float32_chunks
 from .gguf import MAGIC as GGUF_MAGIC
 from .gguf_convert import convert_gguf
 from .hf_config import family_of, load_config, normalise_config
+from .interleave import interleaved
 from .progress import ProgressBar
 from .quantize import Quantization, plan_quantization, quantize_rows
 from .safetensors import Checkpoint, open_checkpoint
@@ -114,14 +115,16 @@ def convert_hf(
         plan = plan_tensors(model, checkpoint)
         tok = load_tokenizer_files(src, config)
         entries = [
-            _entry(
-                checkpoint,
-                name,
-                shape,
-                dtype,
-                quantization,
-                tensor_transform(model, name),
-                tensor_source(model, name)[0],
+            interleaved(
+                _entry(
+                    checkpoint,
+                    name,
+                    shape,
+                    dtype,
+                    quantization,
+                    tensor_transform(model, name),
+                    tensor_source(model, name)[0],
+                )
             )
             for name, shape in plan
         ]

@@ -28,7 +28,14 @@ BLOCK_FORMATS = {
     "i4_g128": (128, 66),
     "i4a_g64": (64, 36),
     "i4a_g128": (128, 68),
+    # The same blocks with 8 rows interleaved (interleave.py), for the engine's group kernels.
+    "q8_0x8": (32, 34),
+    "q4_0x8": (32, 18),
+    "q4_1x8": (32, 20),
+    "q5_0x8": (32, 22),
 }
+# Rows per group of the interleaved formats.
+INTERLEAVED_ROWS = {"q8_0x8": 8, "q4_0x8": 8, "q4_1x8": 8, "q5_0x8": 8}
 # Bytes before each row's blocks (i8_row's f32 scale).
 ROW_HEADER = {"i8_row": 4}
 
@@ -68,6 +75,9 @@ def check_block_format(fmt: str, shape: tuple[int, ...]) -> None:
             f"a {fmt} tensor needs 2+ dimensions with rows of whole {block}-element blocks, "
             f"got shape {list(shape)}"
         )
+    group = INTERLEAVED_ROWS.get(fmt, 1)
+    if int(np.prod(shape[:-1])) % group:
+        raise InvalidArgument(f"a {fmt} tensor needs a multiple of {group} rows, got {list(shape)}")
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:

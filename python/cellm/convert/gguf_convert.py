@@ -22,6 +22,7 @@ from .dtypes import BLOCK_FORMATS, CHUNK_BYTES, storage_dtype
 from .dtypes import convert as convert_float
 from .gguf import GGUFFile, GGUFTensor
 from .hf_config import normalise_config
+from .interleave import interleaved
 from .progress import ProgressBar
 from .quantize import Quantization, plan_quantization, quantize_rows
 from .safetensors import to_f32
@@ -349,7 +350,7 @@ def _plan(
             fmt = quantization.format_for(hf, t.shape[1], t.format)
             if fmt != t.format:
                 entry = _requantized(entry, fmt)
-        entries.append(entry)
+        entries.append(interleaved(entry))
     return entries
 
 

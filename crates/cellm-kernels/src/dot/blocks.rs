@@ -159,7 +159,13 @@ fn block_decoder(format: TensorFormat) -> Option<DecodeBlock> {
         TensorFormat::I8Row => i8_row,
         TensorFormat::I4G64 | TensorFormat::I4G128 => i4_sym,
         TensorFormat::I4AG64 | TensorFormat::I4AG128 => i4_affine,
-        TensorFormat::F32 | TensorFormat::F16 | TensorFormat::BF16 => return None,
+        TensorFormat::F32
+        | TensorFormat::F16
+        | TensorFormat::BF16
+        | TensorFormat::Q8_0X8
+        | TensorFormat::Q4_0X8
+        | TensorFormat::Q4_1X8
+        | TensorFormat::Q5_0X8 => return None,
     })
 }
 

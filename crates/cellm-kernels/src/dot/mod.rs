@@ -8,6 +8,9 @@ mod blocks;
 mod int_avx2;
 mod int_scalar;
 mod scalar;
+pub mod x8;
+#[cfg(target_arch = "x86_64")]
+mod x8_avx2;
 
 use cellm_format::TensorFormat;
 
@@ -35,8 +38,10 @@ pub struct RowKernels {
     pub qdot: Option<(QDotFn, QDot4Fn)>,
 }
 
-/// The kernel table for a format on an ISA path.
+/// The kernel table for a format on an ISA path. Interleaved formats have no row kernels:
+/// see [`group_kernel`] and `matmul::decode_row_raw`.
 pub fn kernels(format: TensorFormat, isa: Isa) -> RowKernels {
+    assert!(format.interleaved().is_none(), "{format:?} is read by group kernels, not by rows");
     // Block formats decode with the scalar reference and multiply with integer kernels.
     if let Some(k) = blocks::kernels(format) {
         let qdot = match isa {
@@ -50,6 +55,15 @@ pub fn kernels(format: TensorFormat, isa: Isa) -> RowKernels {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2::kernels(format),
         _ => scalar::kernels(format),
+    }
+}
+
+/// The group kernel of an interleaved format on an ISA path (None for other formats).
+pub fn group_kernel(format: TensorFormat, isa: Isa) -> Option<x8::QDotX8Fn> {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x8_avx2::qdot(format),
+        _ => x8::scalar(format),
     }
 }
 

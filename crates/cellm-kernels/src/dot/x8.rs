@@ -1,0 +1,221 @@
+//! Interleaved formats (`q8_0x8`, `q4_0x8`, `q4_1x8`, `q5_0x8`): groups of 8 rows stored block column
+//! by block column, so one 32-byte load holds 4 quants of each of the 8 rows and an integer
+//! multiply-add leaves one row per lane (no horizontal sums, scales applied 8 rows at a time).
+//!
+//! Per group and block column: the blocks' f16 fields, field by field (`d` of rows 0..8, then
+//! `m` of rows 0..8 for q4_1), then the rest of each block in 4-byte chunks, chunk by chunk
+//! (chunk `c` of rows 0..8, then chunk `c + 1`; q5_0's first chunk is its `qh`). The bytes
+//! are exactly the source blocks, permuted.
+//!
+//! This file holds the layout and the scalar reference, which takes each row back out into
+//! its source blocks and runs the row kernel on it.
+
+use cellm_format::{TensorFormat, INTERLEAVE};
+
+use super::int_scalar;
+use crate::acts::Q8Row;
+
+/// Most tokens one group-kernel call takes.
+pub const MAX_TOKENS: usize = 4;
+
+/// `out[t][r] = dot(row r of the group, x[t])` for `x.len() == out.len()` tokens (1..=4).
+pub type QDotX8Fn = fn(&[u8], &[Q8Row], &mut [[f32; INTERLEAVE]]);
+
+/// Copies row `lane` of an interleaved `group` out as the source format's row.
+pub fn row_of_group(format: TensorFormat, group: &[u8], lane: usize, out: &mut Vec<u8>) {
+    let (base, head) = format.interleaved().expect("an interleaved format");
+    let bytes = base.block_bytes();
+    let quants = bytes - head;
+    out.clear();
+    for column in group.chunks_exact(INTERLEAVE * bytes) {
+        for field in 0..head / 2 {
+            let at = 2 * (field * INTERLEAVE + lane);
+            out.extend_from_slice(&column[at..at + 2]);
+        }
+        let chunks = &column[INTERLEAVE * head..];
+        for c in 0..quants / 4 {
+            let at = 4 * (c * INTERLEAVE + lane);
+            out.extend_from_slice(&chunks[at..at + 4]);
+        }
+    }
+}
+
+/// The inverse of [`row_of_group`] for 8 source rows (tests and tools).
+pub fn group_of_rows(format: TensorFormat, rows: &[&[u8]; INTERLEAVE]) -> Vec<u8> {
+    let (base, head) = format.interleaved().expect("an interleaved format");
+    let bytes = base.block_bytes();
+    let mut out = Vec::with_capacity(INTERLEAVE * rows[0].len());
+    for b in 0..rows[0].len() / bytes {
+        let blocks = rows.map(|r| &r[b * bytes..(b + 1) * bytes]);
+        for field in 0..head / 2 {
+            blocks.iter().for_each(|blk| out.extend_from_slice(&blk[2 * field..2 * field + 2]));
+        }
+        for c in 0..(bytes - head) / 4 {
+            blocks
+                .iter()
+                .for_each(|blk| out.extend_from_slice(&blk[head + 4 * c..head + 4 * c + 4]));
+        }
+    }
+    out
+}
+
+/// The scalar reference: every row taken out of the group and run through the row kernel.
+fn reference<const I: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLEAVE]]) {
+    let format = TensorFormat::INTERLEAVED[I];
+    let (base, _) = format.interleaved().expect("interleaved");
+    let (one, _) = int_scalar::qdot(base).expect("every interleaved base has an integer kernel");
+    let mut row = Vec::new();
+    for lane in 0..INTERLEAVE {
+        row_of_group(format, group, lane, &mut row);
+        for (o, xt) in out.iter_mut().zip(x) {
+            o[lane] = one(&row, *xt);
+        }
+    }
+}
+
+/// The scalar group kernel of an interleaved format.
+pub fn scalar(format: TensorFormat) -> Option<QDotX8Fn> {
+    const REFS: [QDotX8Fn; 4] = [reference::<0>, reference::<1>, reference::<2>, reference::<3>];
+    TensorFormat::INTERLEAVED.iter().position(|&f| f == format).map(|i| REFS[i])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::acts::{ActScheme, Q8Acts};
+    use crate::{decode_row_raw, isa, matmul_raw, Isa, WeightRows};
+
+    fn noise(n: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 24) as u8
+            })
+            .collect()
+    }
+
+    /// `rows` source rows of `blocks` blocks with every f16 field set to `bits`, or to small
+    /// varied normal values when `bits` is None.
+    fn source_rows(base: TensorFormat, rows: usize, blocks: usize, bits: Option<u16>) -> Vec<u8> {
+        let bytes = base.block_bytes();
+        let head = if base == TensorFormat::Q4_1 { 4 } else { 2 };
+        let mut data = noise(rows * blocks * bytes, bytes as u64 + rows as u64);
+        for (i, blk) in data.chunks_exact_mut(bytes).enumerate() {
+            for at in (0..head).step_by(2) {
+                let v = bits.unwrap_or_else(|| {
+                    half::f16::from_f32(0.01 + 0.001 * (i % 17) as f32 - 0.004 * at as f32)
+                        .to_bits()
+                });
+                blk[at..at + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        data
+    }
+
+    fn interleave(format: TensorFormat, data: &[u8], rows: usize) -> Vec<u8> {
+        let stride = data.len() / rows;
+        (0..rows / INTERLEAVE)
+            .flat_map(|g| {
+                let r: [&[u8]; INTERLEAVE] =
+                    std::array::from_fn(|i| &data[(8 * g + i) * stride..(8 * g + i + 1) * stride]);
+                group_of_rows(format, &r)
+            })
+            .collect()
+    }
+
+    /// Every ISA's group kernel, for 1..=4 tokens, equals the row kernel on the rows taken out
+    /// of the group; random blocks, zero blocks, the largest f16 scale and the smallest
+    /// subnormal one.
+    #[test]
+    fn group_kernels_match_row_kernels() {
+        for format in TensorFormat::INTERLEAVED {
+            let (base, _) = format.interleaved().unwrap();
+            let blocks = 7;
+            let cols = 32 * blocks;
+            for bits in [None, Some(0), Some(0x7BFF), Some(0x0001)] {
+                let mut data = source_rows(base, INTERLEAVE, blocks, bits);
+                if bits == Some(0) {
+                    data.fill(0);
+                }
+                let group = interleave(format, &data, INTERLEAVE);
+                let mut row = Vec::new();
+                for lane in 0..INTERLEAVE {
+                    row_of_group(format, &group, lane, &mut row);
+                    assert_eq!(row, data[lane * row.len()..(lane + 1) * row.len()]);
+                }
+                let acts: Vec<Q8Acts> = (0..MAX_TOKENS)
+                    .map(|t| {
+                        let x: Vec<f32> = (0..cols)
+                            .map(|i| {
+                                (((i * 7919 + 31 * t) % 251) as f32 - 125.0) / (7.0 + t as f32)
+                            })
+                            .collect();
+                        Q8Acts::quantize(&x, cols, ActScheme::for_format(base))
+                    })
+                    .collect();
+                let (one, _) = int_scalar::qdot(base).unwrap();
+                for isa in Isa::available() {
+                    let kern = super::super::group_kernel(format, isa).unwrap();
+                    for tokens in 1..=MAX_TOKENS {
+                        let x: Vec<Q8Row> = acts[..tokens].iter().map(|a| a.row(0)).collect();
+                        let mut out = vec![[0.0; INTERLEAVE]; tokens];
+                        kern(&group, &x, &mut out);
+                        for (t, xt) in x.iter().enumerate() {
+                            for lane in 0..INTERLEAVE {
+                                let src = &data[lane * row.len()..(lane + 1) * row.len()];
+                                let want = one(src, *xt);
+                                let mut w = vec![0.0; cols];
+                                (super::super::kernels(base, Isa::Scalar).decode)(src, &mut w);
+                                let mag: f32 = w
+                                    .iter()
+                                    .zip(xt.qs)
+                                    .enumerate()
+                                    .map(|(i, (a, &q))| (a * f32::from(q) * xt.ds[i / 32][0]).abs())
+                                    .sum();
+                                let got = out[t][lane];
+                                assert!(
+                                    (got - want).abs() <= 1e-5 * mag + f32::MIN_POSITIVE,
+                                    "{format:?} {isa:?} {bits:?} t={t} lane={lane}: {got} vs {want}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A whole matmul (tokens not a multiple of 4, several threads' worth of groups) and row
+    /// decoding give the source format's results.
+    #[test]
+    fn matmul_and_decode_match_the_source_format() {
+        let (rows, cols, tokens) = (64, 96, 7);
+        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 37) % 23) as f32 - 11.0).collect();
+        for format in TensorFormat::INTERLEAVED {
+            let (base, _) = format.interleaved().unwrap();
+            let data = source_rows(base, rows, cols / 32, None);
+            let group = interleave(format, &data, rows);
+            let plain = WeightRows { format: base, bytes: &data, rows, cols };
+            let mixed = WeightRows { format, bytes: &group, rows, cols };
+            for path in Isa::available() {
+                isa::set_override(path).unwrap();
+                let (mut want, mut got) = (vec![0.0; tokens * rows], vec![0.0; tokens * rows]);
+                matmul_raw(&x, tokens, plain, &mut want);
+                matmul_raw(&x, tokens, mixed, &mut got);
+                for (a, b) in want.iter().zip(&got) {
+                    assert!((a - b).abs() <= 1e-4 * a.abs().max(1.0), "{format:?} {path:?}");
+                }
+                let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
+                for r in [0, 5, 8, 63] {
+                    decode_row_raw(plain, r, &mut a);
+                    decode_row_raw(mixed, r, &mut b);
+                    assert_eq!(a, b, "{format:?} row {r}");
+                }
+            }
+        }
+        isa::set_override(*Isa::available().last().unwrap()).unwrap();
+    }
+}

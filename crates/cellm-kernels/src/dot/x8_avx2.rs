@@ -1,0 +1,203 @@
+//! AVX2 group kernels of the interleaved formats (layout in `x8.rs`): 8 weight rows times up
+//! to 4 token rows. Each 32-byte load is 4 quants of every row; the matching 4 activation
+//! bytes are broadcast, so `vpmaddubsw` + `vpmaddwd` leave one row's partial sum per lane and
+//! the block scales apply to 8 rows in one multiply.
+
+use std::arch::x86_64::*;
+
+use cellm_format::{TensorFormat, INTERLEAVE};
+
+use super::x8::QDotX8Fn;
+use crate::acts::Q8Row;
+
+/// Activation bytes `4v..4v + 4` of block `b`, in every 32-bit lane.
+#[inline(always)]
+unsafe fn broadcast4(x: &Q8Row, b: usize, v: usize) -> __m256i {
+    _mm256_set1_epi32(x.qs.as_ptr().add(32 * b + 4 * v).cast::<i32>().read_unaligned())
+}
+
+/// q4_0x8 (`c = -8d`) and q4_1x8 (`c = m`): unsigned nibbles `u` with value `d * u + c`, so a
+/// block contributes `d * dx * sum(u * x) + c * s` (`s = dx * sum(x)`, from the activations).
+#[inline(always)]
+unsafe fn nibbles_x8<const N: usize, const AFFINE: bool>(
+    group: &[u8],
+    x: &[Q8Row; N],
+) -> [__m256; N] {
+    let head = if AFFINE { 32 } else { 16 };
+    let bytes = head + 128;
+    let (low, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+    let mut acc = [_mm256_setzero_ps(); N];
+    let base = group.as_ptr();
+    for b in 0..group.len() / bytes {
+        let blk = base.add(bytes * b);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
+        let c = if AFFINE {
+            _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16).cast()))
+        } else {
+            _mm256_mul_ps(d, _mm256_set1_ps(-8.0))
+        };
+        let qs = blk.add(head);
+        // Eight u4 x i8 pair sums per i16 lane stay below 8 * 2 * 15 * 127 = 30480.
+        let mut sums = [_mm256_setzero_si256(); N];
+        for chunk in 0..4 {
+            let q = _mm256_loadu_si256(qs.add(32 * chunk).cast());
+            // Low nibbles are values 4c..4c+4 of each row, high nibbles values 16 + 4c...
+            let lo = _mm256_and_si256(q, low);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
+            for t in 0..N {
+                let a = _mm256_maddubs_epi16(lo, broadcast4(&x[t], b, chunk));
+                let h = _mm256_maddubs_epi16(hi, broadcast4(&x[t], b, chunk + 4));
+                sums[t] = _mm256_add_epi16(sums[t], _mm256_add_epi16(a, h));
+            }
+        }
+        for t in 0..N {
+            let [dx, sx] = x[t].ds[b];
+            let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[t], ones));
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx)), p, acc[t]);
+            acc[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(sx), acc[t]);
+        }
+    }
+    acc
+}
+
+/// Byte `byte` (0..4) of each lane's 32-bit word, copied to all 4 bytes of the lane.
+#[inline(always)]
+unsafe fn lane_byte(v: __m256i, byte: i8) -> __m256i {
+    let starts = _mm256_setr_epi8(
+        0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12,
+        12, 12, 12,
+    );
+    _mm256_shuffle_epi8(v, _mm256_add_epi8(starts, _mm256_set1_epi8(byte)))
+}
+
+/// 16 in byte `j` of each lane where bit `first + j` of the lane's word is set (`first` a
+/// multiple of 4): q5_0's fifth bits for 4 consecutive elements of each row.
+#[inline(always)]
+unsafe fn fifth_bits(qh: __m256i, first: usize) -> __m256i {
+    let bits = _mm256_set1_epi32(if first % 8 == 0 { 0x0804_0201 } else { 0x8040_2010u32 as i32 });
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(lane_byte(qh, (first / 8) as i8), bits), bits);
+    _mm256_and_si256(set, _mm256_set1_epi8(16))
+}
+
+/// q5_0x8: 5-bit unsigned quants `u` (nibble plus the bit from `qh`), value `d * (u - 16)`.
+#[inline(always)]
+unsafe fn q5_0_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
+    let bytes = 16 + 32 + 128;
+    let (low, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+    let mut acc = [_mm256_setzero_ps(); N];
+    let base = group.as_ptr();
+    for b in 0..group.len() / bytes {
+        let blk = base.add(bytes * b);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
+        let c = _mm256_mul_ps(d, _mm256_set1_ps(-16.0));
+        let qh = _mm256_loadu_si256(blk.add(16).cast());
+        let qs = blk.add(48);
+        let mut sums = [_mm256_setzero_si256(); N];
+        // Four u5 x i8 pair sums per i16 lane stay below 4 * 2 * 31 * 127 = 31496: widen to
+        // i32 every two chunks.
+        for pair in 0..2 {
+            let mut short = [_mm256_setzero_si256(); N];
+            for chunk in 2 * pair..2 * pair + 2 {
+                let q = _mm256_loadu_si256(qs.add(32 * chunk).cast());
+                let lo = _mm256_or_si256(_mm256_and_si256(q, low), fifth_bits(qh, 4 * chunk));
+                let hi = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(q), low),
+                    fifth_bits(qh, 16 + 4 * chunk),
+                );
+                for t in 0..N {
+                    let a = _mm256_maddubs_epi16(lo, broadcast4(&x[t], b, chunk));
+                    let h = _mm256_maddubs_epi16(hi, broadcast4(&x[t], b, chunk + 4));
+                    short[t] = _mm256_add_epi16(short[t], _mm256_add_epi16(a, h));
+                }
+            }
+            for t in 0..N {
+                sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(short[t], ones));
+            }
+        }
+        for t in 0..N {
+            let [dx, sx] = x[t].ds[b];
+            let p = _mm256_cvtepi32_ps(sums[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx)), p, acc[t]);
+            acc[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(sx), acc[t]);
+        }
+    }
+    acc
+}
+
+/// q8_0x8: signed quants, multiplied as |w| times x carrying w's sign.
+#[inline(always)]
+unsafe fn q8_0_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
+    let bytes = 16 + 256;
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); N];
+    let base = group.as_ptr();
+    for b in 0..group.len() / bytes {
+        let blk = base.add(bytes * b);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
+        let qs = blk.add(16);
+        let mut sums = [_mm256_setzero_si256(); N];
+        for chunk in 0..8 {
+            let w = _mm256_loadu_si256(qs.add(32 * chunk).cast());
+            let wabs = _mm256_sign_epi8(w, w);
+            for t in 0..N {
+                let xs = _mm256_sign_epi8(broadcast4(&x[t], b, chunk), w);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones);
+                sums[t] = _mm256_add_epi32(sums[t], p);
+            }
+        }
+        for t in 0..N {
+            let scale = _mm256_mul_ps(d, _mm256_set1_ps(x[t].ds[b][0]));
+            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[t]), acc[t]);
+        }
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run<const N: usize, const F: usize>(
+    group: &[u8],
+    x: &[Q8Row],
+    out: &mut [[f32; INTERLEAVE]],
+) {
+    let x: &[Q8Row; N] = x.try_into().expect("N activation rows");
+    let acc = match F {
+        0 => q8_0_x8::<N>(group, x),
+        1 => nibbles_x8::<N, false>(group, x),
+        2 => nibbles_x8::<N, true>(group, x),
+        _ => q5_0_x8::<N>(group, x),
+    };
+    for (o, a) in out.iter_mut().zip(acc) {
+        _mm256_storeu_ps(o.as_mut_ptr(), a);
+    }
+}
+
+/// Format `F` (index into `TensorFormat::INTERLEAVED`) for 1..=4 tokens.
+fn entry<const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLEAVE]]) {
+    let format = TensorFormat::INTERLEAVED[F];
+    let (base, _) = format.interleaved().expect("interleaved");
+    let elems = group.len() / INTERLEAVE / base.block_bytes() * base.block_len();
+    assert!(
+        group.len().is_multiple_of(INTERLEAVE * base.block_bytes()) && x.len() == out.len(),
+        "{format:?} group kernel: bad arguments"
+    );
+    for r in x {
+        assert!(r.qs.len() >= elems && r.ds.len() * 32 >= elems, "activations too short");
+    }
+    // SAFETY: `qdot` hands this out only after checking AVX2, FMA and F16C; loads stay
+    // inside the group and the activation rows checked above.
+    unsafe {
+        match x.len() {
+            1 => run::<1, F>(group, x, out),
+            2 => run::<2, F>(group, x, out),
+            3 => run::<3, F>(group, x, out),
+            4 => run::<4, F>(group, x, out),
+            n => panic!("group kernels take 1..=4 tokens, got {n}"),
+        }
+    }
+}
+
+pub fn qdot(format: TensorFormat) -> Option<QDotX8Fn> {
+    assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
+    const ENTRIES: [QDotX8Fn; 4] = [entry::<0>, entry::<1>, entry::<2>, entry::<3>];
+    TensorFormat::INTERLEAVED.iter().position(|&f| f == format).map(|i| ENTRIES[i])
+}
