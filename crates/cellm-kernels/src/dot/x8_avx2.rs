@@ -74,7 +74,11 @@ unsafe fn lane_byte(v: __m256i, byte: i8) -> __m256i {
 /// multiple of 4): q5_0's fifth bits for 4 consecutive elements of each row.
 #[inline(always)]
 unsafe fn fifth_bits(qh: __m256i, first: usize) -> __m256i {
-    let bits = _mm256_set1_epi32(if first % 8 == 0 { 0x0804_0201 } else { 0x8040_2010u32 as i32 });
+    let bits = _mm256_set1_epi32(if first.is_multiple_of(8) {
+        0x0804_0201
+    } else {
+        0x8040_2010u32 as i32
+    });
     let set = _mm256_cmpeq_epi8(_mm256_and_si256(lane_byte(qh, (first / 8) as i8), bits), bits);
     _mm256_and_si256(set, _mm256_set1_epi8(16))
 }
