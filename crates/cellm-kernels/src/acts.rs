@@ -10,6 +10,8 @@
 use cellm_format::TensorFormat;
 use half::f16;
 
+use crate::pool;
+
 /// Elements per activation block; every integer-kernel format's blocks are multiples of it.
 pub const QBLOCK: usize = 32;
 
@@ -79,44 +81,70 @@ fn round_f16(v: f32) -> f32 {
     f16::from_f32(v).to_f32()
 }
 
+/// Below this many values a batch is quantized on the calling thread.
+const PARALLEL_MIN: usize = 1 << 14;
+
+/// Quantizes `x` in groups of `group` (32, or 256 for the K scheme) into `qs` and per-32 `ds`.
+fn quantize_rows(x: &[f32], group: usize, scheme: ActScheme, qs: &mut [i8], ds: &mut [[f32; 2]]) {
+    let blocks = ds.chunks_exact_mut(group / QBLOCK);
+    for ((src, dst), ds) in x.chunks_exact(group).zip(qs.chunks_exact_mut(group)).zip(blocks) {
+        let (d, inv) = match scheme {
+            ActScheme::Q8K => {
+                let max = src.iter().fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+                if max == 0.0 {
+                    (0.0, 0.0)
+                } else {
+                    let iscale = -127.0 / max;
+                    (1.0 / iscale, iscale)
+                }
+            }
+            _ => {
+                let amax = src.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let d = amax / 127.0;
+                (d, if d > 0.0 { 1.0 / d } else { 0.0 })
+            }
+        };
+        round_block(src, inv, dst);
+        for (block, out) in dst.chunks_exact(QBLOCK).zip(ds.iter_mut()) {
+            let sum: i32 = block.iter().map(|&q| i32::from(q)).sum();
+            *out = match scheme {
+                // llama.cpp's q8_0 has no sum; the unsigned kernels use it for offsets.
+                ActScheme::Q8_0 => [round_f16(d), round_f16(d) * sum as f32],
+                ActScheme::Q8_1 => [round_f16(d), round_f16(d * sum as f32)],
+                ActScheme::Q8K => [d, d * sum as f32],
+            };
+        }
+    }
+}
+
 impl Q8Acts {
     /// Quantizes each `cols`-wide row of `x`; `cols` must be a multiple of 32, and of 256 for
-    /// the K scheme.
+    /// the K scheme. A long batch (prefill) is split over the thread pool by rows.
     pub fn quantize(x: &[f32], cols: usize, scheme: ActScheme) -> Self {
         let group = if scheme == ActScheme::Q8K { 256 } else { QBLOCK };
         assert!(cols.is_multiple_of(group) && x.len().is_multiple_of(cols.max(1)));
-        let blocks = x.len() / QBLOCK;
-        let mut acts = Self { cols, qs: vec![0; x.len()], ds: Vec::with_capacity(blocks) };
-        for (src, dst) in x.chunks_exact(group).zip(acts.qs.chunks_exact_mut(group)) {
-            let (d, inv) = match scheme {
-                ActScheme::Q8K => {
-                    let max =
-                        src.iter().fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
-                    if max == 0.0 {
-                        (0.0, 0.0)
-                    } else {
-                        let iscale = -127.0 / max;
-                        (1.0 / iscale, iscale)
-                    }
-                }
-                _ => {
-                    let amax = src.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                    let d = amax / 127.0;
-                    (d, if d > 0.0 { 1.0 / d } else { 0.0 })
-                }
-            };
-            round_block(src, inv, dst);
-            for block in dst.chunks_exact(QBLOCK) {
-                let sum: i32 = block.iter().map(|&q| i32::from(q)).sum();
-                let (bd, bs) = match scheme {
-                    // llama.cpp's q8_0 has no sum; the unsigned kernels use it for offsets.
-                    ActScheme::Q8_0 => (round_f16(d), round_f16(d) * sum as f32),
-                    ActScheme::Q8_1 => (round_f16(d), round_f16(d * sum as f32)),
-                    ActScheme::Q8K => (d, d * sum as f32),
-                };
-                acts.ds.push([bd, bs]);
-            }
+        let rows = x.len() / cols.max(1);
+        let per_row = cols / QBLOCK;
+        let mut acts = Self { cols, qs: vec![0; x.len()], ds: vec![[0.0; 2]; x.len() / QBLOCK] };
+        let threads = pool::current_threads();
+        if rows < 2 || x.len() < PARALLEL_MIN || threads == 1 {
+            quantize_rows(x, group, scheme, &mut acts.qs, &mut acts.ds);
+            return acts;
         }
+        let per = rows.div_ceil(threads * 2);
+        let (qs, ds) =
+            (pool::SharedOut(acts.qs.as_mut_ptr()), pool::SharedOut(acts.ds.as_mut_ptr()));
+        pool::parallel_for(rows.div_ceil(per), |i| {
+            let r = i * per..((i + 1) * per).min(rows);
+            // SAFETY: the tasks' row ranges are disjoint and inside both buffers.
+            let (q, d) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(qs.at(r.start * cols), r.len() * cols),
+                    std::slice::from_raw_parts_mut(ds.at(r.start * per_row), r.len() * per_row),
+                )
+            };
+            quantize_rows(&x[r.start * cols..r.end * cols], group, scheme, q, d);
+        });
         acts
     }
 

@@ -4,6 +4,7 @@
 
 pub mod acts;
 pub mod dot;
+pub mod gating;
 pub mod isa;
 pub mod matmul;
 pub mod ops;

@@ -12,28 +12,6 @@ pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
-/// `x = silu(x)`.
-pub fn silu(x: &mut [f32]) {
-    x.iter_mut().for_each(|v| *v /= 1.0 + (-*v).exp());
-}
-
-/// `gate = silu(gate) * up`, the gated MLP's activation.
-pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
-    }
-}
-
-/// `gate = gelu_tanh(gate) * up` (HF's `gelu_pytorch_tanh`).
-pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    for (g, u) in gate.iter_mut().zip(up) {
-        let x = *g;
-        let inner = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
-        *g = 0.5 * x * (1.0 + inner.tanh()) * u;
-    }
-}
-
 /// `acc += scale * x`.
 pub fn add_scaled(acc: &mut [f32], x: &[f32], scale: f32) {
     if scale == 1.0 {
@@ -68,14 +46,5 @@ mod tests {
         assert!((x[1] - (-2.0 / r * 2.0)).abs() < 1e-6);
         let r2 = ((0.25f32 + 16.0) / 3.0 + 1e-6).sqrt();
         assert!((x[5] - 4.0 / r2 * 0.5).abs() < 1e-6);
-    }
-
-    #[test]
-    fn silu_mul_matches_definition() {
-        let mut g = vec![0.0, 1.0, -3.0];
-        silu_mul(&mut g, &[2.0, 2.0, 2.0]);
-        assert_eq!(g[0], 0.0);
-        assert!((g[1] - 2.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-6);
-        assert!((g[2] - 2.0 * -3.0 / (1.0 + 3.0f32.exp())).abs() < 1e-6);
     }
 }

@@ -210,15 +210,22 @@ impl Drop for ThreadPool {
 }
 
 /// A raw output pointer that parallel tasks write disjoint parts of.
-#[derive(Clone, Copy)]
-pub struct SharedOut(pub *mut f32);
+pub struct SharedOut<T = f32>(pub *mut T);
 // SAFETY: users guarantee that tasks write disjoint elements.
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
+unsafe impl<T> Send for SharedOut<T> {}
+unsafe impl<T> Sync for SharedOut<T> {}
 
-impl SharedOut {
+// Manual impls: derived ones would require `T: Copy`, needlessly.
+impl<T> Clone for SharedOut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedOut<T> {}
+
+impl<T> SharedOut<T> {
     /// Taking `self` whole makes closures capture the Send wrapper, not the raw field.
-    pub fn at(self, i: usize) -> *mut f32 {
+    pub fn at(self, i: usize) -> *mut T {
         self.0.wrapping_add(i)
     }
 }

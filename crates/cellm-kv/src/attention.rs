@@ -1,6 +1,7 @@
 //! Causal attention over paged keys and values.
 
 use cellm_kernels::dot::kernels;
+use cellm_kernels::gating::exp_in_place;
 use cellm_kernels::isa;
 use cellm_kernels::pool::{current_threads, parallel_for, SharedOut};
 
@@ -78,7 +79,7 @@ impl PagePool {
         let width = group * hd;
         let mut partial = vec![Partial::default(); heads * chunks];
         let mut acc = vec![0.0f32; heads * chunks * width];
-        let (parts, accs) = (SharedPartials(partial.as_mut_ptr()), SharedOut(acc.as_mut_ptr()));
+        let (parts, accs) = (SharedOut(partial.as_mut_ptr()), SharedOut(acc.as_mut_ptr()));
         parallel_for(heads * chunks, |task| {
             let (head, chunk) = (task / chunks, task % chunks);
             let (row, kv_head) = (head / shape.n_kv_heads, head % shape.n_kv_heads);
@@ -150,8 +151,10 @@ impl PagePool {
                     denom[h] *= rescale;
                     max[h] = page_max;
                 }
-                for slot in slots.clone() {
-                    let w = (scores[slot] - max[h]).exp();
+                let weights = &mut scores[slots.clone()];
+                weights.iter_mut().for_each(|s| *s -= max[h]);
+                exp_in_place(weights);
+                for (slot, &w) in slots.clone().zip(weights.iter()) {
                     denom[h] += w;
                     (kern.axpy)(w, head(vrows, slot), oh);
                 }
@@ -184,19 +187,6 @@ struct Partial {
 impl Default for Partial {
     fn default() -> Self {
         Self { max: [f32::NEG_INFINITY; MAX_GROUP], denom: [0.0; MAX_GROUP] }
-    }
-}
-
-#[derive(Clone, Copy)]
-struct SharedPartials(*mut Partial);
-// SAFETY: each task writes only its own record.
-unsafe impl Send for SharedPartials {}
-unsafe impl Sync for SharedPartials {}
-
-impl SharedPartials {
-    /// Taking `self` whole makes closures capture the Sync wrapper, not the raw field.
-    fn at(self, i: usize) -> *mut Partial {
-        self.0.wrapping_add(i)
     }
 }
 

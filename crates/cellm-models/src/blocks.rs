@@ -2,6 +2,7 @@
 //! RMSNorm, RoPE, the gated MLP, grouped-query attention and the language-model head.
 
 use cellm_format::{CellmFile, Error, Result, Tensor};
+use cellm_kernels::gating::Gate;
 use cellm_kernels::{decode_row, matmul, ops};
 use cellm_kv::{AttentionShape, PagePool};
 
@@ -197,10 +198,11 @@ impl GatedMlp {
     pub fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
         let mut g = self.gate.forward(x, tokens);
         let up = self.up.forward(x, tokens);
-        match self.act {
-            Activation::Silu => ops::silu_mul(&mut g, &up),
-            Activation::GeluTanh => ops::gelu_tanh_mul(&mut g, &up),
-        }
+        let gate = match self.act {
+            Activation::Silu => Gate::Silu,
+            Activation::GeluTanh => Gate::GeluTanh,
+        };
+        gate.apply(&mut g, Some(&up));
         self.down.forward(&g, tokens)
     }
 }

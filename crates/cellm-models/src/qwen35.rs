@@ -5,6 +5,7 @@
 //! which is a plain `w`).
 
 use cellm_format::{CellmFile, Result, Tensor};
+use cellm_kernels::gating::Gate;
 use cellm_kernels::ops;
 use cellm_kv::SeqState;
 use serde::Deserialize;
@@ -138,7 +139,7 @@ impl RecurrentBlock for DeltaNet {
             let rows = span.row0..span.row0 + span.len;
             let qkv = &mut qkv[rows.start * conv_dim..rows.end * conv_dim];
             self.conv.forward(qkv, state.buffer(self.conv_state));
-            ops::silu(qkv);
+            Gate::Silu.apply(qkv, None);
             let recurrent = state.buffer(self.rec_state);
             for hv in 0..c.v_heads {
                 let hk = hv / (c.v_heads / c.k_heads);
@@ -171,7 +172,7 @@ impl RecurrentBlock for DeltaNet {
         let norm = self.norm.as_f32().expect("checked at load");
         ops::rms_norm(&mut core, norm, self.eps);
         let mut gate = z;
-        ops::silu(&mut gate);
+        Gate::Silu.apply(&mut gate, None);
         core.iter_mut().zip(&gate).for_each(|(o, g)| *o *= g);
         self.out.forward(&core, tokens)
     }

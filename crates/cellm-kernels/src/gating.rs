@@ -1,0 +1,213 @@
+//! The MLP's gated activations, `gate = act(gate) * up`, on a vectorized `exp`.
+//!
+//! Both are a scaled sigmoid: `silu(x) = x / (1 + e^-x)`, and HF's tanh-approximated GELU is
+//! `0.5 x (1 + tanh(z)) = x / (1 + e^(-2z))` with `z = sqrt(2/pi) (x + 0.044715 x^3)`. libm's
+//! scalar `expf`/`tanhf` cost a large share of a prefill, so the AVX2 path evaluates `exp`
+//! eight lanes at a time (Cephes' range reduction and polynomial, within 2 ulp of libm), and
+//! long batches are split over the thread pool.
+
+use crate::pool;
+
+/// The gate's activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    Silu,
+    GeluTanh,
+}
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+/// Below this many elements a call runs on the calling thread.
+const PARALLEL_MIN: usize = 1 << 15;
+
+impl Gate {
+    /// The exponent `a` with `act(x) = x / (1 + e^a)`.
+    #[inline(always)]
+    fn exponent(self, x: f32) -> f32 {
+        match self {
+            Gate::Silu => -x,
+            Gate::GeluTanh => -2.0 * SQRT_2_OVER_PI * (x + 0.044715 * x * x * x),
+        }
+    }
+
+    /// The scalar reference.
+    pub fn apply_scalar(self, gate: &mut [f32], up: Option<&[f32]>) {
+        match up {
+            Some(up) => gate.iter_mut().zip(up).for_each(|(g, u)| {
+                *g = *g / (1.0 + self.exponent(*g).exp()) * u;
+            }),
+            None => gate.iter_mut().for_each(|g| *g /= 1.0 + self.exponent(*g).exp()),
+        }
+    }
+
+    fn apply_serial(self, gate: &mut [f32], up: Option<&[f32]>) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::isa::selected() == crate::Isa::Avx2 {
+            // SAFETY: the AVX2 path is selected only on CPUs that have AVX2 and FMA.
+            return unsafe { avx2::apply(self, gate, up) };
+        }
+        self.apply_scalar(gate, up);
+    }
+
+    /// `gate = act(gate) * up` (or `act(gate)` without `up`), on every thread for long inputs.
+    pub fn apply(self, gate: &mut [f32], up: Option<&[f32]>) {
+        if let Some(up) = up {
+            assert_eq!(gate.len(), up.len(), "gate and up differ in length");
+        }
+        let threads = pool::current_threads();
+        if gate.len() < PARALLEL_MIN || threads == 1 {
+            return self.apply_serial(gate, up);
+        }
+        // Whole cache lines per task.
+        let per = gate.len().div_ceil(threads * 2).next_multiple_of(16);
+        let out = pool::SharedOut(gate.as_mut_ptr());
+        let len = gate.len();
+        pool::parallel_for(len.div_ceil(per), |i| {
+            let range = i * per..((i + 1) * per).min(len);
+            // SAFETY: the tasks' ranges are disjoint and inside `gate`.
+            let g = unsafe { std::slice::from_raw_parts_mut(out.at(range.start), range.len()) };
+            self.apply_serial(g, up.map(|u| &u[range]));
+        });
+    }
+}
+
+/// `x = e^x` elementwise (softmax weights), on the AVX2 `exp` where selected.
+pub fn exp_in_place(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::selected() == crate::Isa::Avx2 {
+        // SAFETY: the AVX2 path is selected only on CPUs that have AVX2 and FMA.
+        return unsafe { avx2::exp_in_place(x) };
+    }
+    x.iter_mut().for_each(|v| *v = v.exp());
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::Gate;
+
+    /// `e^x` per lane: `x = n ln2 + r` with |r| <= ln2/2, a degree-7 polynomial for `e^r`,
+    /// then `2^n` added to the exponent. Above 88.37 the result stays at e^88.37 (finite);
+    /// below -87.3, where it would be subnormal, it is 0.
+    #[inline(always)]
+    unsafe fn exp(x: __m256) -> __m256 {
+        let lowest = _mm256_set1_ps(-87.3);
+        let normal = _mm256_cmp_ps::<_CMP_GE_OQ>(x, lowest);
+        let x = _mm256_min_ps(_mm256_max_ps(x, lowest), _mm256_set1_ps(88.37));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        // ln 2 in two parts, so `n * ln2_hi` is exact.
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+        let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), normal)
+    }
+
+    #[inline(always)]
+    unsafe fn exponent(gate: Gate, x: __m256) -> __m256 {
+        match gate {
+            Gate::Silu => _mm256_sub_ps(_mm256_setzero_ps(), x),
+            Gate::GeluTanh => {
+                let x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+                let inner = _mm256_fmadd_ps(x3, _mm256_set1_ps(0.044715), x);
+                _mm256_mul_ps(inner, _mm256_set1_ps(-2.0 * super::SQRT_2_OVER_PI))
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_in_place(x: &mut [f32]) {
+        let n = x.len() / 8 * 8;
+        for i in (0..n).step_by(8) {
+            let p = x.as_mut_ptr().add(i);
+            _mm256_storeu_ps(p, exp(_mm256_loadu_ps(p)));
+        }
+        x[n..].iter_mut().for_each(|v| *v = v.exp());
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn apply(gate: Gate, g: &mut [f32], up: Option<&[f32]>) {
+        let n = g.len() / 8 * 8;
+        let one = _mm256_set1_ps(1.0);
+        for i in (0..n).step_by(8) {
+            let x = _mm256_loadu_ps(g.as_ptr().add(i));
+            let mut y = _mm256_div_ps(x, _mm256_add_ps(one, exp(exponent(gate, x))));
+            if let Some(u) = up {
+                y = _mm256_mul_ps(y, _mm256_loadu_ps(u[i..i + 8].as_ptr()));
+            }
+            _mm256_storeu_ps(g.as_mut_ptr().add(i), y);
+        }
+        gate.apply_scalar(&mut g[n..], up.map(|u| &u[n..]));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{isa, Isa};
+
+    /// Every path within a few ulp of the libm reference (plus the exponent's conditioning),
+    /// over the whole useful range, tails included (large |x| saturates to 0 or x).
+    #[test]
+    fn paths_match_the_scalar_reference() {
+        let x: Vec<f32> = (0..20_011).map(|i| (i as f32 - 10_000.0) / 97.0).collect();
+        let up: Vec<f32> = (0..x.len()).map(|i| ((i * 37) % 11) as f32 - 5.0).collect();
+        for gate in [Gate::Silu, Gate::GeluTanh] {
+            for with_up in [false, true] {
+                let u = with_up.then_some(&up[..]);
+                let mut want = x.clone();
+                gate.apply_scalar(&mut want, u);
+                for path in Isa::available() {
+                    isa::set_override(path).unwrap();
+                    let mut got = x.clone();
+                    gate.apply_serial(&mut got, u);
+                    for ((a, b), v) in want.iter().zip(&got).zip(&x) {
+                        // e^a turns the exponent's last-bit rounding (fused or not) into a
+                        // relative error of |a| ulp; below 1e-30 both are zero for any
+                        // purpose (the clamped tails).
+                        let ulps = 4.0 + 2.0 * gate.exponent(*v).abs();
+                        let tol = ulps * f32::EPSILON * a.abs() + 1e-30;
+                        assert!((a - b).abs() <= tol, "{gate:?} {path:?} x={v}: {a} vs {b}");
+                    }
+                }
+            }
+        }
+        isa::set_override(*Isa::available().last().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn exp_matches_libm() {
+        let x: Vec<f32> = (0..4001).map(|i| (i as f32 - 3000.0) / 33.0).collect();
+        for path in Isa::available() {
+            isa::set_override(path).unwrap();
+            let mut got = x.clone();
+            exp_in_place(&mut got);
+            for (v, g) in x.iter().zip(&got) {
+                let want = v.exp();
+                // Results near or below the smallest normal may flush to zero.
+                let tol = 4.0 * f32::EPSILON * want + 2.0 * f32::MIN_POSITIVE;
+                assert!((g - want).abs() <= tol, "{path:?} e^{v}: {g}");
+            }
+        }
+        isa::set_override(*Isa::available().last().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn gelu_is_hf_tanh_form() {
+        for x in [-3.0f32, -0.5, 0.0, 0.7, 2.5] {
+            let want = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh()) * 2.0;
+            let mut g = [x];
+            Gate::GeluTanh.apply_scalar(&mut g, Some(&[2.0]));
+            assert!((g[0] - want).abs() <= 1e-6 * want.abs().max(1.0), "{x}: {} vs {want}", g[0]);
+        }
+    }
+}
