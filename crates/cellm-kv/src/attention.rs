@@ -1,6 +1,6 @@
 //! Causal attention over paged keys and values.
 
-use cellm_kernels::dot::kernels;
+use cellm_kernels::dot::head_kernels;
 use cellm_kernels::gating::exp_in_place;
 use cellm_kernels::isa;
 use cellm_kernels::pool::{current_threads, parallel_for, SharedOut};
@@ -67,52 +67,48 @@ impl PagePool {
         }
         row_of.sort_unstable();
         let pages = &*self;
-        let group = shape.n_heads / shape.n_kv_heads;
         let ps = self.config().page_size;
-        assert!(group <= MAX_GROUP && ps <= MAX_PAGE, "attention: group or page too large");
-        // Tasks are (token, kv head, chunk of pages): the query heads sharing a kv head read
-        // its keys and values once, and a lone decode token still splits its context over
-        // every thread (each chunk keeps its own softmax maximum; chunks merge below).
-        let heads = row_of.len() * shape.n_kv_heads;
+        assert!(shape.n_heads <= MAX_HEADS && ps <= MAX_PAGE, "attention: too many heads");
+        // Tasks are (token, chunk of pages) over all heads: cached rows hold every kv head side
+        // by side, so a chunk's pages stream from memory once, in order. A lone decode token
+        // still splits its context over every thread (each chunk keeps its own softmax
+        // maximum; chunks merge below).
+        let rows = row_of.len();
         let longest = row_of.iter().map(|&(_, _, pos)| pos / ps + 1).max().unwrap_or(1);
-        let chunks = (4 * current_threads()).div_ceil(heads).clamp(1, longest);
-        let width = group * hd;
-        let mut partial = vec![Partial::default(); heads * chunks];
-        let mut acc = vec![0.0f32; heads * chunks * width];
+        let chunks = (4 * current_threads()).div_ceil(rows).clamp(1, longest);
+        let width = shape.n_heads * hd;
+        let mut partial = vec![Partial::default(); rows * chunks];
+        let mut acc = vec![0.0f32; rows * chunks * width];
         let (parts, accs) = (SharedOut(partial.as_mut_ptr()), SharedOut(acc.as_mut_ptr()));
-        parallel_for(heads * chunks, |task| {
-            let (head, chunk) = (task / chunks, task % chunks);
-            let (row, kv_head) = (head / shape.n_kv_heads, head % shape.n_kv_heads);
+        parallel_for(rows * chunks, |task| {
+            let (row, chunk) = (task / chunks, task % chunks);
             let (_, si, pos) = row_of[row];
             let first = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             let (lo, hi) = (first / ps, pos / ps + 1);
             let per = (hi - lo).div_ceil(chunks);
             let pages_of_chunk = (lo + chunk * per).min(hi)..(lo + (chunk + 1) * per).min(hi);
-            let at = (row * shape.n_heads + kv_head * group) * hd;
             // SAFETY: task `task` alone writes its partial record and accumulator slice.
             let (part, o) = unsafe {
                 (&mut *parts.at(task), std::slice::from_raw_parts_mut(accs.at(task * width), width))
             };
-            let query =
-                Query { seq: spans[si].kv, layer, q: &q[at..at + width], kv_head, first, pos };
+            let q = &q[row * width..(row + 1) * width];
+            let query = Query { seq: spans[si].kv, layer, q, first, pos };
             pages.attend_pages(&query, pages_of_chunk, shape, part, o);
         });
-        for head in 0..heads {
-            let (row, kv_head) = (head / shape.n_kv_heads, head % shape.n_kv_heads);
-            let at = (row * shape.n_heads + kv_head * group) * hd;
-            let parts = &partial[head * chunks..(head + 1) * chunks];
+        for row in 0..rows {
             merge(
-                parts,
-                &acc[head * chunks * width..(head + 1) * chunks * width],
+                &partial[row * chunks..(row + 1) * chunks],
+                &acc[row * chunks * width..(row + 1) * chunks * width],
                 hd,
-                &mut out[at..at + width],
+                &mut out[row * width..(row + 1) * width],
             );
         }
     }
 
     /// Unnormalised softmax-weighted sums of values over the pages `pages` (clipped to the
-    /// query's window) for the query heads of one kv head, a page at a time with a running
-    /// maximum per head; `part` gets each head's maximum and denominator.
+    /// query's window) for every head of one query row, a page at a time with a running
+    /// maximum per head; `part` gets each head's maximum and denominator. Each cached key and
+    /// value row is read once, and widened once for the query heads sharing its kv head.
     fn attend_pages(
         &self,
         query: &Query,
@@ -121,58 +117,66 @@ impl PagePool {
         part: &mut Partial,
         out: &mut [f32],
     ) {
-        let hd = shape.head_dim;
-        let group = query.q.len() / hd;
-        let kern = kernels(self.config().encoding.format(), isa::selected());
+        let (hd, n_heads) = (shape.head_dim, shape.n_heads);
+        let group = n_heads / shape.n_kv_heads;
+        let kern = head_kernels(self.config().encoding.format(), isa::selected());
         let head_bytes = self.config().encoding.format().nbytes(&[hd]).expect("small");
         let (rb, ps) = (self.row_bytes(), self.config().page_size);
-        let kv_head = query.kv_head;
         let (max, denom) = (&mut part.max, &mut part.denom);
-        let mut scores = [0.0f32; MAX_PAGE];
+        // scores[h][slot], then the softmax weights in place.
+        let mut scores = vec![[0.0f32; MAX_PAGE]; n_heads];
+        let mut per_head = [0.0f32; MAX_HEADS];
         for page in pages {
             let (krows, vrows) = self.page_rows(query.seq, query.layer, page);
             let slots = page * ps..(page * ps + ps).min(query.pos + 1);
             let slots = slots.start.max(query.first) - page * ps..slots.end - page * ps;
-            let head = |rows, slot| head_of(rows, slot * rb + kv_head * head_bytes, head_bytes);
-            for h in 0..group {
-                let (qh, oh) = (&query.q[h * hd..(h + 1) * hd], &mut out[h * hd..(h + 1) * hd]);
-                let mut page_max = f32::NEG_INFINITY;
-                for slot in slots.clone() {
-                    let mut s = (kern.dot)(head(krows, slot), qh) * shape.scale;
-                    if let Some(cap) = shape.softcap {
-                        s = cap * (s / cap).tanh();
-                    }
-                    scores[slot] = s;
-                    page_max = page_max.max(s);
+            for slot in slots.clone() {
+                let krow = &krows[slot * rb..slot * rb + shape.n_kv_heads * head_bytes];
+                for (kv, k) in krow.chunks_exact(head_bytes).enumerate() {
+                    let heads = kv * group..(kv + 1) * group;
+                    let q = &query.q[heads.start * hd..heads.end * hd];
+                    (kern.dot)(k, q, &mut per_head[heads]);
                 }
+                for (h, &s) in per_head[..n_heads].iter().enumerate() {
+                    let s = s * shape.scale;
+                    scores[h][slot] = shape.softcap.map_or(s, |cap| cap * (s / cap).tanh());
+                }
+            }
+            for h in 0..n_heads {
+                let weights = &mut scores[h][slots.clone()];
+                let page_max = weights.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
                 if page_max > max[h] {
                     let rescale = (max[h] - page_max).exp();
-                    oh.iter_mut().for_each(|o| *o *= rescale);
+                    out[h * hd..(h + 1) * hd].iter_mut().for_each(|o| *o *= rescale);
                     denom[h] *= rescale;
                     max[h] = page_max;
                 }
-                let weights = &mut scores[slots.clone()];
                 weights.iter_mut().for_each(|s| *s -= max[h]);
                 exp_in_place(weights);
-                for (slot, &w) in slots.clone().zip(weights.iter()) {
-                    denom[h] += w;
-                    (kern.axpy)(w, head(vrows, slot), oh);
+                denom[h] += weights.iter().sum::<f32>();
+            }
+            for slot in slots {
+                scores.iter().zip(&mut per_head).for_each(|(s, w)| *w = s[slot]);
+                let vrow = &vrows[slot * rb..slot * rb + shape.n_kv_heads * head_bytes];
+                for (kv, v) in vrow.chunks_exact(head_bytes).enumerate() {
+                    let heads = kv * group..(kv + 1) * group;
+                    let o = &mut out[heads.start * hd..heads.end * hd];
+                    (kern.axpy)(&per_head[heads], v, o);
                 }
             }
         }
     }
 }
 
-/// The largest page and query group one attention task handles on its stack.
+/// The largest page and head count one attention task handles on its stack.
 const MAX_PAGE: usize = 64;
-const MAX_GROUP: usize = 64;
+const MAX_HEADS: usize = 64;
 
-/// One query row's view of its session's cache for one kv head.
+/// One query row (all its heads) and its view of its session's cache.
 struct Query<'a> {
     seq: &'a SeqKv,
     layer: usize,
     q: &'a [f32],
-    kv_head: usize,
     first: usize,
     pos: usize,
 }
@@ -180,17 +184,17 @@ struct Query<'a> {
 /// A chunk's running softmax state per query head.
 #[derive(Clone, Copy)]
 struct Partial {
-    max: [f32; MAX_GROUP],
-    denom: [f32; MAX_GROUP],
+    max: [f32; MAX_HEADS],
+    denom: [f32; MAX_HEADS],
 }
 
 impl Default for Partial {
     fn default() -> Self {
-        Self { max: [f32::NEG_INFINITY; MAX_GROUP], denom: [0.0; MAX_GROUP] }
+        Self { max: [f32::NEG_INFINITY; MAX_HEADS], denom: [0.0; MAX_HEADS] }
     }
 }
 
-/// Combines the chunks of one (token, kv head) into normalised outputs: each chunk's sums are
+/// Combines the chunks of one token into normalised outputs: each chunk's sums are
 /// rescaled to the overall maximum.
 fn merge(parts: &[Partial], accs: &[f32], hd: usize, out: &mut [f32]) {
     let width = out.len();
@@ -209,11 +213,6 @@ fn merge(parts: &[Partial], accs: &[f32], hd: usize, out: &mut [f32]) {
         let inv = 1.0 / denom;
         oh.iter_mut().for_each(|o| *o *= inv);
     }
-}
-
-/// `len` bytes of `rows` from `at`: one head of one cached row.
-fn head_of(rows: &[u8], at: usize, len: usize) -> &[u8] {
-    &rows[at..at + len]
 }
 
 #[cfg(test)]

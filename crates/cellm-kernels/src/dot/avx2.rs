@@ -4,7 +4,7 @@ use std::arch::x86_64::*;
 
 use cellm_format::TensorFormat;
 
-use super::{cast, RowKernels};
+use super::{cast, HeadKernels, RowKernels};
 
 pub fn kernels(format: TensorFormat) -> RowKernels {
     assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
@@ -19,6 +19,16 @@ pub fn kernels(format: TensorFormat) -> RowKernels {
             RowKernels { dot: dot_bf16, decode: decode_bf16, axpy: axpy_bf16, qdot: None }
         }
         other => unreachable!("{other:?} is a block format"),
+    }
+}
+
+pub fn head_kernels(format: TensorFormat) -> HeadKernels {
+    assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
+    match format {
+        TensorFormat::F32 => HeadKernels { dot: dot_heads_f32, axpy: axpy_heads_f32 },
+        TensorFormat::F16 => HeadKernels { dot: dot_heads_f16, axpy: axpy_heads_f16 },
+        TensorFormat::BF16 => HeadKernels { dot: dot_heads_bf16, axpy: axpy_heads_bf16 },
+        other => unreachable!("{other:?} is not a cache format"),
     }
 }
 
@@ -177,4 +187,77 @@ fn axpy_f16(a: f32, row: &[u8], acc: &mut [f32]) {
 }
 fn axpy_bf16(a: f32, row: &[u8], acc: &mut [f32]) {
     unsafe { axpy::<Bf16>(a, cast(row), acc) }
+}
+
+/// `out[h] = dot(w, q[h])` for `M` query heads at `q` (stride `w.len()`): each 8 stored
+/// elements are widened once for all heads.
+#[inline(always)]
+unsafe fn dot_heads_m<L: Lanes, const M: usize>(w: &[L::Elem], q: *const f32, out: &mut [f32]) {
+    let n = w.len();
+    let mut acc = [_mm256_setzero_ps(); M];
+    let full = n / 8 * 8;
+    for i in (0..full).step_by(8) {
+        let kv = L::load8(w.as_ptr().add(i));
+        for (h, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(h * n + i)), kv, *a);
+        }
+    }
+    for (h, a) in acc.iter().enumerate() {
+        let tail: f32 = (full..n).map(|k| widen(w[k]) * *q.add(h * n + k)).sum();
+        out[h] = hsum(*a) + tail;
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_heads<L: Lanes>(w: &[L::Elem], q: &[f32], out: &mut [f32]) {
+    let n = w.len();
+    assert!(q.len() >= out.len() * n, "dot_heads: queries too short");
+    for (h0, o) in (0..out.len()).step_by(4).zip(out.chunks_mut(4)) {
+        let qp = q.as_ptr().add(h0 * n);
+        match o.len() {
+            1 => dot_heads_m::<L, 1>(w, qp, o),
+            2 => dot_heads_m::<L, 2>(w, qp, o),
+            3 => dot_heads_m::<L, 3>(w, qp, o),
+            _ => dot_heads_m::<L, 4>(w, qp, o),
+        }
+    }
+}
+
+/// `acc[h] += a[h] * w` for every head `h` (rows of `acc` are `w.len()` long).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_heads<L: Lanes>(a: &[f32], w: &[L::Elem], acc: &mut [f32]) {
+    let n = w.len();
+    assert!(acc.len() >= a.len() * n, "axpy_heads: accumulators too short");
+    let full = n / 8 * 8;
+    for i in (0..full).step_by(8) {
+        let kv = L::load8(w.as_ptr().add(i));
+        for (h, &ah) in a.iter().enumerate() {
+            let p = acc.as_mut_ptr().add(h * n + i);
+            _mm256_storeu_ps(p, _mm256_fmadd_ps(_mm256_set1_ps(ah), kv, _mm256_loadu_ps(p)));
+        }
+    }
+    for (h, &ah) in a.iter().enumerate() {
+        for k in full..n {
+            acc[h * n + k] += ah * widen(w[k]);
+        }
+    }
+}
+
+fn dot_heads_f32(row: &[u8], q: &[f32], out: &mut [f32]) {
+    unsafe { dot_heads::<F32>(cast(row), q, out) }
+}
+fn dot_heads_f16(row: &[u8], q: &[f32], out: &mut [f32]) {
+    unsafe { dot_heads::<F16>(cast(row), q, out) }
+}
+fn dot_heads_bf16(row: &[u8], q: &[f32], out: &mut [f32]) {
+    unsafe { dot_heads::<Bf16>(cast(row), q, out) }
+}
+fn axpy_heads_f32(a: &[f32], row: &[u8], acc: &mut [f32]) {
+    unsafe { axpy_heads::<F32>(a, cast(row), acc) }
+}
+fn axpy_heads_f16(a: &[f32], row: &[u8], acc: &mut [f32]) {
+    unsafe { axpy_heads::<F16>(a, cast(row), acc) }
+}
+fn axpy_heads_bf16(a: &[f32], row: &[u8], acc: &mut [f32]) {
+    unsafe { axpy_heads::<Bf16>(a, cast(row), acc) }
 }

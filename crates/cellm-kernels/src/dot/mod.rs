@@ -28,6 +28,28 @@ pub type QDotFn = fn(&[u8], Q8Row) -> f32;
 /// The same for four activation rows at once (each weight block unpacked once).
 pub type QDot4Fn = fn(&[u8], &[Q8Row; 4]) -> [f32; 4];
 
+/// `out[h] = dot(row, q[h])` for the query heads that share one stored key row (`q` holds
+/// `out.len()` rows as long as the stored row).
+pub type DotHeadsFn = fn(&[u8], &[f32], &mut [f32]);
+/// `acc[h] += a[h] * row` for the heads that share one stored value row.
+pub type AxpyHeadsFn = fn(&[f32], &[u8], &mut [f32]);
+
+/// Attention's kernels over a float cache row, for a group of query heads at once.
+#[derive(Clone, Copy)]
+pub struct HeadKernels {
+    pub dot: DotHeadsFn,
+    pub axpy: AxpyHeadsFn,
+}
+
+/// The head-group kernels of a float (cache) format on an ISA path.
+pub fn head_kernels(format: TensorFormat, isa: Isa) -> HeadKernels {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::head_kernels(format),
+        _ => scalar::head_kernels(format),
+    }
+}
+
 #[derive(Clone, Copy)]
 pub struct RowKernels {
     pub dot: DotFn,
@@ -124,6 +146,38 @@ mod tests {
                 (s as f32 / u32::MAX as f32) * 4.0 - 2.0
             })
             .collect()
+    }
+
+    /// The head-group kernels equal one row kernel call per head, on every path, for head
+    /// dims with and without a tail and groups of 1 to 7 heads.
+    #[test]
+    fn head_kernels_match_per_head_calls() {
+        for isa in Isa::available() {
+            for format in [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16] {
+                let (rows, heads) = (kernels(format, Isa::Scalar), head_kernels(format, isa));
+                for (n, group) in [(64, 1), (64, 3), (60, 7), (256, 4), (12, 5)] {
+                    let bytes = encode(format, &pseudo_random(n, n as u32));
+                    let words = aligned(&bytes);
+                    let row = as_bytes(&words, bytes.len());
+                    let q = pseudo_random(n * group, 9);
+                    let mut got = vec![0.0; group];
+                    (heads.dot)(row, &q, &mut got);
+                    for (h, g) in got.iter().enumerate() {
+                        let want = (rows.dot)(row, &q[h * n..(h + 1) * n]);
+                        assert!((g - want).abs() <= 1e-5 * n as f32, "{isa:?} {format:?} dot");
+                    }
+                    let a: Vec<f32> = (0..group).map(|h| 0.3 - 0.1 * h as f32).collect();
+                    let (mut got, mut want) = (q.clone(), q.clone());
+                    (heads.axpy)(&a, row, &mut got);
+                    for (h, &ah) in a.iter().enumerate() {
+                        (rows.axpy)(ah, row, &mut want[h * n..(h + 1) * n]);
+                    }
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{isa:?} axpy");
+                    }
+                }
+            }
+        }
     }
 
     /// Every ISA path agrees with the scalar reference on every format, for lengths that are

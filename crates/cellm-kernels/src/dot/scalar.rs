@@ -3,7 +3,7 @@
 use cellm_format::TensorFormat;
 use half::{bf16, f16};
 
-use super::{cast, RowKernels};
+use super::{cast, HeadKernels, RowKernels};
 
 pub fn kernels(format: TensorFormat) -> RowKernels {
     match format {
@@ -17,6 +17,30 @@ pub fn kernels(format: TensorFormat) -> RowKernels {
             RowKernels { dot: dot_bf16, decode: decode_bf16, axpy: axpy_bf16, qdot: None }
         }
         other => unreachable!("{other:?} is a block format"),
+    }
+}
+
+/// The head-group kernels as one row kernel call per head: the reference.
+pub fn head_kernels(format: TensorFormat) -> HeadKernels {
+    fn dot_heads<const F: usize>(row: &[u8], q: &[f32], out: &mut [f32]) {
+        let k = kernels([TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16][F]);
+        let n = row.len() / [4, 2, 2][F];
+        for (h, o) in out.iter_mut().enumerate() {
+            *o = (k.dot)(row, &q[h * n..(h + 1) * n]);
+        }
+    }
+    fn axpy_heads<const F: usize>(a: &[f32], row: &[u8], acc: &mut [f32]) {
+        let k = kernels([TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16][F]);
+        let n = row.len() / [4, 2, 2][F];
+        for (h, &ah) in a.iter().enumerate() {
+            (k.axpy)(ah, row, &mut acc[h * n..(h + 1) * n]);
+        }
+    }
+    match format {
+        TensorFormat::F32 => HeadKernels { dot: dot_heads::<0>, axpy: axpy_heads::<0> },
+        TensorFormat::F16 => HeadKernels { dot: dot_heads::<1>, axpy: axpy_heads::<1> },
+        TensorFormat::BF16 => HeadKernels { dot: dot_heads::<2>, axpy: axpy_heads::<2> },
+        other => unreachable!("{other:?} is not a cache format"),
     }
 }
 
