@@ -62,13 +62,13 @@ def test_dequantize_rejects_bad_sizes():
 
 # -- interleaved layouts ---------------------------------------------------------------------
 
-X8 = {"q8_0": "q8_0x8", "q4_0": "q4_0x8", "q4_1": "q4_1x8", "q5_0": "q5_0x8"}
+X8 = {"q8_0": "q8_0x8", "q4_0": "q4_0x8", "q4_1": "q4_1x8", "q5_0": "q5_0x8", "q4_k": "q4_kx8"}
 
 
 @pytest.mark.parametrize("fmt", X8)
 def test_interleaving_is_a_permutation_of_the_blocks(fmt):
     qtype, offsets = FORMATS[fmt]
-    data = random_blocks(qtype, offsets, 24, 96, np.random.default_rng(3))
+    data = random_blocks(qtype, offsets, 24, 512, np.random.default_rng(3))
     x8 = interleave_rows(data, fmt)
     assert x8.shape == data.shape and not np.array_equal(x8, data)
     np.testing.assert_array_equal(np.sort(x8, axis=None), np.sort(data, axis=None))

@@ -31,13 +31,14 @@ pub enum TensorFormat {
     /// then the values as above (`w = d * q + m`). Groups of 32 are `q4_1`.
     I4AG64,
     I4AG128,
-    /// Row-interleaved q8_0 / q4_0 / q4_1 / q5_0: the same blocks, regrouped so that a kernel reads
+    /// Row-interleaved q8_0 / q4_0 / q4_1 / q5_0 / q4_k: the same blocks, regrouped so that a kernel reads
     /// 8 rows at once (`docs/format.md`, "Interleaved formats"). The converter writes them;
     /// the row count must be a multiple of [`INTERLEAVE`].
     Q8_0X8,
     Q4_0X8,
     Q4_1X8,
     Q5_0X8,
+    Q4KX8,
 }
 
 /// Rows per group of an interleaved format.
@@ -66,6 +67,7 @@ const FORMATS: &[FormatInfo] = &[
     FormatInfo(TensorFormat::Q4_0X8, "q4_0x8", 32, 18, 0),
     FormatInfo(TensorFormat::Q4_1X8, "q4_1x8", 32, 20, 0),
     FormatInfo(TensorFormat::Q5_0X8, "q5_0x8", 32, 22, 0),
+    FormatInfo(TensorFormat::Q4KX8, "q4_kx8", 256, 144, 0),
 ];
 
 /// Interleaved formats: (format, the format of its blocks, bytes of f16 fields that open each
@@ -75,6 +77,7 @@ const INTERLEAVED: &[(TensorFormat, TensorFormat, usize)] = &[
     (TensorFormat::Q4_0X8, TensorFormat::Q4_0, 2),
     (TensorFormat::Q4_1X8, TensorFormat::Q4_1, 4),
     (TensorFormat::Q5_0X8, TensorFormat::Q5_0, 2),
+    (TensorFormat::Q4KX8, TensorFormat::Q4K, 4),
 ];
 
 impl TensorFormat {
@@ -95,8 +98,8 @@ impl TensorFormat {
     ];
 
     /// The interleaved formats, in one order other tables can index by.
-    pub const INTERLEAVED: [TensorFormat; 4] =
-        [Self::Q8_0X8, Self::Q4_0X8, Self::Q4_1X8, Self::Q5_0X8];
+    pub const INTERLEAVED: [TensorFormat; 5] =
+        [Self::Q8_0X8, Self::Q4_0X8, Self::Q4_1X8, Self::Q5_0X8, Self::Q4KX8];
 
     /// For an interleaved format, the format of its blocks and the bytes of f16 fields at the
     /// front of each block (1 or 2 fields); None for the others.

@@ -1,10 +1,11 @@
-"""Row-interleaved block formats (`q8_0x8`, `q4_0x8`, `q4_1x8`, `q5_0x8`; docs/format.md).
+"""Row-interleaved block formats (`q8_0x8`, `q4_0x8`, `q4_1x8`, `q5_0x8`, `q4_kx8`;
+docs/format.md).
 
 The converter stores matrices of these block formats with 8 rows interleaved so the engine's
 group kernels read 4 quants of 8 rows per load. The bytes are the source blocks, permuted:
 per group of 8 rows and block column, the f16 fields field by field (each for rows 0..8),
-then the rest of each block (q5_0: `qh`, then `qs`) in 4-byte chunks, chunk by chunk (each for
-rows 0..8).
+then the rest of each block (q5_0: `qh`, then `qs`; q4_k: `scales`, then `qs`) in 4-byte
+chunks, chunk by chunk (each for rows 0..8).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ VARIANTS = {
     "q4_0": ("q4_0x8", 2),
     "q4_1": ("q4_1x8", 4),
     "q5_0": ("q5_0x8", 2),
+    "q4_k": ("q4_kx8", 4),
 }
 SOURCE = {x8: (src, head) for src, (x8, head) in VARIANTS.items()}
 

@@ -165,7 +165,8 @@ fn block_decoder(format: TensorFormat) -> Option<DecodeBlock> {
         | TensorFormat::Q8_0X8
         | TensorFormat::Q4_0X8
         | TensorFormat::Q4_1X8
-        | TensorFormat::Q5_0X8 => return None,
+        | TensorFormat::Q5_0X8
+        | TensorFormat::Q4KX8 => return None,
     })
 }
 

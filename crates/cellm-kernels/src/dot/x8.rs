@@ -1,11 +1,11 @@
-//! Interleaved formats (`q8_0x8`, `q4_0x8`, `q4_1x8`, `q5_0x8`): groups of 8 rows stored block column
+//! Interleaved formats (`q8_0x8`, `q4_0x8`, `q4_1x8`, `q5_0x8`, `q4_kx8`): groups of 8 rows stored block column
 //! by block column, so one 32-byte load holds 4 quants of each of the 8 rows and an integer
 //! multiply-add leaves one row per lane (no horizontal sums, scales applied 8 rows at a time).
 //!
 //! Per group and block column: the blocks' f16 fields, field by field (`d` of rows 0..8, then
 //! `m` of rows 0..8 for q4_1), then the rest of each block in 4-byte chunks, chunk by chunk
-//! (chunk `c` of rows 0..8, then chunk `c + 1`; q5_0's first chunk is its `qh`). The bytes
-//! are exactly the source blocks, permuted.
+//! (chunk `c` of rows 0..8, then chunk `c + 1`; q5_0's first chunk is its `qh`, q4_k's
+//! first three its packed scales). The bytes are exactly the source blocks, permuted.
 //!
 //! This file holds the layout and the scalar reference, which takes each row back out into
 //! its source blocks and runs the row kernel on it.
@@ -75,7 +75,8 @@ fn reference<const I: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLE
 
 /// The scalar group kernel of an interleaved format.
 pub fn scalar(format: TensorFormat) -> Option<QDotX8Fn> {
-    const REFS: [QDotX8Fn; 4] = [reference::<0>, reference::<1>, reference::<2>, reference::<3>];
+    const REFS: [QDotX8Fn; 5] =
+        [reference::<0>, reference::<1>, reference::<2>, reference::<3>, reference::<4>];
     TensorFormat::INTERLEAVED.iter().position(|&f| f == format).map(|i| REFS[i])
 }
 
@@ -101,7 +102,7 @@ mod tests {
     /// varied normal values when `bits` is None.
     fn source_rows(base: TensorFormat, rows: usize, blocks: usize, bits: Option<u16>) -> Vec<u8> {
         let bytes = base.block_bytes();
-        let head = if base == TensorFormat::Q4_1 { 4 } else { 2 };
+        let head = if matches!(base, TensorFormat::Q4_1 | TensorFormat::Q4K) { 4 } else { 2 };
         let mut data = noise(rows * blocks * bytes, bytes as u64 + rows as u64);
         for (i, blk) in data.chunks_exact_mut(bytes).enumerate() {
             for at in (0..head).step_by(2) {
@@ -134,7 +135,7 @@ mod tests {
         for format in TensorFormat::INTERLEAVED {
             let (base, _) = format.interleaved().unwrap();
             let blocks = 7;
-            let cols = 32 * blocks;
+            let cols = base.block_len() * blocks;
             for bits in [None, Some(0), Some(0x7BFF), Some(0x0001)] {
                 let mut data = source_rows(base, INTERLEAVE, blocks, bits);
                 if bits == Some(0) {
@@ -192,11 +193,12 @@ mod tests {
     /// decoding give the source format's results.
     #[test]
     fn matmul_and_decode_match_the_source_format() {
-        let (rows, cols, tokens) = (64, 96, 7);
-        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 37) % 23) as f32 - 11.0).collect();
+        let (rows, tokens) = (64, 7);
         for format in TensorFormat::INTERLEAVED {
             let (base, _) = format.interleaved().unwrap();
-            let data = source_rows(base, rows, cols / 32, None);
+            let cols = 3 * base.block_len();
+            let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 37) % 23) as f32 - 11.0).collect();
+            let data = source_rows(base, rows, 3, None);
             let group = interleave(format, &data, rows);
             let plain = WeightRows { format: base, bytes: &data, rows, cols };
             let mixed = WeightRows { format, bytes: &group, rows, cols };

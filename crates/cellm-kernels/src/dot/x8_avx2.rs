@@ -128,6 +128,101 @@ unsafe fn q5_0_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
     acc
 }
 
+/// Byte `j` (0..4) of each lane as an i16 in both halves of the lane: a per-row multiplier
+/// for `vpmaddwd`.
+#[inline(always)]
+unsafe fn lane_scale(v: __m256i, j: i8) -> __m256i {
+    let z = -128; // a shuffle index with the top bit set yields 0
+    let starts = _mm256_setr_epi8(
+        0, z, 0, z, 4, z, 4, z, 8, z, 8, z, 12, z, 12, z, 0, z, 0, z, 4, z, 4, z, 8, z, 8, z, 12,
+        z, 12, z,
+    );
+    let pick = _mm256_add_epi8(
+        starts,
+        _mm256_and_si256(_mm256_set1_epi16(i16::from(j)), _mm256_set1_epi16(0xFF)),
+    );
+    _mm256_shuffle_epi8(v, pick)
+}
+
+/// The top two bits of every byte, moved to bits 4 and 5.
+#[inline(always)]
+unsafe fn top2_to_4(v: __m256i) -> __m256i {
+    _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<6>(v), _mm256_set1_epi8(3)))
+}
+
+/// q4_kx8: super-blocks of 256 in 8 sub-blocks with 6-bit scales `sc` and mins `m` (packed
+/// per row in 12 bytes: chunks 0..3 of the column), value `d * sc * u - dmin * m`. The
+/// activations (Q8K) share one scale per super-block, so the sub-blocks' integer sums are
+/// weighted by `sc` as integers and converted once.
+#[inline(always)]
+unsafe fn q4_k_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
+    let bytes = 8 * 144;
+    let (low, six) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(63));
+    let mut acc = [_mm256_setzero_ps(); N];
+    let base = group.as_ptr();
+    for b in 0..group.len() / bytes {
+        let blk = base.add(bytes * b);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
+        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16).cast()));
+        // Per lane, bytes j of scale/min words 0 and 1 are sub-blocks j and 4 + j.
+        let packed = [0, 1, 2].map(|i| _mm256_loadu_si256(blk.add(32 + 32 * i).cast()));
+        let scales = [
+            _mm256_and_si256(packed[0], six),
+            _mm256_or_si256(_mm256_and_si256(packed[2], low), top2_to_4(packed[0])),
+        ];
+        let mins = [
+            _mm256_and_si256(packed[1], six),
+            _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16::<4>(packed[2]), low),
+                top2_to_4(packed[1]),
+            ),
+        ];
+        let qs = blk.add(128);
+        let mut sums = [_mm256_setzero_si256(); N];
+        for pair in 0..4 {
+            // Eight u4 x i8 pair sums per i16 lane stay below 30480, as in q4_0x8.
+            let (mut lo_sums, mut hi_sums) =
+                ([_mm256_setzero_si256(); N], [_mm256_setzero_si256(); N]);
+            for chunk in 0..8 {
+                let q = _mm256_loadu_si256(qs.add(32 * (8 * pair + chunk)).cast());
+                let lo = _mm256_and_si256(q, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
+                for t in 0..N {
+                    let xl = broadcast4(&x[t], 8 * b + 2 * pair, chunk);
+                    let xh = broadcast4(&x[t], 8 * b + 2 * pair + 1, chunk);
+                    lo_sums[t] = _mm256_add_epi16(lo_sums[t], _mm256_maddubs_epi16(lo, xl));
+                    hi_sums[t] = _mm256_add_epi16(hi_sums[t], _mm256_maddubs_epi16(hi, xh));
+                }
+            }
+            let (j_lo, j_hi) = (2 * pair, 2 * pair + 1);
+            let sc_lo = lane_scale(scales[j_lo / 4], (j_lo % 4) as i8);
+            let sc_hi = lane_scale(scales[j_hi / 4], (j_hi % 4) as i8);
+            for t in 0..N {
+                let p = _mm256_add_epi32(
+                    _mm256_madd_epi16(lo_sums[t], sc_lo),
+                    _mm256_madd_epi16(hi_sums[t], sc_hi),
+                );
+                sums[t] = _mm256_add_epi32(sums[t], p);
+            }
+        }
+        // dmin * m_j per row, for the activation sums of each sub-block.
+        let mins_f: [__m256; 8] = std::array::from_fn(|j| {
+            let byte = _mm256_srlv_epi32(mins[j / 4], _mm256_set1_epi32(8 * (j % 4) as i32));
+            let m = _mm256_and_si256(byte, _mm256_set1_epi32(0xFF));
+            _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m))
+        });
+        for t in 0..N {
+            let ds = &x[t].ds[8 * b..8 * b + 8];
+            let scale = _mm256_mul_ps(d, _mm256_set1_ps(ds[0][0]));
+            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[t]), acc[t]);
+            for (m, ds) in mins_f.iter().zip(ds) {
+                acc[t] = _mm256_fnmadd_ps(*m, _mm256_set1_ps(ds[1]), acc[t]);
+            }
+        }
+    }
+    acc
+}
+
 /// q8_0x8: signed quants, multiplied as |w| times x carrying w's sign.
 #[inline(always)]
 unsafe fn q8_0_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
@@ -168,7 +263,8 @@ unsafe fn run<const N: usize, const F: usize>(
         0 => q8_0_x8::<N>(group, x),
         1 => nibbles_x8::<N, false>(group, x),
         2 => nibbles_x8::<N, true>(group, x),
-        _ => q5_0_x8::<N>(group, x),
+        3 => q5_0_x8::<N>(group, x),
+        _ => q4_k_x8::<N>(group, x),
     };
     for (o, a) in out.iter_mut().zip(acc) {
         _mm256_storeu_ps(o.as_mut_ptr(), a);
@@ -202,6 +298,6 @@ fn entry<const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLEAVE]
 
 pub fn qdot(format: TensorFormat) -> Option<QDotX8Fn> {
     assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
-    const ENTRIES: [QDotX8Fn; 4] = [entry::<0>, entry::<1>, entry::<2>, entry::<3>];
+    const ENTRIES: [QDotX8Fn; 5] = [entry::<0>, entry::<1>, entry::<2>, entry::<3>, entry::<4>];
     TensorFormat::INTERLEAVED.iter().position(|&f| f == format).map(|i| ENTRIES[i])
 }
