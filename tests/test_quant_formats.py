@@ -62,7 +62,7 @@ def test_dequantize_rejects_bad_sizes():
 
 # -- interleaved layouts ---------------------------------------------------------------------
 
-X8 = {"q8_0": "q8_0x8", "q4_0": "q4_0x8", "q4_1": "q4_1x8", "q5_0": "q5_0x8", "q4_k": "q4_kx8"}
+X8 = {fmt: f"{fmt}x8" for fmt in ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k")}
 
 
 @pytest.mark.parametrize("fmt", X8)

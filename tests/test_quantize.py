@@ -204,7 +204,7 @@ def test_4_and_5_bit_models_run_their_blocks(scheme, group, tmp_path):
         elif t["format"] in GGML or t["format"] in SOURCE:
             blocks, fmt = data.reshape(rows, -1), t["format"]
             if fmt in SOURCE:  # interleaved: back to the GGUF blocks first
-                blocks, fmt = deinterleave_rows(blocks, fmt), SOURCE[fmt][0]
+                blocks, fmt = deinterleave_rows(blocks, fmt), SOURCE[fmt]
             tensors.append((t["name"], gguf_dequantize(blocks, GGML[fmt]), "f32"))
         else:
             tensors.append((t["name"], decode_reference(t["format"], data, rows, cols), "f32"))

@@ -7,4 +7,4 @@ mod tensor;
 
 pub use error::{Error, Result};
 pub use reader::{BlobEntry, CellmFile, Header, TensorEntry, FORMAT_VERSION, MAGIC};
-pub use tensor::{Tensor, TensorFormat, INTERLEAVE};
+pub use tensor::{Interleaved, Tensor, TensorFormat, INTERLEAVE};

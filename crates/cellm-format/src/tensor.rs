@@ -31,7 +31,7 @@ pub enum TensorFormat {
     /// then the values as above (`w = d * q + m`). Groups of 32 are `q4_1`.
     I4AG64,
     I4AG128,
-    /// Row-interleaved q8_0 / q4_0 / q4_1 / q5_0 / q4_k: the same blocks, regrouped so that a kernel reads
+    /// Row-interleaved q8_0 / q4_0 / q4_1 / q5_0 / q4_k / q6_k: the same blocks, regrouped so that a kernel reads
     /// 8 rows at once (`docs/format.md`, "Interleaved formats"). The converter writes them;
     /// the row count must be a multiple of [`INTERLEAVE`].
     Q8_0X8,
@@ -39,6 +39,7 @@ pub enum TensorFormat {
     Q4_1X8,
     Q5_0X8,
     Q4KX8,
+    Q6KX8,
 }
 
 /// Rows per group of an interleaved format.
@@ -68,16 +69,32 @@ const FORMATS: &[FormatInfo] = &[
     FormatInfo(TensorFormat::Q4_1X8, "q4_1x8", 32, 20, 0),
     FormatInfo(TensorFormat::Q5_0X8, "q5_0x8", 32, 22, 0),
     FormatInfo(TensorFormat::Q4KX8, "q4_kx8", 256, 144, 0),
+    FormatInfo(TensorFormat::Q6KX8, "q6_kx8", 256, 210, 0),
 ];
 
-/// Interleaved formats: (format, the format of its blocks, bytes of f16 fields that open each
-/// block before its quants).
-const INTERLEAVED: &[(TensorFormat, TensorFormat, usize)] = &[
-    (TensorFormat::Q8_0X8, TensorFormat::Q8_0, 2),
-    (TensorFormat::Q4_0X8, TensorFormat::Q4_0, 2),
-    (TensorFormat::Q4_1X8, TensorFormat::Q4_1, 4),
-    (TensorFormat::Q5_0X8, TensorFormat::Q5_0, 2),
-    (TensorFormat::Q4KX8, TensorFormat::Q4K, 4),
+/// How an interleaved format regroups the blocks of its base format: the `fields` bytes of
+/// f16 fields at `fields_at` in each source block go first (field by field, 8 rows each),
+/// then the rest of the block in 4-byte chunks (chunk by chunk, 8 rows each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Interleaved {
+    pub base: TensorFormat,
+    pub fields: usize,
+    pub fields_at: usize,
+}
+
+const fn x8(base: TensorFormat, fields: usize, fields_at: usize) -> Interleaved {
+    Interleaved { base, fields, fields_at }
+}
+
+/// Interleaved formats and their layouts.
+const INTERLEAVED: &[(TensorFormat, Interleaved)] = &[
+    (TensorFormat::Q8_0X8, x8(TensorFormat::Q8_0, 2, 0)),
+    (TensorFormat::Q4_0X8, x8(TensorFormat::Q4_0, 2, 0)),
+    (TensorFormat::Q4_1X8, x8(TensorFormat::Q4_1, 4, 0)),
+    (TensorFormat::Q5_0X8, x8(TensorFormat::Q5_0, 2, 0)),
+    (TensorFormat::Q4KX8, x8(TensorFormat::Q4K, 4, 0)),
+    // q6_k keeps its scale `d` last; the interleaved column puts it first.
+    (TensorFormat::Q6KX8, x8(TensorFormat::Q6K, 2, 208)),
 ];
 
 impl TensorFormat {
@@ -98,18 +115,17 @@ impl TensorFormat {
     ];
 
     /// The interleaved formats, in one order other tables can index by.
-    pub const INTERLEAVED: [TensorFormat; 5] =
-        [Self::Q8_0X8, Self::Q4_0X8, Self::Q4_1X8, Self::Q5_0X8, Self::Q4KX8];
+    pub const INTERLEAVED: [TensorFormat; 6] =
+        [Self::Q8_0X8, Self::Q4_0X8, Self::Q4_1X8, Self::Q5_0X8, Self::Q4KX8, Self::Q6KX8];
 
-    /// For an interleaved format, the format of its blocks and the bytes of f16 fields at the
-    /// front of each block (1 or 2 fields); None for the others.
-    pub fn interleaved(self) -> Option<(TensorFormat, usize)> {
-        INTERLEAVED.iter().find(|e| e.0 == self).map(|e| (e.1, e.2))
+    /// For an interleaved format, its layout; None for the others.
+    pub fn interleaved(self) -> Option<Interleaved> {
+        INTERLEAVED.iter().find(|e| e.0 == self).map(|e| e.1)
     }
 
     /// The interleaved variant of a block format, if it has one.
     pub fn interleaved_variant(self) -> Option<TensorFormat> {
-        INTERLEAVED.iter().find(|e| e.1 == self).map(|e| e.0)
+        INTERLEAVED.iter().find(|e| e.1.base == self).map(|e| e.0)
     }
 
     fn entry(self) -> &'static FormatInfo {

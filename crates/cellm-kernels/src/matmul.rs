@@ -3,7 +3,7 @@
 //! Work is split over blocks of weight rows so each row is read from memory once per call and
 //! reused for every token of the batch while it sits in L1.
 
-use cellm_format::{Tensor, TensorFormat, INTERLEAVE};
+use cellm_format::{Interleaved, Tensor, TensorFormat, INTERLEAVE};
 
 use crate::acts::{ActScheme, Q8Acts, Q8Row, QBLOCK};
 use crate::dot::x8::{self, QDotX8Fn};
@@ -36,7 +36,7 @@ pub fn matmul_raw(x: &[f32], tokens: usize, w: WeightRows, out: &mut [f32]) {
     assert_eq!(w.format.nbytes(&[n, k]), Some(w.bytes.len()), "matmul: weight size");
     assert_eq!(x.len(), tokens * k, "matmul: activations do not match the weight");
     assert_eq!(out.len(), tokens * n, "matmul: output does not match the weight");
-    if let Some((base, _)) = w.format.interleaved() {
+    if let Some(Interleaved { base, .. }) = w.format.interleaved() {
         let kern = group_kernel(w.format, isa::selected()).expect("interleaved kernel");
         let acts = Q8Acts::quantize(x, k, ActScheme::for_format(base));
         return groups_times_tokens(w, &acts, tokens, out, kern);
@@ -155,7 +155,7 @@ pub fn decode_row(w: &Tensor, r: usize, out: &mut [f32]) {
 /// [`decode_row`] on raw stored rows; an interleaved row is first taken out of its group.
 pub fn decode_row_raw(w: WeightRows, r: usize, out: &mut [f32]) {
     assert!(r < w.rows && out.len() == w.cols, "decode_row: row {r} of {} rows", w.rows);
-    if let Some((base, _)) = w.format.interleaved() {
+    if let Some(Interleaved { base, .. }) = w.format.interleaved() {
         let stride = w.bytes.len() / (w.rows / INTERLEAVE);
         let g = r / INTERLEAVE;
         let mut row = Vec::with_capacity(stride / INTERLEAVE);

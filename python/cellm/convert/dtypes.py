@@ -34,9 +34,12 @@ BLOCK_FORMATS = {
     "q4_1x8": (32, 20),
     "q5_0x8": (32, 22),
     "q4_kx8": (256, 144),
+    "q6_kx8": (256, 210),
 }
 # Rows per group of the interleaved formats.
-INTERLEAVED_ROWS = {name: 8 for name in ("q8_0x8", "q4_0x8", "q4_1x8", "q5_0x8", "q4_kx8")}
+INTERLEAVED_ROWS = {
+    name: 8 for name in ("q8_0x8", "q4_0x8", "q4_1x8", "q5_0x8", "q4_kx8", "q6_kx8")
+}
 # Bytes before each row's blocks (i8_row's f32 scale).
 ROW_HEADER = {"i8_row": 4}
 

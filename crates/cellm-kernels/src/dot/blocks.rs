@@ -166,7 +166,8 @@ fn block_decoder(format: TensorFormat) -> Option<DecodeBlock> {
         | TensorFormat::Q4_0X8
         | TensorFormat::Q4_1X8
         | TensorFormat::Q5_0X8
-        | TensorFormat::Q4KX8 => return None,
+        | TensorFormat::Q4KX8
+        | TensorFormat::Q6KX8 => return None,
     })
 }
 

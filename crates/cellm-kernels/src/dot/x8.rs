@@ -10,7 +10,7 @@
 //! This file holds the layout and the scalar reference, which takes each row back out into
 //! its source blocks and runs the row kernel on it.
 
-use cellm_format::{TensorFormat, INTERLEAVE};
+use cellm_format::{Interleaved, TensorFormat, INTERLEAVE};
 
 use super::int_scalar;
 use crate::acts::Q8Row;
@@ -23,37 +23,42 @@ pub type QDotX8Fn = fn(&[u8], &[Q8Row], &mut [[f32; INTERLEAVE]]);
 
 /// Copies row `lane` of an interleaved `group` out as the source format's row.
 pub fn row_of_group(format: TensorFormat, group: &[u8], lane: usize, out: &mut Vec<u8>) {
-    let (base, head) = format.interleaved().expect("an interleaved format");
-    let bytes = base.block_bytes();
-    let quants = bytes - head;
+    let Interleaved { base, fields, fields_at } = format.interleaved().expect("interleaved");
+    let rest = base.block_bytes() - fields;
     out.clear();
-    for column in group.chunks_exact(INTERLEAVE * bytes) {
-        for field in 0..head / 2 {
+    let mut block = Vec::with_capacity(base.block_bytes());
+    for column in group.chunks_exact(INTERLEAVE * base.block_bytes()) {
+        block.clear();
+        let chunks = &column[INTERLEAVE * fields..];
+        for c in 0..rest / 4 {
+            let at = 4 * (c * INTERLEAVE + lane);
+            block.extend_from_slice(&chunks[at..at + 4]);
+        }
+        // The fields go back to their place in the source block.
+        out.extend_from_slice(&block[..fields_at]);
+        for field in 0..fields / 2 {
             let at = 2 * (field * INTERLEAVE + lane);
             out.extend_from_slice(&column[at..at + 2]);
         }
-        let chunks = &column[INTERLEAVE * head..];
-        for c in 0..quants / 4 {
-            let at = 4 * (c * INTERLEAVE + lane);
-            out.extend_from_slice(&chunks[at..at + 4]);
-        }
+        out.extend_from_slice(&block[fields_at..]);
     }
 }
 
 /// The inverse of [`row_of_group`] for 8 source rows (tests and tools).
 pub fn group_of_rows(format: TensorFormat, rows: &[&[u8]; INTERLEAVE]) -> Vec<u8> {
-    let (base, head) = format.interleaved().expect("an interleaved format");
+    let Interleaved { base, fields, fields_at } = format.interleaved().expect("interleaved");
     let bytes = base.block_bytes();
     let mut out = Vec::with_capacity(INTERLEAVE * rows[0].len());
     for b in 0..rows[0].len() / bytes {
         let blocks = rows.map(|r| &r[b * bytes..(b + 1) * bytes]);
-        for field in 0..head / 2 {
-            blocks.iter().for_each(|blk| out.extend_from_slice(&blk[2 * field..2 * field + 2]));
+        for field in 0..fields / 2 {
+            let at = fields_at + 2 * field;
+            blocks.iter().for_each(|blk| out.extend_from_slice(&blk[at..at + 2]));
         }
-        for c in 0..(bytes - head) / 4 {
-            blocks
-                .iter()
-                .for_each(|blk| out.extend_from_slice(&blk[head + 4 * c..head + 4 * c + 4]));
+        let rest: [Vec<u8>; INTERLEAVE] =
+            blocks.map(|blk| [&blk[..fields_at], &blk[fields_at + fields..]].concat());
+        for c in 0..(bytes - fields) / 4 {
+            rest.iter().for_each(|r| out.extend_from_slice(&r[4 * c..4 * c + 4]));
         }
     }
     out
@@ -62,7 +67,7 @@ pub fn group_of_rows(format: TensorFormat, rows: &[&[u8]; INTERLEAVE]) -> Vec<u8
 /// The scalar reference: every row taken out of the group and run through the row kernel.
 fn reference<const I: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLEAVE]]) {
     let format = TensorFormat::INTERLEAVED[I];
-    let (base, _) = format.interleaved().expect("interleaved");
+    let base = format.interleaved().expect("interleaved").base;
     let (one, _) = int_scalar::qdot(base).expect("every interleaved base has an integer kernel");
     let mut row = Vec::new();
     for lane in 0..INTERLEAVE {
@@ -75,8 +80,14 @@ fn reference<const I: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLE
 
 /// The scalar group kernel of an interleaved format.
 pub fn scalar(format: TensorFormat) -> Option<QDotX8Fn> {
-    const REFS: [QDotX8Fn; 5] =
-        [reference::<0>, reference::<1>, reference::<2>, reference::<3>, reference::<4>];
+    const REFS: [QDotX8Fn; 6] = [
+        reference::<0>,
+        reference::<1>,
+        reference::<2>,
+        reference::<3>,
+        reference::<4>,
+        reference::<5>,
+    ];
     TensorFormat::INTERLEAVED.iter().position(|&f| f == format).map(|i| REFS[i])
 }
 
@@ -102,13 +113,15 @@ mod tests {
     /// varied normal values when `bits` is None.
     fn source_rows(base: TensorFormat, rows: usize, blocks: usize, bits: Option<u16>) -> Vec<u8> {
         let bytes = base.block_bytes();
-        let head = if matches!(base, TensorFormat::Q4_1 | TensorFormat::Q4K) { 4 } else { 2 };
+        let x8 = base.interleaved_variant().unwrap().interleaved().unwrap();
         let mut data = noise(rows * blocks * bytes, bytes as u64 + rows as u64);
         for (i, blk) in data.chunks_exact_mut(bytes).enumerate() {
-            for at in (0..head).step_by(2) {
+            for at in (x8.fields_at..x8.fields_at + x8.fields).step_by(2) {
                 let v = bits.unwrap_or_else(|| {
-                    half::f16::from_f32(0.01 + 0.001 * (i % 17) as f32 - 0.004 * at as f32)
-                        .to_bits()
+                    half::f16::from_f32(
+                        0.01 + 0.001 * (i % 17) as f32 - 0.002 * (at - x8.fields_at) as f32,
+                    )
+                    .to_bits()
                 });
                 blk[at..at + 2].copy_from_slice(&v.to_le_bytes());
             }
@@ -133,7 +146,7 @@ mod tests {
     #[test]
     fn group_kernels_match_row_kernels() {
         for format in TensorFormat::INTERLEAVED {
-            let (base, _) = format.interleaved().unwrap();
+            let base = format.interleaved().unwrap().base;
             let blocks = 7;
             let cols = base.block_len() * blocks;
             for bits in [None, Some(0), Some(0x7BFF), Some(0x0001)] {
@@ -195,7 +208,7 @@ mod tests {
     fn matmul_and_decode_match_the_source_format() {
         let (rows, tokens) = (64, 7);
         for format in TensorFormat::INTERLEAVED {
-            let (base, _) = format.interleaved().unwrap();
+            let base = format.interleaved().unwrap().base;
             let cols = 3 * base.block_len();
             let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 37) % 23) as f32 - 11.0).collect();
             let data = source_rows(base, rows, 3, None);

@@ -223,6 +223,101 @@ unsafe fn q4_k_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
     acc
 }
 
+/// q6_kx8: super-blocks of 256 in 16 sub-blocks of 16 with signed 8-bit scales, value
+/// `d * sc * (q - 32)` for 6-bit `q` (4 bits from `ql`, 2 from `qh`). Column layout: `d` of
+/// the 8 rows, then 32 chunks of `ql`, 16 of `qh`, 4 of scales.
+#[inline(always)]
+unsafe fn q6_k_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
+    let bytes = 8 * 210;
+    let (low, three, k32) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3), _mm256_set1_epi8(32));
+    // Bits 2k..2k+2 of each byte of `qh`, moved to bits 4..6.
+    let high = |qh: __m256i, k: usize| {
+        let shifted = match k {
+            0 => qh,
+            1 => _mm256_srli_epi16::<2>(qh),
+            2 => _mm256_srli_epi16::<4>(qh),
+            _ => _mm256_srli_epi16::<6>(qh),
+        };
+        _mm256_slli_epi16::<4>(_mm256_and_si256(shifted, three))
+    };
+    let mut acc = [_mm256_setzero_ps(); N];
+    let base = group.as_ptr();
+    for b in 0..group.len() / bytes {
+        let blk = base.add(bytes * b);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
+        let chunk = |c: usize| _mm256_loadu_si256(blk.add(16 + 32 * c).cast());
+        let mut sums = [_mm256_setzero_si256(); N];
+        for half in 0..2 {
+            for quarter in 0..2 {
+                // Element 32k + l of this half, l in 16 * quarter..+16, has scale
+                // 8 * half + 2k + quarter. Four (q - 32) x i8 pair sums per i16 lane stay
+                // within 4 * 8128 = 32512.
+                let mut short = [[_mm256_setzero_si256(); 4]; N];
+                for i in 4 * quarter..4 * quarter + 4 {
+                    let (ql_a, ql_b) = (chunk(16 * half + i), chunk(16 * half + 8 + i));
+                    let qh = chunk(32 + 8 * half + i);
+                    let q = [
+                        _mm256_or_si256(_mm256_and_si256(ql_a, low), high(qh, 0)),
+                        _mm256_or_si256(_mm256_and_si256(ql_b, low), high(qh, 1)),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(ql_a), low),
+                            high(qh, 2),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(ql_b), low),
+                            high(qh, 3),
+                        ),
+                    ];
+                    for t in 0..N {
+                        for (k, qk) in q.iter().enumerate() {
+                            let xv = broadcast4(&x[t], 8 * b + 4 * half + k, i);
+                            let p = _mm256_sub_epi16(
+                                _mm256_maddubs_epi16(*qk, xv),
+                                _mm256_maddubs_epi16(k32, xv),
+                            );
+                            short[t][k] = _mm256_add_epi16(short[t][k], p);
+                        }
+                    }
+                }
+                // Scales 8 * half + 2k + quarter for k = 0..4: bytes quarter and 2 + quarter
+                // of scale chunks 2 * half and 2 * half + 1.
+                let (s0, s1) = (chunk(48 + 2 * half), chunk(49 + 2 * half));
+                let q8 = quarter as i8;
+                let sc = [
+                    signed_lane_scale(s0, q8),
+                    signed_lane_scale(s0, 2 + q8),
+                    signed_lane_scale(s1, q8),
+                    signed_lane_scale(s1, 2 + q8),
+                ];
+                for t in 0..N {
+                    for k in 0..4 {
+                        let p = _mm256_madd_epi16(short[t][k], sc[k]);
+                        sums[t] = _mm256_add_epi32(sums[t], p);
+                    }
+                }
+            }
+        }
+        for t in 0..N {
+            let scale = _mm256_mul_ps(d, _mm256_set1_ps(x[t].ds[8 * b][0]));
+            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[t]), acc[t]);
+        }
+    }
+    acc
+}
+
+/// Signed byte `j` (0..4) of each lane, sign-extended to i16 in both halves of the lane.
+#[inline(always)]
+unsafe fn signed_lane_scale(v: __m256i, j: i8) -> __m256i {
+    // The byte lands in the high half of each i16; an arithmetic shift brings it down.
+    let z = -128;
+    let starts = _mm256_setr_epi8(
+        z, 0, z, 0, z, 4, z, 4, z, 8, z, 8, z, 12, z, 12, z, 0, z, 0, z, 4, z, 4, z, 8, z, 8, z,
+        12, z, 12,
+    );
+    let offset = _mm256_set1_epi16(i16::from(j) << 8);
+    _mm256_srai_epi16::<8>(_mm256_shuffle_epi8(v, _mm256_add_epi8(starts, offset)))
+}
+
 /// q8_0x8: signed quants, multiplied as |w| times x carrying w's sign.
 #[inline(always)]
 unsafe fn q8_0_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
@@ -264,7 +359,8 @@ unsafe fn run<const N: usize, const F: usize>(
         1 => nibbles_x8::<N, false>(group, x),
         2 => nibbles_x8::<N, true>(group, x),
         3 => q5_0_x8::<N>(group, x),
-        _ => q4_k_x8::<N>(group, x),
+        4 => q4_k_x8::<N>(group, x),
+        _ => q6_k_x8::<N>(group, x),
     };
     for (o, a) in out.iter_mut().zip(acc) {
         _mm256_storeu_ps(o.as_mut_ptr(), a);
@@ -274,7 +370,7 @@ unsafe fn run<const N: usize, const F: usize>(
 /// Format `F` (index into `TensorFormat::INTERLEAVED`) for 1..=4 tokens.
 fn entry<const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLEAVE]]) {
     let format = TensorFormat::INTERLEAVED[F];
-    let (base, _) = format.interleaved().expect("interleaved");
+    let base = format.interleaved().expect("interleaved").base;
     let elems = group.len() / INTERLEAVE / base.block_bytes() * base.block_len();
     assert!(
         group.len().is_multiple_of(INTERLEAVE * base.block_bytes()) && x.len() == out.len(),
@@ -298,6 +394,7 @@ fn entry<const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLEAVE]
 
 pub fn qdot(format: TensorFormat) -> Option<QDotX8Fn> {
     assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
-    const ENTRIES: [QDotX8Fn; 5] = [entry::<0>, entry::<1>, entry::<2>, entry::<3>, entry::<4>];
+    const ENTRIES: [QDotX8Fn; 6] =
+        [entry::<0>, entry::<1>, entry::<2>, entry::<3>, entry::<4>, entry::<5>];
     TensorFormat::INTERLEAVED.iter().position(|&f| f == format).map(|i| ENTRIES[i])
 }
