@@ -11,4 +11,6 @@ pub mod ops;
 pub mod pool;
 
 pub use isa::Isa;
-pub use matmul::{decode_row, decode_row_raw, matmul, matmul_raw, WeightRows};
+pub use matmul::{
+    decode_row, decode_row_raw, matmul, matmul_many, matmul_many_raw, matmul_raw, WeightRows,
+};

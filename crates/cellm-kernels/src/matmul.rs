@@ -1,13 +1,15 @@
 //! Matrix products against stored weights: `out[t, n] = dot(x[t, :], W[n, :])`.
 //!
 //! Work is split over blocks of weight rows so each row is read from memory once per call and
-//! reused for every token of the batch while it sits in L1.
+//! reused for every token of the batch while it sits in L1. Several products of the same
+//! activations (a layer's q/k/v, or gate/up) go to the pool as one job, with the activations
+//! quantized once.
 
 use cellm_format::{Interleaved, Tensor, TensorFormat, INTERLEAVE};
 
 use crate::acts::{ActScheme, Q8Acts, Q8Row, QBLOCK};
 use crate::dot::x8::{self, QDotX8Fn};
-use crate::dot::{group_kernel, kernels};
+use crate::dot::{group_kernel, kernels, DotFn, QDot4Fn, QDotFn};
 use crate::isa;
 use crate::pool::{self, SharedOut};
 
@@ -17,8 +19,13 @@ const PARALLEL_MIN_WORK: usize = 1 << 15;
 /// `out` (`tokens x rows(w)`) = `x` (`tokens x cols(w)`) times `w` transposed. Formats with an
 /// integer kernel get `x` quantized to int8 blocks once, here, for all their rows.
 pub fn matmul(x: &[f32], tokens: usize, w: &Tensor, out: &mut [f32]) {
-    let (n, k) = w.rows_cols();
-    matmul_raw(x, tokens, WeightRows { format: w.format, bytes: w.bytes(), rows: n, cols: k }, out);
+    matmul_raw(x, tokens, WeightRows::of(w), out);
+}
+
+/// [`matmul`] for several weights of the same input width at once: `outs[i] = x W_i^T`.
+pub fn matmul_many(x: &[f32], tokens: usize, ws: &[&Tensor], outs: &mut [&mut [f32]]) {
+    let rows: Vec<WeightRows> = ws.iter().map(|w| WeightRows::of(w)).collect();
+    matmul_many_raw(x, tokens, &rows, outs);
 }
 
 /// A weight matrix as stored: `rows` rows of `cols` elements in `format`.
@@ -30,126 +37,175 @@ pub struct WeightRows<'a> {
     pub cols: usize,
 }
 
+impl<'a> WeightRows<'a> {
+    pub fn of(w: &'a Tensor) -> Self {
+        let (rows, cols) = w.rows_cols();
+        Self { format: w.format, bytes: w.bytes(), rows, cols }
+    }
+}
+
 /// [`matmul`] on raw stored rows (`bytes` must hold exactly `rows` rows).
 pub fn matmul_raw(x: &[f32], tokens: usize, w: WeightRows, out: &mut [f32]) {
-    let (n, k) = (w.rows, w.cols);
-    assert_eq!(w.format.nbytes(&[n, k]), Some(w.bytes.len()), "matmul: weight size");
-    assert_eq!(x.len(), tokens * k, "matmul: activations do not match the weight");
-    assert_eq!(out.len(), tokens * n, "matmul: output does not match the weight");
-    if let Some(Interleaved { base, .. }) = w.format.interleaved() {
-        let kern = group_kernel(w.format, isa::selected()).expect("interleaved kernel");
-        let acts = Q8Acts::quantize(x, k, ActScheme::for_format(base));
-        return groups_times_tokens(w, &acts, tokens, out, kern);
-    }
-    let kern = kernels(w.format, isa::selected());
-    match kern.qdot {
-        Some((one, four)) if k.is_multiple_of(w.format.block_len().max(QBLOCK)) => {
-            let acts = Q8Acts::quantize(x, k, ActScheme::for_format(w.format));
-            rows_times_tokens(w, tokens, out, |row, t, n, dst| {
-                if n == 4 {
-                    *dst = four(
-                        row,
-                        &[acts.row(t), acts.row(t + 1), acts.row(t + 2), acts.row(t + 3)],
-                    );
-                } else {
-                    (0..n).for_each(|i| dst[i] = one(row, acts.row(t + i)));
-                }
-            });
-        }
-        _ => rows_times_tokens(w, tokens, out, |row, t, n, dst| {
-            (0..n).for_each(|i| dst[i] = (kern.dot)(row, &x[(t + i) * k..(t + i + 1) * k]));
-        }),
-    }
+    matmul_many_raw(x, tokens, &[w], &mut [out]);
 }
 
-/// `out[t, r]` for every token and weight row: `f(row, t, n, dst)` fills `dst[..n]` with the
-/// results of tokens `t..t + n` (n <= 4). Split over blocks of weight rows so each row is read
-/// from memory once and reused for every token while it sits in L1.
-fn rows_times_tokens(
-    w: WeightRows,
-    tokens: usize,
-    out: &mut [f32],
-    f: impl Fn(&[u8], usize, usize, &mut [f32; 4]) + Sync,
-) {
-    let (n, k, bytes) = (w.rows, w.cols, w.bytes);
-    let stride = bytes.len() / n.max(1);
-    let dst = SharedOut(out.as_mut_ptr());
-    let run_block = |rows: std::ops::Range<usize>| {
-        for r in rows {
-            let row = &bytes[r * stride..(r + 1) * stride];
-            let mut vals = [0.0f32; 4];
-            for t in (0..tokens).step_by(4) {
-                let count = (tokens - t).min(4);
-                f(row, t, count, &mut vals);
-                for (i, v) in vals[..count].iter().enumerate() {
-                    // SAFETY: each task owns a distinct block of rows `r`, and (t + i) * n + r
-                    // is below tokens * n, the length of `out`.
-                    unsafe { *dst.at((t + i) * n + r) = *v };
-                }
+/// [`matmul_many`] on raw stored rows.
+pub fn matmul_many_raw(x: &[f32], tokens: usize, ws: &[WeightRows], outs: &mut [&mut [f32]]) {
+    assert_eq!(ws.len(), outs.len(), "matmul: one output per weight");
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        assert_eq!(w.format.nbytes(&[w.rows, w.cols]), Some(w.bytes.len()), "matmul: weight size");
+        assert_eq!(x.len(), tokens * w.cols, "matmul: activations do not match the weight");
+        assert_eq!(out.len(), tokens * w.rows, "matmul: output does not match the weight");
+    }
+    // The activations in each int8 scheme some weight needs, quantized once.
+    let mut quantized: Vec<(ActScheme, Q8Acts)> = Vec::new();
+    for w in ws {
+        if let Some(scheme) = act_scheme(*w) {
+            if !quantized.iter().any(|(s, _)| *s == scheme) {
+                quantized.push((scheme, Q8Acts::quantize(x, w.cols, scheme)));
             }
         }
-    };
+    }
+    let acts_for = |scheme| &quantized.iter().find(|(s, _)| *s == scheme).expect("quantized").1;
+    let products: Vec<Product> = ws
+        .iter()
+        .zip(outs.iter_mut())
+        .map(|(&w, out)| Product::new(w, x, tokens, out.as_mut_ptr(), &acts_for))
+        .collect();
+
+    let work: usize = ws.iter().map(|w| w.rows * w.cols * tokens).sum();
     let threads = pool::current_threads();
-    if n * k * tokens < PARALLEL_MIN_WORK || threads == 1 {
-        run_block(0..n);
+    if work < PARALLEL_MIN_WORK || threads == 1 {
+        products.iter().for_each(|p| p.run(0..p.units()));
         return;
     }
-    // A few blocks per thread evens out uneven progress; whole 8-row blocks keep writes to
-    // `out` in separate cache lines.
-    let per = n.div_ceil(threads * 4).next_multiple_of(8);
-    pool::parallel_for(n.div_ceil(per), |b| run_block(b * per..((b + 1) * per).min(n)));
+    // A few blocks per thread and product evens out uneven progress; blocks of whole cache
+    // lines of output (8 rows, or 2 groups of 8) keep tasks' writes apart.
+    let mut tasks = Vec::new();
+    for (i, p) in products.iter().enumerate() {
+        let units = p.units();
+        let per = units.div_ceil(threads * 4).next_multiple_of(p.units_per_line());
+        tasks.extend((0..units).step_by(per).map(|s| (i, s..(s + per).min(units))));
+    }
+    pool::parallel_for(tasks.len(), |t| products[tasks[t].0].run(tasks[t].1.clone()));
 }
 
-/// `out[t, r]` for an interleaved format: each task takes whole groups of 8 rows, and each
-/// group is read once per 4 tokens.
-fn groups_times_tokens(
-    w: WeightRows,
-    acts: &Q8Acts,
+/// The activation scheme a weight's integer kernel needs, or None for float kernels.
+fn act_scheme(w: WeightRows) -> Option<ActScheme> {
+    if let Some(Interleaved { base, .. }) = w.format.interleaved() {
+        return Some(ActScheme::for_format(base));
+    }
+    let integer = kernels(w.format, isa::selected()).qdot.is_some()
+        && w.cols.is_multiple_of(w.format.block_len().max(QBLOCK));
+    integer.then(|| ActScheme::for_format(w.format))
+}
+
+/// One weight's product, ready to run over any range of its rows (or groups of 8 rows).
+struct Product<'a> {
+    w: WeightRows<'a>,
     tokens: usize,
-    out: &mut [f32],
-    kern: QDotX8Fn,
-) {
-    let (n, k) = (w.rows, w.cols);
-    let groups = n / INTERLEAVE;
-    let stride = w.bytes.len() / groups.max(1);
-    let dst = SharedOut(out.as_mut_ptr());
-    let rows: Vec<Q8Row> = (0..tokens).map(|t| acts.row(t)).collect();
-    let run_groups = |range: std::ops::Range<usize>| {
+    out: SharedOut,
+    kernel: Kernel<'a>,
+}
+
+enum Kernel<'a> {
+    Groups(QDotX8Fn, Vec<Q8Row<'a>>),
+    Integer((QDotFn, QDot4Fn), &'a Q8Acts),
+    Float(DotFn, &'a [f32]),
+}
+
+impl<'a> Product<'a> {
+    fn new(
+        w: WeightRows<'a>,
+        x: &'a [f32],
+        tokens: usize,
+        out: *mut f32,
+        acts_for: &impl Fn(ActScheme) -> &'a Q8Acts,
+    ) -> Self {
+        let kernel = match act_scheme(w) {
+            Some(scheme) if w.format.interleaved().is_some() => {
+                let acts = acts_for(scheme);
+                let kern = group_kernel(w.format, isa::selected()).expect("interleaved kernel");
+                Kernel::Groups(kern, (0..tokens).map(|t| acts.row(t)).collect())
+            }
+            Some(scheme) => {
+                let qdot = kernels(w.format, isa::selected()).qdot.expect("integer kernel");
+                Kernel::Integer(qdot, acts_for(scheme))
+            }
+            None => Kernel::Float(kernels(w.format, isa::selected()).dot, x),
+        };
+        Self { w, tokens, out: SharedOut(out), kernel }
+    }
+
+    /// Rows, or groups of rows for interleaved formats.
+    fn units(&self) -> usize {
+        match self.kernel {
+            Kernel::Groups(..) => self.w.rows / INTERLEAVE,
+            _ => self.w.rows,
+        }
+    }
+
+    /// Units whose outputs fill a 64-byte line.
+    fn units_per_line(&self) -> usize {
+        match self.kernel {
+            Kernel::Groups(..) => 2,
+            _ => 8,
+        }
+    }
+
+    /// `out[t, r]` for every token and the rows of `units`, each row (or group) read once
+    /// per 4 tokens.
+    fn run(&self, units: std::ops::Range<usize>) {
+        let (n, k, tokens) = (self.w.rows, self.w.cols, self.tokens);
+        let stride = self.w.bytes.len() / self.units().max(1);
         let mut vals = [[0.0f32; INTERLEAVE]; x8::MAX_TOKENS];
-        for g in range {
-            let group = &w.bytes[g * stride..(g + 1) * stride];
+        for u in units {
+            let bytes = &self.w.bytes[u * stride..(u + 1) * stride];
             for t in (0..tokens).step_by(x8::MAX_TOKENS) {
                 let count = (tokens - t).min(x8::MAX_TOKENS);
-                kern(group, &rows[t..t + count], &mut vals[..count]);
+                let width = match &self.kernel {
+                    Kernel::Groups(kern, rows) => {
+                        kern(bytes, &rows[t..t + count], &mut vals[..count]);
+                        INTERLEAVE
+                    }
+                    Kernel::Integer((one, four), acts) => {
+                        if count == 4 {
+                            let x =
+                                [acts.row(t), acts.row(t + 1), acts.row(t + 2), acts.row(t + 3)];
+                            let v = four(bytes, &x);
+                            (0..4).for_each(|i| vals[i][0] = v[i]);
+                        } else {
+                            (0..count).for_each(|i| vals[i][0] = one(bytes, acts.row(t + i)));
+                        }
+                        1
+                    }
+                    Kernel::Float(dot, x) => {
+                        (0..count).for_each(|i| {
+                            vals[i][0] = dot(bytes, &x[(t + i) * k..(t + i + 1) * k]);
+                        });
+                        1
+                    }
+                };
                 for (i, v) in vals[..count].iter().enumerate() {
-                    // SAFETY: each task owns distinct groups `g`, and the 8 values end at
-                    // (t + i) * n + 8g + 8 <= tokens * n, the length of `out`.
+                    // SAFETY: each task owns distinct units `u`, so these `width` outputs of
+                    // row block `u * width` are written by it alone, and they end at
+                    // (t + i) * n + (u + 1) * width <= tokens * n, the length of `out`.
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             v.as_ptr(),
-                            dst.at((t + i) * n + g * INTERLEAVE),
-                            INTERLEAVE,
+                            self.out.at((t + i) * n + u * width),
+                            width,
                         )
                     };
                 }
             }
         }
-    };
-    let threads = pool::current_threads();
-    if n * k * tokens < PARALLEL_MIN_WORK || threads == 1 {
-        run_groups(0..groups);
-        return;
     }
-    // Pairs of groups keep each task's writes to `out` in whole cache lines.
-    let per = groups.div_ceil(threads * 4).next_multiple_of(2);
-    pool::parallel_for(groups.div_ceil(per), |b| run_groups(b * per..((b + 1) * per).min(groups)));
 }
 
 /// Decodes row `r` of `w` into `out` (embedding lookup).
 pub fn decode_row(w: &Tensor, r: usize, out: &mut [f32]) {
-    let (n, k) = w.rows_cols();
-    assert!(r < n && out.len() == k, "decode_row: row {r} of {w:?}");
-    decode_row_raw(WeightRows { format: w.format, bytes: w.bytes(), rows: n, cols: k }, r, out);
+    decode_row_raw(WeightRows::of(w), r, out);
 }
 
 /// [`decode_row`] on raw stored rows; an interleaved row is first taken out of its group.
@@ -169,4 +225,60 @@ pub fn decode_row_raw(w: WeightRows, r: usize, out: &mut [f32]) {
     }
     let stride = w.bytes.len() / w.rows;
     (kernels(w.format, isa::selected()).decode)(&w.bytes[r * stride..(r + 1) * stride], out);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pool::ThreadPool;
+
+    /// One call over weights of different formats (float, row-integer, interleaved; two
+    /// activation schemes) gives exactly what separate calls give, serial and pooled.
+    #[test]
+    fn many_products_equal_separate_calls() {
+        let (cols, tokens) = (256, 6);
+        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 31) % 17) as f32 * 0.1 - 0.8).collect();
+        let f16: Vec<u8> = (0..40 * cols)
+            .flat_map(|i| half::f16::from_f32(((i * 7) % 13) as f32 * 0.01).to_bits().to_le_bytes())
+            .collect();
+        let blocks = |format: TensorFormat, rows: usize| -> Vec<u8> {
+            let n = format.nbytes(&[rows, cols]).unwrap();
+            let mut b: Vec<u8> = (0..n).map(|i| ((i * 2654435761usize) >> 7) as u8).collect();
+            // Finite f16 scales where each format keeps them: the front of each block, or
+            // the 8 rows' scales at the front of an interleaved column.
+            let (column, scales) = match format.interleaved() {
+                Some(_) => (INTERLEAVE * format.block_bytes(), INTERLEAVE),
+                None => (format.block_bytes(), 1),
+            };
+            for col in b.chunks_exact_mut(column) {
+                (0..scales).for_each(|f| col[2 * f + 1] = 0x20);
+            }
+            b
+        };
+        let (q8, q4x8) = (blocks(TensorFormat::Q8_0, 24), blocks(TensorFormat::Q4_0X8, 64));
+        let ws = [
+            WeightRows { format: TensorFormat::F16, bytes: &f16, rows: 40, cols },
+            WeightRows { format: TensorFormat::Q8_0, bytes: &q8, rows: 24, cols },
+            WeightRows { format: TensorFormat::Q4_0X8, bytes: &q4x8, rows: 64, cols },
+        ];
+        let separate: Vec<Vec<f32>> = ws
+            .iter()
+            .map(|&w| {
+                let mut out = vec![0.0; tokens * w.rows];
+                matmul_raw(&x, tokens, w, &mut out);
+                out
+            })
+            .collect();
+        let pool = ThreadPool::new(2).unwrap();
+        for pooled in [false, true] {
+            let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0; tokens * w.rows]).collect();
+            let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+            if pooled {
+                pool.install(|| matmul_many_raw(&x, tokens, &ws, &mut views));
+            } else {
+                matmul_many_raw(&x, tokens, &ws, &mut views);
+            }
+            assert_eq!(outs, separate, "pooled: {pooled}");
+        }
+    }
 }

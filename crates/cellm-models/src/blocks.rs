@@ -3,7 +3,7 @@
 
 use cellm_format::{CellmFile, Error, Result, Tensor};
 use cellm_kernels::gating::Gate;
-use cellm_kernels::{decode_row, matmul, ops};
+use cellm_kernels::{decode_row, matmul, matmul_many, ops};
 use cellm_kv::{AttentionShape, PagePool};
 
 use crate::{Activation, ModelConfig, RopeConfig, Step};
@@ -56,12 +56,26 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
-        let mut y = vec![0.0; tokens * self.out_features()];
-        matmul(x, tokens, &self.weight, &mut y);
-        if let Some(b) = &self.bias {
-            ops::add_bias(&mut y, b.as_f32().expect("checked at load"));
-        }
+        let [y] = Self::forward_many([self], x, tokens);
         y
+    }
+
+    /// Several linears of the same input (q/k/v, gate/up) as one job for the thread pool,
+    /// with the input quantized once.
+    pub fn forward_many<const N: usize>(
+        linears: [&Linear; N],
+        x: &[f32],
+        tokens: usize,
+    ) -> [Vec<f32>; N] {
+        let mut ys = linears.map(|l| vec![0.0; tokens * l.out_features()]);
+        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+        matmul_many(x, tokens, &linears.map(|l| &l.weight), &mut outs);
+        for (l, y) in linears.iter().zip(&mut ys) {
+            if let Some(b) = &l.bias {
+                ops::add_bias(y, b.as_f32().expect("checked at load"));
+            }
+        }
+        ys
     }
 }
 
@@ -196,8 +210,7 @@ impl GatedMlp {
     }
 
     pub fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
-        let mut g = self.gate.forward(x, tokens);
-        let up = self.up.forward(x, tokens);
+        let [mut g, up] = Linear::forward_many([&self.gate, &self.up], x, tokens);
         let gate = match self.act {
             Activation::Silu => Gate::Silu,
             Activation::GeluTanh => Gate::GeluTanh,
@@ -235,8 +248,7 @@ impl Attention {
     ) -> Vec<f32> {
         let tokens = step.tokens.len();
         let hd = self.shape.head_dim;
-        let (mut q, mut k, v) =
-            (self.q.forward(x, tokens), self.k.forward(x, tokens), self.v.forward(x, tokens));
+        let [mut q, mut k, v] = Linear::forward_many([&self.q, &self.k, &self.v], x, tokens);
         let gate = self.gated.then(|| split_query_gate(&mut q, hd));
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             qn.apply(&mut q);

@@ -233,19 +233,8 @@ block_kernels! {
 
 #[cfg(test)]
 mod tests {
+    use super::super::noise;
     use super::*;
-
-    fn noise(n: usize, seed: u64) -> Vec<u8> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 24) as u8
-            })
-            .collect()
-    }
 
     /// Random blocks with finite scales (f16 d and dmin set to small normal values, i8_row's
     /// f32 row scale too).

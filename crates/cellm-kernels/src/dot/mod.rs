@@ -89,6 +89,20 @@ pub fn group_kernel(format: TensorFormat, isa: Isa) -> Option<x8::QDotX8Fn> {
     }
 }
 
+/// Deterministic pseudo-random bytes for the kernel tests.
+#[cfg(test)]
+fn noise(n: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 24) as u8
+        })
+        .collect()
+}
+
 /// Reinterpret bytes as elements; callers pass rows that the format reader aligned.
 pub(crate) fn cast<T>(bytes: &[u8]) -> &[T] {
     let size = std::mem::size_of::<T>();

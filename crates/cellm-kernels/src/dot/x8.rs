@@ -93,21 +93,10 @@ pub fn scalar(format: TensorFormat) -> Option<QDotX8Fn> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::noise;
     use super::*;
     use crate::acts::{ActScheme, Q8Acts};
     use crate::{decode_row_raw, isa, matmul_raw, Isa, WeightRows};
-
-    fn noise(n: usize, seed: u64) -> Vec<u8> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 24) as u8
-            })
-            .collect()
-    }
 
     /// `rows` source rows of `blocks` blocks with every f16 field set to `bits`, or to small
     /// varied normal values when `bits` is None.
