@@ -12,7 +12,7 @@ from cellm.errors import FormatError
 
 CACHE_ENV = "CELLM_CACHE_DIR"
 # Bump when the converter's output changes, so stale cached conversions are not reused.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 
 
 def cache_dir() -> Path:
