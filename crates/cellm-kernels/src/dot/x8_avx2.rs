@@ -10,6 +10,21 @@ use cellm_format::{TensorFormat, INTERLEAVE};
 use super::x8::QDotX8Fn;
 use crate::acts::Q8Row;
 
+/// Columns read ahead of the one being multiplied. One thread's loads alone do not keep
+/// enough cache misses in flight to stream at the memory's rate.
+const PREFETCH_COLUMNS: usize = 8;
+
+/// Requests the cache lines of the column `PREFETCH_COLUMNS` after `column` (`bytes` long);
+/// past the end of the group that is the next group's data, or nothing.
+#[inline(always)]
+unsafe fn prefetch_ahead(column: *const u8, bytes: usize) {
+    let ahead = column.wrapping_add(PREFETCH_COLUMNS * bytes);
+    for line in (0..bytes).step_by(64) {
+        // A prefetch never faults, whatever the address.
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+    }
+}
+
 /// Activation bytes `4v..4v + 4` of block `b`, in every 32-bit lane.
 #[inline(always)]
 unsafe fn broadcast4(x: &Q8Row, b: usize, v: usize) -> __m256i {
@@ -30,6 +45,7 @@ unsafe fn nibbles_x8<const N: usize, const AFFINE: bool>(
     let base = group.as_ptr();
     for b in 0..group.len() / bytes {
         let blk = base.add(bytes * b);
+        prefetch_ahead(blk, bytes);
         let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
         let c = if AFFINE {
             _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16).cast()))
@@ -92,6 +108,7 @@ unsafe fn q5_0_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
     let base = group.as_ptr();
     for b in 0..group.len() / bytes {
         let blk = base.add(bytes * b);
+        prefetch_ahead(blk, bytes);
         let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
         let c = _mm256_mul_ps(d, _mm256_set1_ps(-16.0));
         let qh = _mm256_loadu_si256(blk.add(16).cast());
@@ -162,6 +179,7 @@ unsafe fn q4_k_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
     let base = group.as_ptr();
     for b in 0..group.len() / bytes {
         let blk = base.add(bytes * b);
+        prefetch_ahead(blk, bytes);
         let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
         let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16).cast()));
         // Per lane, bytes j of scale/min words 0 and 1 are sub-blocks j and 4 + j.
@@ -244,6 +262,7 @@ unsafe fn q6_k_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
     let base = group.as_ptr();
     for b in 0..group.len() / bytes {
         let blk = base.add(bytes * b);
+        prefetch_ahead(blk, bytes);
         let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
         let chunk = |c: usize| _mm256_loadu_si256(blk.add(16 + 32 * c).cast());
         let mut sums = [_mm256_setzero_si256(); N];
@@ -327,6 +346,7 @@ unsafe fn q8_0_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
     let base = group.as_ptr();
     for b in 0..group.len() / bytes {
         let blk = base.add(bytes * b);
+        prefetch_ahead(blk, bytes);
         let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
         let qs = blk.add(16);
         let mut sums = [_mm256_setzero_si256(); N];
