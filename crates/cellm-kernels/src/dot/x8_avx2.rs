@@ -31,51 +31,6 @@ unsafe fn broadcast4(x: &Q8Row, b: usize, v: usize) -> __m256i {
     _mm256_set1_epi32(x.qs.as_ptr().add(32 * b + 4 * v).cast::<i32>().read_unaligned())
 }
 
-/// q4_0x8 (`c = -8d`) and q4_1x8 (`c = m`): unsigned nibbles `u` with value `d * u + c`, so a
-/// block contributes `d * dx * sum(u * x) + c * s` (`s = dx * sum(x)`, from the activations).
-#[inline(always)]
-unsafe fn nibbles_x8<const N: usize, const AFFINE: bool>(
-    group: &[u8],
-    x: &[Q8Row; N],
-) -> [__m256; N] {
-    let head = if AFFINE { 32 } else { 16 };
-    let bytes = head + 128;
-    let (low, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
-    let mut acc = [_mm256_setzero_ps(); N];
-    let base = group.as_ptr();
-    for b in 0..group.len() / bytes {
-        let blk = base.add(bytes * b);
-        prefetch_ahead(blk, bytes);
-        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
-        let c = if AFFINE {
-            _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16).cast()))
-        } else {
-            _mm256_mul_ps(d, _mm256_set1_ps(-8.0))
-        };
-        let qs = blk.add(head);
-        // Eight u4 x i8 pair sums per i16 lane stay below 8 * 2 * 15 * 127 = 30480.
-        let mut sums = [_mm256_setzero_si256(); N];
-        for chunk in 0..4 {
-            let q = _mm256_loadu_si256(qs.add(32 * chunk).cast());
-            // Low nibbles are values 4c..4c+4 of each row, high nibbles values 16 + 4c...
-            let lo = _mm256_and_si256(q, low);
-            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
-            for t in 0..N {
-                let a = _mm256_maddubs_epi16(lo, broadcast4(&x[t], b, chunk));
-                let h = _mm256_maddubs_epi16(hi, broadcast4(&x[t], b, chunk + 4));
-                sums[t] = _mm256_add_epi16(sums[t], _mm256_add_epi16(a, h));
-            }
-        }
-        for t in 0..N {
-            let [dx, sx] = x[t].ds[b];
-            let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[t], ones));
-            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx)), p, acc[t]);
-            acc[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(sx), acc[t]);
-        }
-    }
-    acc
-}
-
 /// Byte `byte` (0..4) of each lane's 32-bit word, copied to all 4 bytes of the lane.
 #[inline(always)]
 unsafe fn lane_byte(v: __m256i, byte: i8) -> __m256i {
@@ -99,10 +54,19 @@ unsafe fn fifth_bits(qh: __m256i, first: usize) -> __m256i {
     _mm256_and_si256(set, _mm256_set1_epi8(16))
 }
 
-/// q5_0x8: 5-bit unsigned quants `u` (nibble plus the bit from `qh`), value `d * (u - 16)`.
+/// The unsigned 32-value formats, `KIND` 0, 1, 2 = q4_0x8 (`c = -8d`), q4_1x8 (`c = m`),
+/// q5_0x8 (`c = -16d`, a fifth bit per quant from `qh`): quants `u` with value `d * u + c`, so
+/// a block contributes `d * dx * sum(u * x) + c * s` (`s = dx * sum(x)`, from the activations).
 #[inline(always)]
-unsafe fn q5_0_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
-    let bytes = 16 + 32 + 128;
+unsafe fn unsigned_x8<const N: usize, const KIND: u8>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
+    let five = KIND == 2;
+    // f16 fields (8 rows x 1 or 2), then q5_0's 8 qh words, then 4 chunks of nibbles.
+    let head = if KIND == 1 { 32 } else { 16 } + if five { 32 } else { 0 };
+    let bytes = head + 128;
+    // Pair sums of u x i8 per i16 lane stay below 8 * 2 * 15 * 127 = 30480 over four chunks
+    // of 4-bit quants, and below 4 * 2 * 31 * 127 = 31496 over two chunks of 5-bit ones:
+    // widen to i32 that often.
+    let per_widen = if five { 2 } else { 4 };
     let (low, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
     let mut acc = [_mm256_setzero_ps(); N];
     let base = group.as_ptr();
@@ -110,21 +74,25 @@ unsafe fn q5_0_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
         let blk = base.add(bytes * b);
         prefetch_ahead(blk, bytes);
         let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
-        let c = _mm256_mul_ps(d, _mm256_set1_ps(-16.0));
-        let qh = _mm256_loadu_si256(blk.add(16).cast());
-        let qs = blk.add(48);
+        let c = match KIND {
+            0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
+            1 => _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16).cast())),
+            _ => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
+        };
+        let qh = if five { _mm256_loadu_si256(blk.add(16).cast()) } else { _mm256_setzero_si256() };
+        let qs = blk.add(head);
         let mut sums = [_mm256_setzero_si256(); N];
-        // Four u5 x i8 pair sums per i16 lane stay below 4 * 2 * 31 * 127 = 31496: widen to
-        // i32 every two chunks.
-        for pair in 0..2 {
+        for part in 0..4 / per_widen {
             let mut short = [_mm256_setzero_si256(); N];
-            for chunk in 2 * pair..2 * pair + 2 {
+            for chunk in part * per_widen..(part + 1) * per_widen {
                 let q = _mm256_loadu_si256(qs.add(32 * chunk).cast());
-                let lo = _mm256_or_si256(_mm256_and_si256(q, low), fifth_bits(qh, 4 * chunk));
-                let hi = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(q), low),
-                    fifth_bits(qh, 16 + 4 * chunk),
-                );
+                // Low nibbles are values 4c..4c+4 of each row, high nibbles values 16 + 4c...
+                let mut lo = _mm256_and_si256(q, low);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
+                if five {
+                    lo = _mm256_or_si256(lo, fifth_bits(qh, 4 * chunk));
+                    hi = _mm256_or_si256(hi, fifth_bits(qh, 16 + 4 * chunk));
+                }
                 for t in 0..N {
                     let a = _mm256_maddubs_epi16(lo, broadcast4(&x[t], b, chunk));
                     let h = _mm256_maddubs_epi16(hi, broadcast4(&x[t], b, chunk + 4));
@@ -376,9 +344,9 @@ unsafe fn run<const N: usize, const F: usize>(
     let x: &[Q8Row; N] = x.try_into().expect("N activation rows");
     let acc = match F {
         0 => q8_0_x8::<N>(group, x),
-        1 => nibbles_x8::<N, false>(group, x),
-        2 => nibbles_x8::<N, true>(group, x),
-        3 => q5_0_x8::<N>(group, x),
+        1 => unsigned_x8::<N, 0>(group, x),
+        2 => unsigned_x8::<N, 1>(group, x),
+        3 => unsigned_x8::<N, 2>(group, x),
         4 => q4_k_x8::<N>(group, x),
         _ => q6_k_x8::<N>(group, x),
     };
