@@ -19,7 +19,8 @@ fn main() {
     let x: Vec<f32> = (0..cols * tokens).map(|i| ((i * 7919) % 251) as f32 / 125.0 - 1.0).collect();
     let mut out = vec![0.0f32; rows * tokens];
     let paths: Vec<Isa> = Isa::available().into_iter().filter(|i| *i != Isa::Scalar).collect();
-    for format in TensorFormat::BLOCKS.into_iter().chain(TensorFormat::INTERLEAVED) {
+    let floats = [TensorFormat::F16, TensorFormat::BF16, TensorFormat::F32];
+    for format in floats.into_iter().chain(TensorFormat::BLOCKS).chain(TensorFormat::INTERLEAVED) {
         let Some(n) = format.nbytes(&[rows, cols]) else {
             continue; // rows that do not split into this format's blocks
         };

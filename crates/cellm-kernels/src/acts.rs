@@ -43,6 +43,9 @@ pub struct Q8Acts {
     pub qs: Vec<i8>,
     /// Per block: the scale `d` and the scaled sum `s`, side by side so one load gets both.
     pub ds: Vec<[f32; 2]>,
+    /// K scheme only: the integer sum of every 16 values, for q6_k's `-32` offset (its
+    /// sub-blocks are 16 long). Empty for the other schemes.
+    pub sums16: Vec<i16>,
 }
 
 /// One row of quantized activations.
@@ -50,6 +53,8 @@ pub struct Q8Acts {
 pub struct Q8Row<'a> {
     pub qs: &'a [i8],
     pub ds: &'a [[f32; 2]],
+    /// As [`Q8Acts::sums16`].
+    pub sums16: &'a [i16],
 }
 
 /// `dst = round(src * inv)`, ties to even as llama.cpp's SIMD quantizers round; the K
@@ -84,8 +89,17 @@ fn round_f16(v: f32) -> f32 {
 /// Below this many values a batch is quantized on the calling thread.
 const PARALLEL_MIN: usize = 1 << 14;
 
-/// Quantizes `x` in groups of `group` (32, or 256 for the K scheme) into `qs` and per-32 `ds`.
-fn quantize_rows(x: &[f32], group: usize, scheme: ActScheme, qs: &mut [i8], ds: &mut [[f32; 2]]) {
+/// Where one batch of rows is quantized to.
+struct Dst<'a> {
+    qs: &'a mut [i8],
+    ds: &'a mut [[f32; 2]],
+    sums16: &'a mut [i16],
+}
+
+/// Quantizes `x` in groups of `group` (32, or 256 for the K scheme) into `qs`, per-32 `ds` and
+/// (K scheme) per-16 sums.
+fn quantize_rows(x: &[f32], group: usize, scheme: ActScheme, out: Dst) {
+    let Dst { qs, ds, sums16 } = out;
     let blocks = ds.chunks_exact_mut(group / QBLOCK);
     for ((src, dst), ds) in x.chunks_exact(group).zip(qs.chunks_exact_mut(group)).zip(blocks) {
         let (d, inv) = match scheme {
@@ -115,6 +129,12 @@ fn quantize_rows(x: &[f32], group: usize, scheme: ActScheme, qs: &mut [i8], ds: 
             };
         }
     }
+    if scheme == ActScheme::Q8K {
+        for (sum, q) in sums16.iter_mut().zip(qs.chunks_exact(16)) {
+            // |sum| <= 16 * 128, well inside i16.
+            *sum = q.iter().map(|&v| i16::from(v)).sum();
+        }
+    }
 }
 
 impl Q8Acts {
@@ -125,31 +145,50 @@ impl Q8Acts {
         assert!(cols.is_multiple_of(group) && x.len().is_multiple_of(cols.max(1)));
         let rows = x.len() / cols.max(1);
         let per_row = cols / QBLOCK;
-        let mut acts = Self { cols, qs: vec![0; x.len()], ds: vec![[0.0; 2]; x.len() / QBLOCK] };
+        let sums_per_row = if scheme == ActScheme::Q8K { cols / 16 } else { 0 };
+        let mut acts = Self {
+            cols,
+            qs: vec![0; x.len()],
+            ds: vec![[0.0; 2]; x.len() / QBLOCK],
+            sums16: vec![0; rows * sums_per_row],
+        };
         let threads = pool::current_threads();
         if rows < 2 || x.len() < PARALLEL_MIN || threads == 1 {
-            quantize_rows(x, group, scheme, &mut acts.qs, &mut acts.ds);
+            let dst = Dst { qs: &mut acts.qs, ds: &mut acts.ds, sums16: &mut acts.sums16 };
+            quantize_rows(x, group, scheme, dst);
             return acts;
         }
         let per = rows.div_ceil(threads * 2);
-        let (qs, ds) =
-            (pool::SharedOut(acts.qs.as_mut_ptr()), pool::SharedOut(acts.ds.as_mut_ptr()));
+        let (qs, ds, sums) = (
+            pool::SharedOut(acts.qs.as_mut_ptr()),
+            pool::SharedOut(acts.ds.as_mut_ptr()),
+            pool::SharedOut(acts.sums16.as_mut_ptr()),
+        );
         pool::parallel_for(rows.div_ceil(per), |i| {
             let r = i * per..((i + 1) * per).min(rows);
-            // SAFETY: the tasks' row ranges are disjoint and inside both buffers.
-            let (q, d) = unsafe {
-                (
-                    std::slice::from_raw_parts_mut(qs.at(r.start * cols), r.len() * cols),
-                    std::slice::from_raw_parts_mut(ds.at(r.start * per_row), r.len() * per_row),
-                )
+            // SAFETY: the tasks' row ranges are disjoint and inside the three buffers.
+            let dst = unsafe {
+                Dst {
+                    qs: std::slice::from_raw_parts_mut(qs.at(r.start * cols), r.len() * cols),
+                    ds: std::slice::from_raw_parts_mut(ds.at(r.start * per_row), r.len() * per_row),
+                    sums16: std::slice::from_raw_parts_mut(
+                        sums.at(r.start * sums_per_row),
+                        r.len() * sums_per_row,
+                    ),
+                }
             };
-            quantize_rows(&x[r.start * cols..r.end * cols], group, scheme, q, d);
+            quantize_rows(&x[r.start * cols..r.end * cols], group, scheme, dst);
         });
         acts
     }
 
     pub fn row(&self, r: usize) -> Q8Row<'_> {
         let b = self.cols / QBLOCK;
-        Q8Row { qs: &self.qs[r * self.cols..(r + 1) * self.cols], ds: &self.ds[r * b..(r + 1) * b] }
+        let s = if self.sums16.is_empty() { 0 } else { self.cols / 16 };
+        Q8Row {
+            qs: &self.qs[r * self.cols..(r + 1) * self.cols],
+            ds: &self.ds[r * b..(r + 1) * b],
+            sums16: &self.sums16[r * s..(r + 1) * s],
+        }
     }
 }

@@ -41,7 +41,7 @@ impl Gate {
 
     fn apply_serial(self, gate: &mut [f32], up: Option<&[f32]>) {
         #[cfg(target_arch = "x86_64")]
-        if crate::isa::selected() == crate::Isa::Avx2 {
+        if crate::isa::selected().has_avx2() {
             // SAFETY: the AVX2 path is selected only on CPUs that have AVX2 and FMA.
             return unsafe { avx2::apply(self, gate, up) };
         }
@@ -73,7 +73,7 @@ impl Gate {
 /// `x = e^x` elementwise (softmax weights), on the AVX2 `exp` where selected.
 pub fn exp_in_place(x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::isa::selected() == crate::Isa::Avx2 {
+    if crate::isa::selected().has_avx2() {
         // SAFETY: the AVX2 path is selected only on CPUs that have AVX2 and FMA.
         return unsafe { avx2::exp_in_place(x) };
     }

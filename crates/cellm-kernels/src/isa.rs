@@ -3,75 +3,87 @@
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
+/// The kernel paths, narrowest first. Every path from `Avx2` up runs the AVX2 float kernels;
+/// the VNNI paths differ in how the integer kernels multiply bytes (`dot::bytes`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     /// Plain Rust; the reference every other path is tested against.
     Scalar,
-    /// AVX2 + FMA + F16C.
+    /// AVX2 + FMA + F16C: bytes multiplied by `vpmaddubsw` + `vpmaddwd`.
     Avx2,
+    /// AVX2 plus the VEX-encoded `vpdpbusd` (Alder Lake, Sapphire Rapids, Zen 5).
+    AvxVnni,
+    /// AVX2 plus AVX-512 VL + VNNI: the EVEX `vpdpbusd` on 256-bit registers (Ice Lake
+    /// server and later Xeons, Zen 4), which keeps the AVX2 kernels' data layout.
+    Avx512Vnni,
 }
+
+const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni];
 
 impl Isa {
     pub fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avx-vnni",
+            Isa::Avx512Vnni => "avx512-vnni",
         }
     }
 
     pub fn parse(name: &str) -> Option<Isa> {
-        match name {
-            "scalar" => Some(Isa::Scalar),
-            "avx2" => Some(Isa::Avx2),
-            _ => None,
-        }
+        ALL.into_iter().find(|i| i.name() == name)
+    }
+
+    /// Whether the path runs the AVX2 kernels (all SIMD paths do).
+    pub fn has_avx2(self) -> bool {
+        self >= Isa::Avx2
     }
 
     /// Whether this CPU can run the path.
     pub fn supported(self) -> bool {
-        match self {
-            Isa::Scalar => true,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = || {
                 is_x86_feature_detected!("avx2")
                     && is_x86_feature_detected!("fma")
                     && is_x86_feature_detected!("f16c")
+            };
+            match self {
+                Isa::Scalar => true,
+                Isa::Avx2 => avx2(),
+                Isa::AvxVnni => avx2() && is_x86_feature_detected!("avxvnni"),
+                Isa::Avx512Vnni => {
+                    avx2()
+                        && is_x86_feature_detected!("avx512f")
+                        && is_x86_feature_detected!("avx512vl")
+                        && is_x86_feature_detected!("avx512vnni")
+                }
             }
-            #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => false,
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Isa::Scalar
         }
     }
 
     /// Every path this CPU can run, narrowest first.
     pub fn available() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2].into_iter().filter(|i| i.supported()).collect()
+        ALL.into_iter().filter(|i| i.supported()).collect()
     }
 }
 
 const UNSET: u8 = u8::MAX;
 static SELECTED: AtomicU8 = AtomicU8::new(UNSET);
 
-fn encode(isa: Isa) -> u8 {
-    isa as u8
-}
-
-fn decode(v: u8) -> Isa {
-    if v == Isa::Avx2 as u8 {
-        Isa::Avx2
-    } else {
-        Isa::Scalar
-    }
-}
-
 /// The path in use: the widest supported one unless overridden.
 pub fn selected() -> Isa {
     match SELECTED.load(Ordering::Relaxed) {
         UNSET => {
             let best = *Isa::available().last().expect("scalar is always available");
-            SELECTED.store(encode(best), Ordering::Relaxed);
+            SELECTED.store(best as u8, Ordering::Relaxed);
             best
         }
-        v => decode(v),
+        v => ALL[usize::from(v)],
     }
 }
 
@@ -80,6 +92,33 @@ pub fn set_override(isa: Isa) -> Result<(), String> {
     if !isa.supported() {
         return Err(format!("this CPU cannot run the {} kernels", isa.name()));
     }
-    SELECTED.store(encode(isa), Ordering::Relaxed);
+    SELECTED.store(isa as u8, Ordering::Relaxed);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `CELLM_REQUIRE_ISA=avx512-vnni,...` makes a run fail unless those paths are available,
+    /// so a run meant to test a path (an emulator, a CI machine) cannot pass without it.
+    #[test]
+    fn required_paths_are_available() {
+        let available = Isa::available();
+        eprintln!("kernel paths on this CPU: {available:?}");
+        for name in std::env::var("CELLM_REQUIRE_ISA").unwrap_or_default().split(',') {
+            if name.is_empty() {
+                continue;
+            }
+            let isa = Isa::parse(name).unwrap_or_else(|| panic!("unknown path {name}"));
+            assert!(available.contains(&isa), "{name} is required but not available");
+        }
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for isa in ALL {
+            assert_eq!(Isa::parse(isa.name()), Some(isa));
+        }
+    }
 }

@@ -9,7 +9,9 @@ use cellm_format::{Interleaved, Tensor, TensorFormat, INTERLEAVE};
 
 use crate::acts::{ActScheme, Q8Acts, Q8Row, QBLOCK};
 use crate::dot::x8::{self, QDotX8Fn};
-use crate::dot::{group_kernel, kernels, DotFn, QDot4Fn, QDotFn};
+use crate::dot::{
+    dot_tiles, group_kernel, kernels, DotTileFn, QDot4Fn, QDotFn, TILE_ROWS, TILE_TOKENS,
+};
 use crate::isa;
 use crate::pool::{self, SharedOut};
 
@@ -111,7 +113,8 @@ struct Product<'a> {
 enum Kernel<'a> {
     Groups(QDotX8Fn, Vec<Q8Row<'a>>),
     Integer((QDotFn, QDot4Fn), &'a Q8Acts),
-    Float(DotFn, &'a [f32]),
+    /// Float rows, in register tiles of rows x tokens.
+    Float(DotTileFn, &'a [f32]),
 }
 
 impl<'a> Product<'a> {
@@ -132,7 +135,7 @@ impl<'a> Product<'a> {
                 let qdot = kernels(w.format, isa::selected()).qdot.expect("integer kernel");
                 Kernel::Integer(qdot, acts_for(scheme))
             }
-            None => Kernel::Float(kernels(w.format, isa::selected()).dot, x),
+            None => Kernel::Float(dot_tiles(w.format, isa::selected()), x),
         };
         Self { w, tokens, out: SharedOut(out), kernel }
     }
@@ -156,7 +159,10 @@ impl<'a> Product<'a> {
     /// `out[t, r]` for every token and the rows of `units`, each row (or group) read once
     /// per 4 tokens.
     fn run(&self, units: std::ops::Range<usize>) {
-        let (n, k, tokens) = (self.w.rows, self.w.cols, self.tokens);
+        if let Kernel::Float(tile, x) = self.kernel {
+            return self.run_tiles(tile, x, units);
+        }
+        let (n, tokens) = (self.w.rows, self.tokens);
         let stride = self.w.bytes.len() / self.units().max(1);
         let mut vals = [[0.0f32; INTERLEAVE]; x8::MAX_TOKENS];
         for u in units {
@@ -179,12 +185,7 @@ impl<'a> Product<'a> {
                         }
                         1
                     }
-                    Kernel::Float(dot, x) => {
-                        (0..count).for_each(|i| {
-                            vals[i][0] = dot(bytes, &x[(t + i) * k..(t + i + 1) * k]);
-                        });
-                        1
-                    }
+                    Kernel::Float(..) => unreachable!("float products run in tiles"),
                 };
                 for (i, v) in vals[..count].iter().enumerate() {
                     // SAFETY: each task owns distinct units `u`, so these `width` outputs of
@@ -201,6 +202,56 @@ impl<'a> Product<'a> {
             }
         }
     }
+}
+
+impl Product<'_> {
+    /// The float product over `rows`, in tiles of up to 4 rows x 3 tokens. With more tokens
+    /// than one tile holds, 16-bit rows are widened to f32 once per block of rows rather than
+    /// once per tile.
+    fn run_tiles(&self, tile: DotTileFn, x: &[f32], rows: std::ops::Range<usize>) {
+        let (n, k, tokens) = (self.w.rows, self.w.cols, self.tokens);
+        let stride = self.w.bytes.len() / n.max(1);
+        let widen = tokens > TILE_TOKENS && self.w.format != TensorFormat::F32;
+        let (tile, decode) = if widen {
+            let isa = isa::selected();
+            (dot_tiles(TensorFormat::F32, isa), Some(kernels(self.w.format, isa).decode))
+        } else {
+            (tile, None)
+        };
+        let mut wide = vec![0.0f32; if widen { TILE_ROWS * k } else { 0 }];
+        let mut vals = [0.0f32; TILE_ROWS * TILE_TOKENS];
+        for r0 in rows.clone().step_by(TILE_ROWS) {
+            let r_count = (rows.end - r0).min(TILE_ROWS);
+            let stored = (r0..r0 + r_count).map(|r| &self.w.bytes[r * stride..(r + 1) * stride]);
+            let w: Vec<&[u8]> = match decode {
+                Some(decode) => {
+                    for (row, out) in stored.zip(wide.chunks_exact_mut(k)) {
+                        decode(row, out);
+                    }
+                    wide.chunks_exact(k).take(r_count).map(as_bytes).collect()
+                }
+                None => stored.collect(),
+            };
+            for t0 in (0..tokens).step_by(TILE_TOKENS) {
+                let t_count = (tokens - t0).min(TILE_TOKENS);
+                let v = &mut vals[..r_count * t_count];
+                tile(&w, &x[t0 * k..(t0 + t_count) * k], v);
+                for t in 0..t_count {
+                    for r in 0..r_count {
+                        // SAFETY: each task owns distinct rows, so output (t0 + t, r0 + r) is
+                        // written by it alone, and it lies inside `out` (tokens x n).
+                        unsafe { *self.out.at((t0 + t) * n + r0 + r) = v[r * t_count + t] };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// f32 values as the bytes of a stored f32 row.
+fn as_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: any initialised f32 storage is valid as bytes; the length covers it exactly.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
 /// Decodes row `r` of `w` into `out` (embedding lookup).

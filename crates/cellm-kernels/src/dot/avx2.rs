@@ -154,6 +154,82 @@ unsafe fn axpy<L: Lanes>(a: f32, w: &[L::Elem], acc: &mut [f32]) {
     }
 }
 
+/// Row tiles: `out[r * T + t] = dot(row r, x[t])` for `R` stored rows and `T` tokens. Each
+/// 8 stored elements are widened once for `T` tokens and each 8 activations loaded once for
+/// `R` rows, with `R * T` independent accumulators: 4 x 3 fills 16 registers, and the loop
+/// runs on multiply-adds rather than on loads and conversions, as one row at a time does.
+#[inline(always)]
+unsafe fn tile<L: Lanes, const R: usize, const T: usize>(
+    rows: &[&[L::Elem]],
+    x: &[f32],
+    out: &mut [f32],
+) {
+    let n = x.len() / T;
+    let full = n / 8 * 8;
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    for i in (0..full).step_by(8) {
+        let xv: [__m256; T] = std::array::from_fn(|t| _mm256_loadu_ps(x.as_ptr().add(t * n + i)));
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let w = L::load8(rows[r].as_ptr().add(i));
+            for (a, xt) in acc.iter_mut().zip(&xv) {
+                *a = _mm256_fmadd_ps(w, *xt, *a);
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        for (t, a) in acc.iter().enumerate() {
+            let tail: f32 = (full..n).map(|k| widen(rows[r][k]) * x[t * n + k]).sum();
+            out[r * T + t] = hsum(*a) + tail;
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_tile<L: Lanes>(rows: &[&[u8]], x: &[f32], out: &mut [f32]) {
+    assert!((1..=4).contains(&rows.len()), "dot_tile takes 1..=4 rows");
+    // Slots past the tile's rows repeat row 0; the kernel never reads them.
+    let w: [&[L::Elem]; 4] =
+        std::array::from_fn(|r| cast(rows[if r < rows.len() { r } else { 0 }]));
+    let n = w[0].len();
+    let tokens = x.len() / n.max(1);
+    assert!(
+        w[..rows.len()].iter().all(|r| r.len() == n) && x.len() == tokens * n,
+        "dot_tile: rows and activations differ in length"
+    );
+    assert!(out.len() == rows.len() * tokens, "dot_tile: output size");
+    macro_rules! go {
+        ($r:literal, $t:literal) => {
+            tile::<L, $r, $t>(&w[..$r], x, out)
+        };
+    }
+    match (rows.len(), tokens) {
+        (4, 3) => go!(4, 3),
+        (4, 2) => go!(4, 2),
+        (4, 1) => go!(4, 1),
+        (3, 3) => go!(3, 3),
+        (3, 2) => go!(3, 2),
+        (3, 1) => go!(3, 1),
+        (2, 3) => go!(2, 3),
+        (2, 2) => go!(2, 2),
+        (2, 1) => go!(2, 1),
+        (1, 3) => go!(1, 3),
+        (1, 2) => go!(1, 2),
+        (1, 1) => go!(1, 1),
+        (r, t) => panic!("dot_tile takes 1..=4 rows and 1..=3 tokens, got {r} x {t}"),
+    }
+}
+
+pub fn dot_tiles(format: TensorFormat) -> super::DotTileFn {
+    assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
+    // SAFETY (all three): AVX2, FMA and F16C were just checked; `dot_tile` checks lengths.
+    match format {
+        TensorFormat::F32 => |rows, x, out| unsafe { dot_tile::<F32>(rows, x, out) },
+        TensorFormat::F16 => |rows, x, out| unsafe { dot_tile::<F16>(rows, x, out) },
+        TensorFormat::BF16 => |rows, x, out| unsafe { dot_tile::<Bf16>(rows, x, out) },
+        other => unreachable!("{other:?} is a block format"),
+    }
+}
+
 // Safe entry points for the table. SAFETY (all): `kernels` asserts the CPU has AVX2, FMA
 // and F16C before handing these out; slices carry their own bounds, and `x`/`acc` are at
 // least as long as the row (checked by the slicing below).
@@ -190,21 +266,30 @@ fn axpy_bf16(a: f32, row: &[u8], acc: &mut [f32]) {
 }
 
 /// `out[h] = dot(w, q[h])` for `M` query heads at `q` (stride `w.len()`): each 8 stored
-/// elements are widened once for all heads.
+/// elements are widened once for all heads. Two accumulators per head keep 2M multiply-adds
+/// in flight, more than one chain per head's FMA latency would allow.
 #[inline(always)]
 unsafe fn dot_heads_m<L: Lanes, const M: usize>(w: &[L::Elem], q: *const f32, out: &mut [f32]) {
     let n = w.len();
-    let mut acc = [_mm256_setzero_ps(); M];
-    let full = n / 8 * 8;
-    for i in (0..full).step_by(8) {
-        let kv = L::load8(w.as_ptr().add(i));
-        for (h, a) in acc.iter_mut().enumerate() {
-            *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(h * n + i)), kv, *a);
+    let mut acc = [[_mm256_setzero_ps(); M]; 2];
+    let (pairs, full) = (n / 16 * 16, n / 8 * 8);
+    for i in (0..pairs).step_by(16) {
+        let kv = [L::load8(w.as_ptr().add(i)), L::load8(w.as_ptr().add(i + 8))];
+        for (j, acc) in acc.iter_mut().enumerate() {
+            for (h, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(h * n + i + 8 * j)), kv[j], *a);
+            }
         }
     }
-    for (h, a) in acc.iter().enumerate() {
+    if full > pairs {
+        let kv = L::load8(w.as_ptr().add(pairs));
+        for (h, a) in acc[0].iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(h * n + pairs)), kv, *a);
+        }
+    }
+    for h in 0..M {
         let tail: f32 = (full..n).map(|k| widen(w[k]) * *q.add(h * n + k)).sum();
-        out[h] = hsum(*a) + tail;
+        out[h] = hsum(_mm256_add_ps(acc[0][h], acc[1][h])) + tail;
     }
 }
 

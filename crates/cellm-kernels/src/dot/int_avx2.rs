@@ -1,25 +1,24 @@
-//! AVX2 integer kernels: weight blocks unpacked to bytes, multiplied with int8 activations by
-//! `vpmaddubsw` + `vpmaddwd`, one float multiply-add per (sub-)block. Twins of `int_scalar`.
+//! Integer row kernels of the AVX2 family: weight blocks unpacked to bytes, multiplied with
+//! int8 activations by a byte product step (`bytes::ByteDot`), one float multiply-add per
+//! (sub-)block. Twins of `int_scalar`. The K-quant kernels weight each sub-block's sum by its
+//! integer scale in the same `vpmaddwd` that widens it, which `vpdpbusd` would not shorten, so
+//! they keep `vpmaddubsw` on every path.
 
 use std::arch::x86_64::*;
 
 use cellm_format::TensorFormat;
 
+use super::bytes::{self, Avx2, Avx512Vnni, AvxVnni, ByteDot};
 use super::int_scalar::scale_min_k4;
 use super::{QDot4Fn, QDotFn};
 use crate::acts::Q8Row;
+use crate::Isa;
 
 #[inline(always)]
 unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
-}
-
-/// Eight i32 sums of four adjacent u8 x i8 products.
-#[inline(always)]
-unsafe fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256i {
-    _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
 }
 
 /// 16 bytes of nibbles -> 32 bytes: low nibbles, then high nibbles (ggml's element order).
@@ -50,20 +49,20 @@ unsafe fn xblock(x: &Q8Row, b: usize) -> __m256i {
 /// the min m for q4_1, -16d for q5_0): `d * dx * sum(u * x) + c * s`, where `s = dx * sum(x)`.
 /// `scales(blk)` gives `[d, c]` in lanes 0 and 1.
 #[inline(always)]
-unsafe fn unsigned_blocks<const N: usize>(
+unsafe fn unsigned_blocks<D: ByteDot, const N: usize>(
     row: &[u8],
     x: &[Q8Row; N],
     bytes: usize,
     unpack: impl Fn(*const u8) -> __m256i,
     scales: impl Fn(*const u8) -> __m128,
 ) -> [f32; N] {
-    unsigned_groups(row, x, bytes, 1, |blk, _| unpack(blk), scales)
+    unsigned_groups::<D, N>(row, x, bytes, 1, |blk, _| unpack(blk), scales)
 }
 
 /// As [`unsigned_blocks`] for groups of `subs` 32-value sub-blocks sharing one `[d, c]`;
 /// `unpack(group, j)` gives sub-block `j`.
 #[inline(always)]
-unsafe fn unsigned_groups<const N: usize>(
+unsafe fn unsigned_groups<D: ByteDot, const N: usize>(
     row: &[u8],
     x: &[Q8Row; N],
     bytes: usize,
@@ -86,7 +85,7 @@ unsafe fn unsigned_groups<const N: usize>(
                 let ds = _mm_castsi128_ps(_mm_loadl_epi64(xt.ds.as_ptr().add(b).cast()));
                 let prod = _mm_mul_ps(dc, ds);
                 offset[t] = _mm_add_ps(offset[t], prod);
-                let p = _mm256_cvtepi32_ps(dot_u8_i8(u, xblock(xt, b)));
+                let p = _mm256_cvtepi32_ps(D::dot(u, xblock(xt, b)));
                 acc[t] = _mm256_fmadd_ps(_mm256_broadcastss_ps(prod), p, acc[t]);
             }
         }
@@ -106,8 +105,8 @@ unsafe fn scale_and_multiple(p: *const u8, k: f32) -> __m128 {
     _mm_mul_ps(dd, _mm_setr_ps(1.0, k, 0.0, 0.0))
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+#[inline(always)]
+unsafe fn q8_0<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
     let mut acc = [_mm256_setzero_ps(); N];
     let base = row.as_ptr();
     for b in 0..row.len() / 34 {
@@ -118,7 +117,7 @@ unsafe fn q8_0<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
         for t in 0..N {
             let xt = &x[t];
             let scale = _mm_mul_ss(d, _mm_load_ss(xt.ds.as_ptr().add(b).cast()));
-            let p = _mm256_cvtepi32_ps(dot_u8_i8(wabs, _mm256_sign_epi8(xblock(xt, b), w)));
+            let p = _mm256_cvtepi32_ps(D::dot(wabs, _mm256_sign_epi8(xblock(xt, b), w)));
             acc[t] = _mm256_fmadd_ps(_mm256_broadcastss_ps(scale), p, acc[t]);
         }
     }
@@ -127,8 +126,8 @@ unsafe fn q8_0<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
 
 /// cellm int8 per row: q8_0's block product without per-block weight scales, times the f32
 /// row scale at the end.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn i8_row<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+#[inline(always)]
+unsafe fn i8_row<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
     let mut acc = [_mm256_setzero_ps(); N];
     let scale = f32::from_le_bytes([row[0], row[1], row[2], row[3]]);
     let base = row.as_ptr().add(4);
@@ -138,7 +137,7 @@ unsafe fn i8_row<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
         for t in 0..N {
             let xt = &x[t];
             let dx = _mm256_set1_ps(xt.ds[b][0]);
-            let p = _mm256_cvtepi32_ps(dot_u8_i8(wabs, _mm256_sign_epi8(xblock(xt, b), w)));
+            let p = _mm256_cvtepi32_ps(D::dot(wabs, _mm256_sign_epi8(xblock(xt, b), w)));
             acc[t] = _mm256_fmadd_ps(dx, p, acc[t]);
         }
     }
@@ -146,13 +145,13 @@ unsafe fn i8_row<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
 }
 
 /// cellm int4 groups of `GROUP` (symmetric: `c = -8d`; affine: `c = m`).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn int4_groups<const N: usize, const GROUP: usize, const AFFINE: bool>(
+#[inline(always)]
+unsafe fn int4_groups<D: ByteDot, const N: usize, const GROUP: usize, const AFFINE: bool>(
     row: &[u8],
     x: &[Q8Row; N],
 ) -> [f32; N] {
     let head = if AFFINE { 4 } else { 2 };
-    unsigned_groups(
+    unsigned_groups::<D, N>(
         row,
         x,
         head + GROUP / 2,
@@ -168,29 +167,29 @@ unsafe fn int4_groups<const N: usize, const GROUP: usize, const AFFINE: bool>(
     )
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn i4_g64<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
-    int4_groups::<N, 64, false>(row, x)
+#[inline(always)]
+unsafe fn i4_g64<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    int4_groups::<D, N, 64, false>(row, x)
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn i4_g128<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
-    int4_groups::<N, 128, false>(row, x)
+#[inline(always)]
+unsafe fn i4_g128<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    int4_groups::<D, N, 128, false>(row, x)
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn i4a_g64<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
-    int4_groups::<N, 64, true>(row, x)
+#[inline(always)]
+unsafe fn i4a_g64<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    int4_groups::<D, N, 64, true>(row, x)
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn i4a_g128<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
-    int4_groups::<N, 128, true>(row, x)
+#[inline(always)]
+unsafe fn i4a_g128<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    int4_groups::<D, N, 128, true>(row, x)
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_0<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
-    unsigned_blocks(
+#[inline(always)]
+unsafe fn q4_0<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    unsigned_blocks::<D, N>(
         row,
         x,
         18,
@@ -199,10 +198,10 @@ unsafe fn q4_0<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
     )
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+#[inline(always)]
+unsafe fn q4_1<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
     // d and m are adjacent f16s: one load, one conversion.
-    unsigned_blocks(
+    unsigned_blocks::<D, N>(
         row,
         x,
         20,
@@ -211,14 +210,14 @@ unsafe fn q4_1<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
     )
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_0<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+#[inline(always)]
+unsafe fn q5_0<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
     let unpack = |b: *const u8| unsafe {
         let high = std::slice::from_raw_parts(b.add(2), 4);
         let fifth = _mm256_and_si256(bits32(high), _mm256_set1_epi8(16));
         _mm256_or_si256(nibbles32(b.add(6)), fifth)
     };
-    unsigned_blocks(row, x, 22, unpack, |b| unsafe { scale_and_multiple(b, -16.0) })
+    unsigned_blocks::<D, N>(row, x, 22, unpack, |b| unsafe { scale_and_multiple(b, -16.0) })
 }
 
 /// K-quant activations (the Q8K scheme) share one scale per 256 values, so a super-block's
@@ -285,13 +284,13 @@ unsafe fn k_quant<const N: usize>(
     out
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+#[inline(always)]
+unsafe fn q4_k<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
     k_quant(row, x, 144, false)
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_k<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+#[inline(always)]
+unsafe fn q5_k<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
     k_quant(row, x, 176, true)
 }
 
@@ -301,8 +300,8 @@ unsafe fn high2<const S: i32>(qh: __m256i, m3: __m256i) -> __m256i {
     _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<S>(qh), m3))
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6_k<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+#[inline(always)]
+unsafe fn q6_k<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
     let mut acc = [_mm256_setzero_ps(); N];
     let (m3, m4, k32) = (_mm256_set1_epi8(3), _mm256_set1_epi8(0x0F), _mm256_set1_epi8(32));
     let base = row.as_ptr();
@@ -348,29 +347,68 @@ unsafe fn q6_k<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
     acc.map(|a| hsum(a))
 }
 
+/// Per kernel, a module with the kernel compiled once per path (each with its path's target
+/// features) and safe entries for one and four activation rows, generic over the path.
 macro_rules! safe_entry {
-    ($($name:ident, $name4:ident => $inner:ident, $format:path);* $(;)?) => {
+    ($($name:ident => $inner:ident, $format:path);* $(;)?) => {
         $(
-            fn $name(row: &[u8], x: Q8Row) -> f32 {
-                check(row, &[x], $format);
-                // SAFETY: `qdot` hands these out only after checking AVX2, FMA and F16C; every
-                // activation load stays inside the rows checked above.
-                unsafe { $inner::<1>(row, &[x])[0] }
-            }
-            fn $name4(row: &[u8], x: &[Q8Row; 4]) -> [f32; 4] {
-                check(row, x, $format);
-                // SAFETY: as above.
-                unsafe { $inner::<4>(row, x) }
+            mod $name {
+                use super::*;
+
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn avx2<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+                    $inner::<Avx2, N>(row, x)
+                }
+
+                #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+                unsafe fn avx_vnni<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+                    $inner::<AvxVnni, N>(row, x)
+                }
+
+                #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+                unsafe fn avx512_vnni<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+                    $inner::<Avx512Vnni, N>(row, x)
+                }
+
+                unsafe fn run<const P: u8, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+                    match P {
+                        bytes::AVX2 => avx2::<N>(row, x),
+                        bytes::AVX_VNNI => avx_vnni::<N>(row, x),
+                        _ => avx512_vnni::<N>(row, x),
+                    }
+                }
+
+                pub fn one<const P: u8>(row: &[u8], x: Q8Row) -> f32 {
+                    check(row, &[x], $format);
+                    // SAFETY: `qdot` hands these out only after checking the path's CPU
+                    // features; every activation load stays inside the rows checked above.
+                    unsafe { run::<P, 1>(row, &[x])[0] }
+                }
+
+                pub fn four<const P: u8>(row: &[u8], x: &[Q8Row; 4]) -> [f32; 4] {
+                    check(row, x, $format);
+                    // SAFETY: as above.
+                    unsafe { run::<P, 4>(row, x) }
+                }
             }
         )*
-        pub fn qdot(format: TensorFormat) -> Option<(QDotFn, QDot4Fn)> {
-            assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
+
+        /// The kernel pair of `format` on path `P`.
+        fn entries<const P: u8>(format: TensorFormat) -> Option<(QDotFn, QDot4Fn)> {
             match format {
-                $($format => Some(($name, $name4)),)*
+                $($format => Some(($name::one::<P>, $name::four::<P>)),)*
                 _ => None,
             }
         }
     };
+}
+
+pub fn qdot(format: TensorFormat, isa: Isa) -> Option<(QDotFn, QDot4Fn)> {
+    match bytes::path(isa) {
+        bytes::AVX2 => entries::<{ bytes::AVX2 }>(format),
+        bytes::AVX_VNNI => entries::<{ bytes::AVX_VNNI }>(format),
+        _ => entries::<{ bytes::AVX512_VNNI }>(format),
+    }
 }
 
 /// Every activation row covers the weight row.
@@ -382,16 +420,16 @@ fn check(row: &[u8], x: &[Q8Row], f: TensorFormat) {
 }
 
 safe_entry! {
-    safe_q8_0, safe4_q8_0 => q8_0, TensorFormat::Q8_0;
-    safe_q4_0, safe4_q4_0 => q4_0, TensorFormat::Q4_0;
-    safe_q4_1, safe4_q4_1 => q4_1, TensorFormat::Q4_1;
-    safe_q5_0, safe4_q5_0 => q5_0, TensorFormat::Q5_0;
-    safe_q4_k, safe4_q4_k => q4_k, TensorFormat::Q4K;
-    safe_q5_k, safe4_q5_k => q5_k, TensorFormat::Q5K;
-    safe_q6_k, safe4_q6_k => q6_k, TensorFormat::Q6K;
-    safe_i8_row, safe4_i8_row => i8_row, TensorFormat::I8Row;
-    safe_i4_g64, safe4_i4_g64 => i4_g64, TensorFormat::I4G64;
-    safe_i4_g128, safe4_i4_g128 => i4_g128, TensorFormat::I4G128;
-    safe_i4a_g64, safe4_i4a_g64 => i4a_g64, TensorFormat::I4AG64;
-    safe_i4a_g128, safe4_i4a_g128 => i4a_g128, TensorFormat::I4AG128;
+    e_q8_0 => q8_0, TensorFormat::Q8_0;
+    e_q4_0 => q4_0, TensorFormat::Q4_0;
+    e_q4_1 => q4_1, TensorFormat::Q4_1;
+    e_q5_0 => q5_0, TensorFormat::Q5_0;
+    e_q4_k => q4_k, TensorFormat::Q4K;
+    e_q5_k => q5_k, TensorFormat::Q5K;
+    e_q6_k => q6_k, TensorFormat::Q6K;
+    e_i8_row => i8_row, TensorFormat::I8Row;
+    e_i4_g64 => i4_g64, TensorFormat::I4G64;
+    e_i4_g128 => i4_g128, TensorFormat::I4G128;
+    e_i4a_g64 => i4a_g64, TensorFormat::I4AG64;
+    e_i4a_g128 => i4a_g128, TensorFormat::I4AG128;
 }

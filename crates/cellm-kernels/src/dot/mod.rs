@@ -5,6 +5,8 @@
 mod avx2;
 mod blocks;
 #[cfg(target_arch = "x86_64")]
+mod bytes;
+#[cfg(target_arch = "x86_64")]
 mod int_avx2;
 mod int_scalar;
 mod scalar;
@@ -28,6 +30,13 @@ pub type QDotFn = fn(&[u8], Q8Row) -> f32;
 /// The same for four activation rows at once (each weight block unpacked once).
 pub type QDot4Fn = fn(&[u8], &[Q8Row; 4]) -> [f32; 4];
 
+/// `out[r * T + t] = dot(rows[r], x[t])` for 1..=4 float rows of one length and the `T` =
+/// 1..=3 token rows in `x`: a register tile of the float matmul.
+pub type DotTileFn = fn(&[&[u8]], &[f32], &mut [f32]);
+/// Rows and tokens of the largest [`DotTileFn`] tile.
+pub const TILE_ROWS: usize = 4;
+pub const TILE_TOKENS: usize = 3;
+
 /// `out[h] = dot(row, q[h])` for the query heads that share one stored key row (`q` holds
 /// `out.len()` rows as long as the stored row).
 pub type DotHeadsFn = fn(&[u8], &[f32], &mut [f32]);
@@ -45,8 +54,17 @@ pub struct HeadKernels {
 pub fn head_kernels(format: TensorFormat, isa: Isa) -> HeadKernels {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::head_kernels(format),
+        isa if isa.has_avx2() => avx2::head_kernels(format),
         _ => scalar::head_kernels(format),
+    }
+}
+
+/// The float matmul's tile kernel of a float format on an ISA path.
+pub fn dot_tiles(format: TensorFormat, isa: Isa) -> DotTileFn {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        isa if isa.has_avx2() => avx2::dot_tiles(format),
+        _ => scalar::dot_tiles(format),
     }
 }
 
@@ -68,14 +86,14 @@ pub fn kernels(format: TensorFormat, isa: Isa) -> RowKernels {
     if let Some(k) = blocks::kernels(format) {
         let qdot = match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => int_avx2::qdot(format),
+            isa if isa.has_avx2() => int_avx2::qdot(format, isa),
             _ => int_scalar::qdot(format),
         };
         return RowKernels { qdot, ..k };
     }
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::kernels(format),
+        isa if isa.has_avx2() => avx2::kernels(format),
         _ => scalar::kernels(format),
     }
 }
@@ -84,7 +102,7 @@ pub fn kernels(format: TensorFormat, isa: Isa) -> RowKernels {
 pub fn group_kernel(format: TensorFormat, isa: Isa) -> Option<x8::QDotX8Fn> {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => x8_avx2::qdot(format),
+        isa if isa.has_avx2() => x8_avx2::qdot(format, isa),
         _ => x8::scalar(format),
     }
 }
@@ -188,6 +206,42 @@ mod tests {
                     }
                     for (g, w) in got.iter().zip(&want) {
                         assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{isa:?} axpy");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The float tiles equal one row kernel call per (row, token) on every path, for every
+    /// tile shape and for row lengths with and without a tail.
+    #[test]
+    fn tiles_match_row_kernels() {
+        for isa in Isa::available() {
+            for format in [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16] {
+                let (rows_k, tile) = (kernels(format, Isa::Scalar), dot_tiles(format, isa));
+                for n in [8, 29, 64, 200] {
+                    let stored: Vec<Vec<u32>> = (0..TILE_ROWS)
+                        .map(|r| aligned(&encode(format, &pseudo_random(n, 40 + r as u32))))
+                        .collect();
+                    let len = encode(format, &pseudo_random(n, 1)).len();
+                    let x = pseudo_random(n * TILE_TOKENS, 77);
+                    for r_count in 1..=TILE_ROWS {
+                        for t_count in 1..=TILE_TOKENS {
+                            let rows: Vec<&[u8]> =
+                                stored[..r_count].iter().map(|w| as_bytes(w, len)).collect();
+                            let mut got = vec![0.0; r_count * t_count];
+                            tile(&rows, &x[..t_count * n], &mut got);
+                            for (r, row) in rows.iter().enumerate() {
+                                for t in 0..t_count {
+                                    let want = (rows_k.dot)(row, &x[t * n..(t + 1) * n]);
+                                    let g = got[r * t_count + t];
+                                    assert!(
+                                        (g - want).abs() <= 1e-5 * n as f32,
+                                        "{isa:?} {format:?} n={n} {r_count}x{t_count}"
+                                    );
+                                }
+                            }
+                        }
                     }
                 }
             }

@@ -3,7 +3,7 @@
 use cellm_format::TensorFormat;
 use half::{bf16, f16};
 
-use super::{cast, HeadKernels, RowKernels};
+use super::{cast, DotTileFn, HeadKernels, RowKernels};
 
 pub fn kernels(format: TensorFormat) -> RowKernels {
     match format {
@@ -41,6 +41,27 @@ pub fn head_kernels(format: TensorFormat) -> HeadKernels {
         TensorFormat::F16 => HeadKernels { dot: dot_heads::<1>, axpy: axpy_heads::<1> },
         TensorFormat::BF16 => HeadKernels { dot: dot_heads::<2>, axpy: axpy_heads::<2> },
         other => unreachable!("{other:?} is not a cache format"),
+    }
+}
+
+/// The float matmul tile as one row kernel call per (row, token): the reference.
+pub fn dot_tiles(format: TensorFormat) -> DotTileFn {
+    fn tile<const F: usize>(rows: &[&[u8]], x: &[f32], out: &mut [f32]) {
+        let k = kernels([TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16][F]);
+        let n = rows.first().map_or(0, |r| r.len() / [4, 2, 2][F]);
+        let tokens = x.len() / n.max(1);
+        assert!(out.len() == rows.len() * tokens, "dot_tile: output size");
+        for (r, row) in rows.iter().enumerate() {
+            for t in 0..tokens {
+                out[r * tokens + t] = (k.dot)(row, &x[t * n..(t + 1) * n]);
+            }
+        }
+    }
+    match format {
+        TensorFormat::F32 => tile::<0>,
+        TensorFormat::F16 => tile::<1>,
+        TensorFormat::BF16 => tile::<2>,
+        other => unreachable!("{other:?} is a block format"),
     }
 }
 

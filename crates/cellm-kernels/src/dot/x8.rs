@@ -129,64 +129,97 @@ mod tests {
             .collect()
     }
 
-    /// Every ISA's group kernel, for 1..=4 tokens, equals the row kernel on the rows taken out
-    /// of the group; random blocks, zero blocks, the largest f16 scale and the smallest
-    /// subnormal one.
+    /// Every ISA's group kernel, for 1..=4 tokens, equals the row kernel on the rows of `data`
+    /// (8 source rows), after they went into a group and back out.
+    fn assert_group_matches(format: TensorFormat, data: &[u8], acts: &[Q8Acts], case: &str) {
+        let base = format.interleaved().unwrap().base;
+        let cols = acts[0].cols;
+        let group = interleave(format, data, INTERLEAVE);
+        let mut row = Vec::new();
+        for lane in 0..INTERLEAVE {
+            row_of_group(format, &group, lane, &mut row);
+            assert_eq!(row, data[lane * row.len()..(lane + 1) * row.len()]);
+        }
+        let (one, _) = int_scalar::qdot(base).unwrap();
+        for isa in Isa::available() {
+            let kern = super::super::group_kernel(format, isa).unwrap();
+            for tokens in 1..=MAX_TOKENS {
+                let x: Vec<Q8Row> = acts[..tokens].iter().map(|a| a.row(0)).collect();
+                let mut out = vec![[0.0; INTERLEAVE]; tokens];
+                kern(&group, &x, &mut out);
+                for (t, xt) in x.iter().enumerate() {
+                    for lane in 0..INTERLEAVE {
+                        let src = &data[lane * row.len()..(lane + 1) * row.len()];
+                        let want = one(src, *xt);
+                        let mut w = vec![0.0; cols];
+                        (super::super::kernels(base, Isa::Scalar).decode)(src, &mut w);
+                        let mag: f32 = w
+                            .iter()
+                            .zip(xt.qs)
+                            .enumerate()
+                            .map(|(i, (a, &q))| (a * f32::from(q) * xt.ds[i / 32][0]).abs())
+                            .sum();
+                        let got = out[t][lane];
+                        assert!(
+                            (got - want).abs() <= 1e-5 * mag + f32::MIN_POSITIVE,
+                            "{format:?} {isa:?} {case} t={t} lane={lane}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Random blocks, zero blocks, the largest f16 scale and the smallest subnormal one.
     #[test]
     fn group_kernels_match_row_kernels() {
         for format in TensorFormat::INTERLEAVED {
             let base = format.interleaved().unwrap().base;
             let blocks = 7;
             let cols = base.block_len() * blocks;
+            let acts: Vec<Q8Acts> = (0..MAX_TOKENS)
+                .map(|t| {
+                    let x: Vec<f32> = (0..cols)
+                        .map(|i| (((i * 7919 + 31 * t) % 251) as f32 - 125.0) / (7.0 + t as f32))
+                        .collect();
+                    Q8Acts::quantize(&x, cols, ActScheme::for_format(base))
+                })
+                .collect();
             for bits in [None, Some(0), Some(0x7BFF), Some(0x0001)] {
                 let mut data = source_rows(base, INTERLEAVE, blocks, bits);
                 if bits == Some(0) {
                     data.fill(0);
                 }
-                let group = interleave(format, &data, INTERLEAVE);
-                let mut row = Vec::new();
-                for lane in 0..INTERLEAVE {
-                    row_of_group(format, &group, lane, &mut row);
-                    assert_eq!(row, data[lane * row.len()..(lane + 1) * row.len()]);
-                }
-                let acts: Vec<Q8Acts> = (0..MAX_TOKENS)
-                    .map(|t| {
-                        let x: Vec<f32> = (0..cols)
-                            .map(|i| {
-                                (((i * 7919 + 31 * t) % 251) as f32 - 125.0) / (7.0 + t as f32)
-                            })
-                            .collect();
-                        Q8Acts::quantize(&x, cols, ActScheme::for_format(base))
-                    })
-                    .collect();
-                let (one, _) = int_scalar::qdot(base).unwrap();
-                for isa in Isa::available() {
-                    let kern = super::super::group_kernel(format, isa).unwrap();
-                    for tokens in 1..=MAX_TOKENS {
-                        let x: Vec<Q8Row> = acts[..tokens].iter().map(|a| a.row(0)).collect();
-                        let mut out = vec![[0.0; INTERLEAVE]; tokens];
-                        kern(&group, &x, &mut out);
-                        for (t, xt) in x.iter().enumerate() {
-                            for lane in 0..INTERLEAVE {
-                                let src = &data[lane * row.len()..(lane + 1) * row.len()];
-                                let want = one(src, *xt);
-                                let mut w = vec![0.0; cols];
-                                (super::super::kernels(base, Isa::Scalar).decode)(src, &mut w);
-                                let mag: f32 = w
-                                    .iter()
-                                    .zip(xt.qs)
-                                    .enumerate()
-                                    .map(|(i, (a, &q))| (a * f32::from(q) * xt.ds[i / 32][0]).abs())
-                                    .sum();
-                                let got = out[t][lane];
-                                assert!(
-                                    (got - want).abs() <= 1e-5 * mag + f32::MIN_POSITIVE,
-                                    "{format:?} {isa:?} {bits:?} t={t} lane={lane}: {got} vs {want}"
-                                );
-                            }
-                        }
+                assert_group_matches(format, &data, &acts, &format!("{bits:?}"));
+            }
+        }
+    }
+
+    /// The largest products the integer sums can meet: every quant at its extreme and every
+    /// activation at +-127 (AVX2's i16 stage is closest to saturating here).
+    #[test]
+    fn group_kernels_do_not_saturate() {
+        for format in TensorFormat::INTERLEAVED {
+            let base = format.interleaved().unwrap().base;
+            let x8 = format.interleaved().unwrap();
+            let blocks = 3;
+            let cols = base.block_len() * blocks;
+            // -127 for q8_0's signed bytes; all bits set (the largest unsigned quant) elsewhere.
+            let extreme = if base == TensorFormat::Q8_0 { 0x81 } else { 0xFF };
+            let mut data = source_rows(base, INTERLEAVE, blocks, None);
+            for blk in data.chunks_exact_mut(base.block_bytes()) {
+                for (i, byte) in blk.iter_mut().enumerate() {
+                    if !(x8.fields_at..x8.fields_at + x8.fields).contains(&i) {
+                        *byte = extreme;
                     }
                 }
+            }
+            for sign in [1.0f32, -1.0] {
+                let acts: Vec<Q8Acts> = (0..MAX_TOKENS)
+                    .map(|_| Q8Acts::quantize(&vec![sign; cols], cols, ActScheme::for_format(base)))
+                    .collect();
+                assert!(acts[0].qs.iter().all(|q| q.unsigned_abs() == 127));
+                assert_group_matches(format, &data, &acts, &format!("extreme, sign {sign}"));
             }
         }
     }

@@ -1,14 +1,17 @@
-//! AVX2 group kernels of the interleaved formats (layout in `x8.rs`): 8 weight rows times up
-//! to 4 token rows. Each 32-byte load is 4 quants of every row; the matching 4 activation
-//! bytes are broadcast, so `vpmaddubsw` + `vpmaddwd` leave one row's partial sum per lane and
-//! the block scales apply to 8 rows in one multiply.
+//! Group kernels of the interleaved formats (layout in `x8.rs`) for the AVX2 family: 8 weight
+//! rows times up to 4 token rows. Each 32-byte load is 4 quants of every row; the matching 4
+//! activation bytes are broadcast, so one byte product step (`bytes::ByteDot`: `vpmaddubsw` +
+//! `vpmaddwd`, or VNNI's `vpdpbusd`) leaves one row's partial sum per lane, and the block
+//! scales apply to 8 rows in one multiply.
 
 use std::arch::x86_64::*;
 
 use cellm_format::{TensorFormat, INTERLEAVE};
 
+use super::bytes::{self, Avx2, Avx512Vnni, AvxVnni, ByteDot};
 use super::x8::QDotX8Fn;
 use crate::acts::Q8Row;
+use crate::Isa;
 
 /// Columns read ahead of the one being multiplied. One thread's loads alone do not keep
 /// enough cache misses in flight to stream at the memory's rate.
@@ -58,16 +61,17 @@ unsafe fn fifth_bits(qh: __m256i, first: usize) -> __m256i {
 /// q5_0x8 (`c = -16d`, a fifth bit per quant from `qh`): quants `u` with value `d * u + c`, so
 /// a block contributes `d * dx * sum(u * x) + c * s` (`s = dx * sum(x)`, from the activations).
 #[inline(always)]
-unsafe fn unsigned_x8<const N: usize, const KIND: u8>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
+unsafe fn unsigned_x8<D: ByteDot, const N: usize, const KIND: u8>(
+    group: &[u8],
+    x: &[Q8Row; N],
+) -> [__m256; N] {
     let five = KIND == 2;
     // f16 fields (8 rows x 1 or 2), then q5_0's 8 qh words, then 4 chunks of nibbles.
     let head = if KIND == 1 { 32 } else { 16 } + if five { 32 } else { 0 };
     let bytes = head + 128;
-    // Pair sums of u x i8 per i16 lane stay below 8 * 2 * 15 * 127 = 30480 over four chunks
-    // of 4-bit quants, and below 4 * 2 * 31 * 127 = 31496 over two chunks of 5-bit ones:
-    // widen to i32 that often.
-    let per_widen = if five { 2 } else { 4 };
-    let (low, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+    // A chunk adds two products (low and high nibbles) of quants up to 15 or 31.
+    let per_run = D::run_chunks(if five { 62 } else { 30 }, 4);
+    let low = _mm256_set1_epi8(0x0F);
     let mut acc = [_mm256_setzero_ps(); N];
     let base = group.as_ptr();
     for b in 0..group.len() / bytes {
@@ -82,9 +86,9 @@ unsafe fn unsigned_x8<const N: usize, const KIND: u8>(group: &[u8], x: &[Q8Row; 
         let qh = if five { _mm256_loadu_si256(blk.add(16).cast()) } else { _mm256_setzero_si256() };
         let qs = blk.add(head);
         let mut sums = [_mm256_setzero_si256(); N];
-        for part in 0..4 / per_widen {
-            let mut short = [_mm256_setzero_si256(); N];
-            for chunk in part * per_widen..(part + 1) * per_widen {
+        for first in (0..4).step_by(per_run) {
+            let mut run = [_mm256_setzero_si256(); N];
+            for chunk in first..first + per_run {
                 let q = _mm256_loadu_si256(qs.add(32 * chunk).cast());
                 // Low nibbles are values 4c..4c+4 of each row, high nibbles values 16 + 4c...
                 let mut lo = _mm256_and_si256(q, low);
@@ -94,13 +98,12 @@ unsafe fn unsigned_x8<const N: usize, const KIND: u8>(group: &[u8], x: &[Q8Row; 
                     hi = _mm256_or_si256(hi, fifth_bits(qh, 16 + 4 * chunk));
                 }
                 for t in 0..N {
-                    let a = _mm256_maddubs_epi16(lo, broadcast4(&x[t], b, chunk));
-                    let h = _mm256_maddubs_epi16(hi, broadcast4(&x[t], b, chunk + 4));
-                    short[t] = _mm256_add_epi16(short[t], _mm256_add_epi16(a, h));
+                    run[t] = D::step(run[t], lo, broadcast4(&x[t], b, chunk));
+                    run[t] = D::step(run[t], hi, broadcast4(&x[t], b, chunk + 4));
                 }
             }
             for t in 0..N {
-                sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(short[t], ones));
+                sums[t] = _mm256_add_epi32(sums[t], D::widen(run[t]));
             }
         }
         for t in 0..N {
@@ -140,7 +143,7 @@ unsafe fn top2_to_4(v: __m256i) -> __m256i {
 /// activations (Q8K) share one scale per super-block, so the sub-blocks' integer sums are
 /// weighted by `sc` as integers and converted once.
 #[inline(always)]
-unsafe fn q4_k_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
+unsafe fn q4_k_x8<D: ByteDot, const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
     let bytes = 8 * 144;
     let (low, six) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(63));
     let mut acc = [_mm256_setzero_ps(); N];
@@ -165,8 +168,9 @@ unsafe fn q4_k_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
         ];
         let qs = blk.add(128);
         let mut sums = [_mm256_setzero_si256(); N];
+        // Eight chunks of u4 x i8 products (a sub-block) fit one AVX2 run, as in q4_0x8.
+        debug_assert_eq!(D::run_chunks(15, 8), 8);
         for pair in 0..4 {
-            // Eight u4 x i8 pair sums per i16 lane stay below 30480, as in q4_0x8.
             let (mut lo_sums, mut hi_sums) =
                 ([_mm256_setzero_si256(); N], [_mm256_setzero_si256(); N]);
             for chunk in 0..8 {
@@ -176,8 +180,8 @@ unsafe fn q4_k_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
                 for t in 0..N {
                     let xl = broadcast4(&x[t], 8 * b + 2 * pair, chunk);
                     let xh = broadcast4(&x[t], 8 * b + 2 * pair + 1, chunk);
-                    lo_sums[t] = _mm256_add_epi16(lo_sums[t], _mm256_maddubs_epi16(lo, xl));
-                    hi_sums[t] = _mm256_add_epi16(hi_sums[t], _mm256_maddubs_epi16(hi, xh));
+                    lo_sums[t] = D::step(lo_sums[t], lo, xl);
+                    hi_sums[t] = D::step(hi_sums[t], hi, xh);
                 }
             }
             let (j_lo, j_hi) = (2 * pair, 2 * pair + 1);
@@ -185,8 +189,8 @@ unsafe fn q4_k_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
             let sc_hi = lane_scale(scales[j_hi / 4], (j_hi % 4) as i8);
             for t in 0..N {
                 let p = _mm256_add_epi32(
-                    _mm256_madd_epi16(lo_sums[t], sc_lo),
-                    _mm256_madd_epi16(hi_sums[t], sc_hi),
+                    D::widen_times(lo_sums[t], sc_lo),
+                    D::widen_times(hi_sums[t], sc_hi),
                 );
                 sums[t] = _mm256_add_epi32(sums[t], p);
             }
@@ -211,11 +215,14 @@ unsafe fn q4_k_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
 
 /// q6_kx8: super-blocks of 256 in 16 sub-blocks of 16 with signed 8-bit scales, value
 /// `d * sc * (q - 32)` for 6-bit `q` (4 bits from `ql`, 2 from `qh`). Column layout: `d` of
-/// the 8 rows, then 32 chunks of `ql`, 16 of `qh`, 4 of scales.
+/// the 8 rows, then 32 chunks of `ql`, 16 of `qh`, 4 of scales. VNNI multiplies the unsigned
+/// `q` and takes the offset off once per sub-block, as `32 * sc` times the activations' sum
+/// over it (`Q8Row::sums16`). AVX2 subtracts `32 * x` from every product instead: the offset
+/// trick would need its i16 sums widened twice as often, which costs more than it saves.
 #[inline(always)]
-unsafe fn q6_k_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
+unsafe fn q6_k_x8<D: ByteDot, const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
     let bytes = 8 * 210;
-    let (low, three, k32) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3), _mm256_set1_epi8(32));
+    let (low, three) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
     // Bits 2k..2k+2 of each byte of `qh`, moved to bits 4..6.
     let high = |qh: __m256i, k: usize| {
         let shifted = match k {
@@ -226,6 +233,9 @@ unsafe fn q6_k_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
         };
         _mm256_slli_epi16::<4>(_mm256_and_si256(shifted, three))
     };
+    // A quarter (4 chunks) is one run: AVX2 sums four (q - 32) x i8 pair sums per i16 lane,
+    // within 4 * 8128 = 32512.
+    let k32 = _mm256_set1_epi8(32);
     let mut acc = [_mm256_setzero_ps(); N];
     let base = group.as_ptr();
     for b in 0..group.len() / bytes {
@@ -236,10 +246,7 @@ unsafe fn q6_k_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
         let mut sums = [_mm256_setzero_si256(); N];
         for half in 0..2 {
             for quarter in 0..2 {
-                // Element 32k + l of this half, l in 16 * quarter..+16, has scale
-                // 8 * half + 2k + quarter. Four (q - 32) x i8 pair sums per i16 lane stay
-                // within 4 * 8128 = 32512.
-                let mut short = [[_mm256_setzero_si256(); 4]; N];
+                let mut run = [[_mm256_setzero_si256(); 4]; N];
                 for i in 4 * quarter..4 * quarter + 4 {
                     let (ql_a, ql_b) = (chunk(16 * half + i), chunk(16 * half + 8 + i));
                     let qh = chunk(32 + 8 * half + i);
@@ -258,16 +265,21 @@ unsafe fn q6_k_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
                     for t in 0..N {
                         for (k, qk) in q.iter().enumerate() {
                             let xv = broadcast4(&x[t], 8 * b + 4 * half + k, i);
-                            let p = _mm256_sub_epi16(
-                                _mm256_maddubs_epi16(*qk, xv),
-                                _mm256_maddubs_epi16(k32, xv),
-                            );
-                            short[t][k] = _mm256_add_epi16(short[t][k], p);
+                            run[t][k] = if D::NARROW {
+                                let p = _mm256_sub_epi16(
+                                    _mm256_maddubs_epi16(*qk, xv),
+                                    _mm256_maddubs_epi16(k32, xv),
+                                );
+                                _mm256_add_epi16(run[t][k], p)
+                            } else {
+                                D::step(run[t][k], *qk, xv)
+                            };
                         }
                     }
                 }
-                // Scales 8 * half + 2k + quarter for k = 0..4: bytes quarter and 2 + quarter
-                // of scale chunks 2 * half and 2 * half + 1.
+                // Element 32k + l of this half, l in 16 * quarter..+16, is in sub-block
+                // 8 * half + 2k + quarter. Its scale is byte quarter or 2 + quarter of scale
+                // chunk 2 * half (k < 2) or 2 * half + 1.
                 let (s0, s1) = (chunk(48 + 2 * half), chunk(49 + 2 * half));
                 let q8 = quarter as i8;
                 let sc = [
@@ -278,8 +290,16 @@ unsafe fn q6_k_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
                 ];
                 for t in 0..N {
                     for k in 0..4 {
-                        let p = _mm256_madd_epi16(short[t][k], sc[k]);
-                        sums[t] = _mm256_add_epi32(sums[t], p);
+                        sums[t] = _mm256_add_epi32(sums[t], D::widen_times(run[t][k], sc[k]));
+                    }
+                }
+                for t in (0..N).filter(|_| !D::NARROW) {
+                    for (k, sc_k) in sc.iter().enumerate() {
+                        // |16 * sum| <= 16 * 16 * 127 fits i16; vpmaddwd adds the two halves,
+                        // which both hold sc: sc * -32 * sum.
+                        let sum = x[t].sums16[16 * b + 8 * half + 2 * k + quarter];
+                        let offset = _mm256_madd_epi16(*sc_k, _mm256_set1_epi16(-16 * sum));
+                        sums[t] = _mm256_add_epi32(sums[t], offset);
                     }
                 }
             }
@@ -307,9 +327,9 @@ unsafe fn signed_lane_scale(v: __m256i, j: i8) -> __m256i {
 
 /// q8_0x8: signed quants, multiplied as |w| times x carrying w's sign.
 #[inline(always)]
-unsafe fn q8_0_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
+unsafe fn q8_0_x8<D: ByteDot, const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
     let bytes = 16 + 256;
-    let ones = _mm256_set1_epi16(1);
+    let per_run = D::run_chunks(127, 8);
     let mut acc = [_mm256_setzero_ps(); N];
     let base = group.as_ptr();
     for b in 0..group.len() / bytes {
@@ -318,13 +338,18 @@ unsafe fn q8_0_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
         let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
         let qs = blk.add(16);
         let mut sums = [_mm256_setzero_si256(); N];
-        for chunk in 0..8 {
-            let w = _mm256_loadu_si256(qs.add(32 * chunk).cast());
-            let wabs = _mm256_sign_epi8(w, w);
+        for first in (0..8).step_by(per_run) {
+            let mut run = [_mm256_setzero_si256(); N];
+            for chunk in first..first + per_run {
+                let w = _mm256_loadu_si256(qs.add(32 * chunk).cast());
+                let wabs = _mm256_sign_epi8(w, w);
+                for t in 0..N {
+                    let xs = _mm256_sign_epi8(broadcast4(&x[t], b, chunk), w);
+                    run[t] = D::step(run[t], wabs, xs);
+                }
+            }
             for t in 0..N {
-                let xs = _mm256_sign_epi8(broadcast4(&x[t], b, chunk), w);
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones);
-                sums[t] = _mm256_add_epi32(sums[t], p);
+                sums[t] = _mm256_add_epi32(sums[t], D::widen(run[t]));
             }
         }
         for t in 0..N {
@@ -335,28 +360,61 @@ unsafe fn q8_0_x8<const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
     acc
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn run<const N: usize, const F: usize>(
+/// The group product of format `F` (index into `TensorFormat::INTERLEAVED`) on path `D`.
+#[inline(always)]
+unsafe fn body<D: ByteDot, const N: usize, const F: usize>(
     group: &[u8],
     x: &[Q8Row],
     out: &mut [[f32; INTERLEAVE]],
 ) {
     let x: &[Q8Row; N] = x.try_into().expect("N activation rows");
     let acc = match F {
-        0 => q8_0_x8::<N>(group, x),
-        1 => unsigned_x8::<N, 0>(group, x),
-        2 => unsigned_x8::<N, 1>(group, x),
-        3 => unsigned_x8::<N, 2>(group, x),
-        4 => q4_k_x8::<N>(group, x),
-        _ => q6_k_x8::<N>(group, x),
+        0 => q8_0_x8::<D, N>(group, x),
+        1 => unsigned_x8::<D, N, 0>(group, x),
+        2 => unsigned_x8::<D, N, 1>(group, x),
+        3 => unsigned_x8::<D, N, 2>(group, x),
+        4 => q4_k_x8::<D, N>(group, x),
+        _ => q6_k_x8::<D, N>(group, x),
     };
     for (o, a) in out.iter_mut().zip(acc) {
         _mm256_storeu_ps(o.as_mut_ptr(), a);
     }
 }
 
-/// Format `F` (index into `TensorFormat::INTERLEAVED`) for 1..=4 tokens.
-fn entry<const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLEAVE]]) {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_avx2<const N: usize, const F: usize>(g: &[u8], x: &[Q8Row], o: &mut [[f32; 8]]) {
+    body::<Avx2, N, F>(g, x, o)
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn run_avx_vnni<const N: usize, const F: usize>(g: &[u8], x: &[Q8Row], o: &mut [[f32; 8]]) {
+    body::<AvxVnni, N, F>(g, x, o)
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn run_avx512_vnni<const N: usize, const F: usize>(
+    g: &[u8],
+    x: &[Q8Row],
+    o: &mut [[f32; 8]],
+) {
+    body::<Avx512Vnni, N, F>(g, x, o)
+}
+
+/// `N` tokens of format `F` on path `P` (`bytes::AVX2`...).
+unsafe fn run<const P: u8, const N: usize, const F: usize>(
+    group: &[u8],
+    x: &[Q8Row],
+    out: &mut [[f32; INTERLEAVE]],
+) {
+    match P {
+        bytes::AVX2 => run_avx2::<N, F>(group, x, out),
+        bytes::AVX_VNNI => run_avx_vnni::<N, F>(group, x, out),
+        _ => run_avx512_vnni::<N, F>(group, x, out),
+    }
+}
+
+/// Format `F` (index into `TensorFormat::INTERLEAVED`) on path `P` for 1..=4 tokens.
+fn entry<const P: u8, const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLEAVE]]) {
     let format = TensorFormat::INTERLEAVED[F];
     let base = format.interleaved().expect("interleaved").base;
     let elems = group.len() / INTERLEAVE / base.block_bytes() * base.block_len();
@@ -366,23 +424,33 @@ fn entry<const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLEAVE]
     );
     for r in x {
         assert!(r.qs.len() >= elems && r.ds.len() * 32 >= elems, "activations too short");
+        if F == 5 {
+            assert!(r.sums16.len() * 16 >= elems, "q6_k needs the activations' sums of 16");
+        }
     }
-    // SAFETY: `qdot` hands this out only after checking AVX2, FMA and F16C; loads stay
+    // SAFETY: `qdot` hands this out only after checking the path's CPU features; loads stay
     // inside the group and the activation rows checked above.
     unsafe {
         match x.len() {
-            1 => run::<1, F>(group, x, out),
-            2 => run::<2, F>(group, x, out),
-            3 => run::<3, F>(group, x, out),
-            4 => run::<4, F>(group, x, out),
+            1 => run::<P, 1, F>(group, x, out),
+            2 => run::<P, 2, F>(group, x, out),
+            3 => run::<P, 3, F>(group, x, out),
+            4 => run::<P, 4, F>(group, x, out),
             n => panic!("group kernels take 1..=4 tokens, got {n}"),
         }
     }
 }
 
-pub fn qdot(format: TensorFormat) -> Option<QDotX8Fn> {
-    assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
-    const ENTRIES: [QDotX8Fn; 6] =
-        [entry::<0>, entry::<1>, entry::<2>, entry::<3>, entry::<4>, entry::<5>];
-    TensorFormat::INTERLEAVED.iter().position(|&f| f == format).map(|i| ENTRIES[i])
+/// The entries of one path, in `TensorFormat::INTERLEAVED` order.
+const fn entries<const P: u8>() -> [QDotX8Fn; 6] {
+    [entry::<P, 0>, entry::<P, 1>, entry::<P, 2>, entry::<P, 3>, entry::<P, 4>, entry::<P, 5>]
+}
+
+pub fn qdot(format: TensorFormat, isa: Isa) -> Option<QDotX8Fn> {
+    let table = match bytes::path(isa) {
+        bytes::AVX2 => entries::<{ bytes::AVX2 }>(),
+        bytes::AVX_VNNI => entries::<{ bytes::AVX_VNNI }>(),
+        _ => entries::<{ bytes::AVX512_VNNI }>(),
+    };
+    TensorFormat::INTERLEAVED.iter().position(|&f| f == format).map(|i| table[i])
 }
