@@ -13,15 +13,16 @@ use super::x8::QDotX8Fn;
 use crate::acts::Q8Row;
 use crate::Isa;
 
-/// Columns read ahead of the one being multiplied. One thread's loads alone do not keep
-/// enough cache misses in flight to stream at the memory's rate.
-const PREFETCH_COLUMNS: usize = 8;
+/// How far ahead of the column being multiplied to read, in bytes (whole columns, at least
+/// one). One thread's loads alone do not keep enough cache misses in flight to stream at the
+/// memory's rate; 4 KiB did better than 8 columns (1-13 KiB) and 8 KiB in `gemv`.
+const PREFETCH_BYTES: usize = 4096;
 
-/// Requests the cache lines of the column `PREFETCH_COLUMNS` after `column` (`bytes` long);
-/// past the end of the group that is the next group's data, or nothing.
+/// Requests the cache lines of the column about `PREFETCH_BYTES` after `column` (`bytes`
+/// long); past the end of the group that is the next group's data, or nothing.
 #[inline(always)]
 unsafe fn prefetch_ahead(column: *const u8, bytes: usize) {
-    let ahead = column.wrapping_add(PREFETCH_COLUMNS * bytes);
+    let ahead = column.wrapping_add((PREFETCH_BYTES / bytes).max(1) * bytes);
     for line in (0..bytes).step_by(64) {
         // A prefetch never faults, whatever the address.
         _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
@@ -222,16 +223,17 @@ unsafe fn q4_k_x8<D: ByteDot, const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [
 #[inline(always)]
 unsafe fn q6_k_x8<D: ByteDot, const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
     let bytes = 8 * 210;
-    let (low, three) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
-    // Bits 2k..2k+2 of each byte of `qh`, moved to bits 4..6.
+    let (low, bits45) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+    // Bits 2k..2k+2 of each byte of `qh`, moved to bits 4..6 (16-bit shifts: what crosses
+    // into a neighbouring byte is masked off).
     let high = |qh: __m256i, k: usize| {
-        let shifted = match k {
-            0 => qh,
-            1 => _mm256_srli_epi16::<2>(qh),
-            2 => _mm256_srli_epi16::<4>(qh),
-            _ => _mm256_srli_epi16::<6>(qh),
+        let moved = match k {
+            0 => _mm256_slli_epi16::<4>(qh),
+            1 => _mm256_slli_epi16::<2>(qh),
+            2 => qh,
+            _ => _mm256_srli_epi16::<2>(qh),
         };
-        _mm256_slli_epi16::<4>(_mm256_and_si256(shifted, three))
+        _mm256_and_si256(moved, bits45)
     };
     // A quarter (4 chunks) is one run: AVX2 sums four (q - 32) x i8 pair sums per i16 lane,
     // within 4 * 8128 = 32512.
