@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, Union
 
@@ -19,6 +21,18 @@ def _token_str(token: TokenSpec) -> str | None:
     if token is not None and not isinstance(token, str):
         raise InvalidArgument(f"a special token must be a string, got {token!r}")
     return token
+
+
+def _return_freed_memory() -> None:
+    """Hands the heap's free pages back to the OS (glibc only). Parsing a large BPE tokenizer
+    frees most of what it allocated, and glibc keeps it: Gemma 3's 262k-token, 515k-merge
+    tokenizer left about 380 MB resident for 43 MB of live data."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl, ...): nothing to do
+        pass
 
 
 class Tokenizer:
@@ -56,6 +70,7 @@ class Tokenizer:
             raw = tokenizers.Tokenizer.from_str(s)
         except Exception as e:  # tokenizers raises a bare Exception
             raise FormatError(f"tokenizer.json could not be loaded: {e}") from e
+        _return_freed_memory()
         return cls(raw, bos_token=bos_token, eos_token=eos_token, add_bos_token=add_bos_token)
 
     def _special_id(self, token: str | None, what: str) -> int | None:
