@@ -312,11 +312,11 @@ mod tests {
                 let scalar = super::super::kernels(format, Isa::Scalar).qdot.unwrap().0;
                 let want = scalar(row, acts.row(0));
                 assert!(want.is_finite(), "{format:?}");
-                for isa in Isa::available() {
-                    let got = super::super::kernels(format, isa).qdot.unwrap().0(row, acts.row(0));
+                for (path, (one, _)) in super::super::integer_kernels_to_test(format) {
+                    let got = one(row, acts.row(0));
                     assert!(
                         (got - want).abs() <= 1e-5 * mag + f32::MIN_POSITIVE,
-                        "{format:?} {isa:?}: {got} vs {want}"
+                        "{format:?} {path}: {got} vs {want}"
                     );
                 }
             }
@@ -382,18 +382,14 @@ mod tests {
                 })
                 .collect();
             let rows = [scaled[0].row(0), scaled[1].row(0), scaled[2].row(0), scaled[3].row(0)];
-            for isa in Isa::available() {
-                let (one, four) = super::super::kernels(format, isa).qdot.unwrap();
+            for (path, (one, four)) in super::super::integer_kernels_to_test(format) {
                 let got = one(&row, acts.row(0));
-                assert!(
-                    (got - scalar).abs() <= 1e-5 * mag,
-                    "{format:?} {isa:?}: {got} vs {scalar}"
-                );
+                assert!((got - scalar).abs() <= 1e-5 * mag, "{format:?} {path}: {got} vs {scalar}");
                 let many = four(&row, &rows);
                 for (t, r) in rows.iter().enumerate() {
                     let single = one(&row, *r);
                     let tol = 1e-5 * mag * (t + 1) as f32;
-                    assert!((many[t] - single).abs() <= tol, "{format:?} {isa:?} row {t}");
+                    assert!((many[t] - single).abs() <= tol, "{format:?} {path} row {t}");
                 }
             }
         }

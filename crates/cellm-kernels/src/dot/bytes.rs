@@ -109,11 +109,45 @@ impl ByteDot for Avx512Vnni {
     }
 }
 
+/// `vpdpbusd`'s exact arithmetic in AVX2 instructions (bytes widened to i16, no saturating
+/// step), for tests: it runs the VNNI paths' kernel code on a CPU without VNNI, so that code
+/// is checked here and not only where the real instruction exists.
+#[cfg(test)]
+pub(super) struct EmulatedVnni;
+
+#[cfg(test)]
+impl ByteDot for EmulatedVnni {
+    const NARROW: bool = false;
+
+    #[inline(always)]
+    unsafe fn step(run: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        let (u_even, u_odd) =
+            (_mm256_and_si256(u, _mm256_set1_epi16(0xFF)), _mm256_srli_epi16::<8>(u));
+        let (s_even, s_odd) =
+            (_mm256_srai_epi16::<8>(_mm256_slli_epi16::<8>(s)), _mm256_srai_epi16::<8>(s));
+        let p =
+            _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd));
+        _mm256_add_epi32(run, p)
+    }
+
+    #[inline(always)]
+    unsafe fn widen(run: __m256i) -> __m256i {
+        run
+    }
+
+    #[inline(always)]
+    unsafe fn widen_times(run: __m256i, m: __m256i) -> __m256i {
+        _mm256_mullo_epi32(run, lane_multiplier(m))
+    }
+}
+
 /// The paths as const-generic parameters (an enum cannot be one): entries are instantiated
 /// per path and each dispatches to a function compiled with that path's features.
 pub(super) const AVX2: u8 = 0;
 pub(super) const AVX_VNNI: u8 = 1;
 pub(super) const AVX512_VNNI: u8 = 2;
+#[cfg(test)]
+pub(super) const EMULATED_VNNI: u8 = 3;
 
 /// The const-generic path of a SIMD ISA.
 pub(super) fn path(isa: crate::Isa) -> u8 {

@@ -370,10 +370,18 @@ macro_rules! safe_entry {
                     $inner::<Avx512Vnni, N>(row, x)
                 }
 
+                #[cfg(test)]
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn emulated_vnni<const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+                    $inner::<bytes::EmulatedVnni, N>(row, x)
+                }
+
                 unsafe fn run<const P: u8, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
                     match P {
                         bytes::AVX2 => avx2::<N>(row, x),
                         bytes::AVX_VNNI => avx_vnni::<N>(row, x),
+                        #[cfg(test)]
+                        bytes::EMULATED_VNNI => emulated_vnni::<N>(row, x),
                         _ => avx512_vnni::<N>(row, x),
                     }
                 }
@@ -401,6 +409,13 @@ macro_rules! safe_entry {
             }
         }
     };
+}
+
+/// The VNNI paths' kernels on AVX2, with `vpdpbusd` emulated (tests).
+#[cfg(test)]
+pub fn qdot_emulated_vnni(format: TensorFormat) -> Option<(QDotFn, QDot4Fn)> {
+    assert!(Isa::Avx2.supported());
+    entries::<{ bytes::EMULATED_VNNI }>(format)
 }
 
 pub fn qdot(format: TensorFormat, isa: Isa) -> Option<(QDotFn, QDot4Fn)> {

@@ -107,6 +107,35 @@ pub fn group_kernel(format: TensorFormat, isa: Isa) -> Option<x8::QDotX8Fn> {
     }
 }
 
+/// Every group kernel of an interleaved format this CPU can run, by path name, plus the VNNI
+/// kernel code on AVX2 with `vpdpbusd` emulated: what the kernel tests check.
+#[cfg(test)]
+fn group_kernels_to_test(format: TensorFormat) -> Vec<(&'static str, x8::QDotX8Fn)> {
+    let mut out: Vec<_> = Isa::available()
+        .into_iter()
+        .map(|i| (i.name(), group_kernel(format, i).unwrap()))
+        .collect();
+    #[cfg(target_arch = "x86_64")]
+    if Isa::Avx2.supported() {
+        out.push(("emulated vnni", x8_avx2::qdot_emulated_vnni(format).unwrap()));
+    }
+    out
+}
+
+/// As [`group_kernels_to_test`] for the integer row kernels of a block format.
+#[cfg(test)]
+fn integer_kernels_to_test(format: TensorFormat) -> Vec<(&'static str, (QDotFn, QDot4Fn))> {
+    let mut out: Vec<_> = Isa::available()
+        .into_iter()
+        .map(|i| (i.name(), kernels(format, i).qdot.unwrap()))
+        .collect();
+    #[cfg(target_arch = "x86_64")]
+    if Isa::Avx2.supported() {
+        out.push(("emulated vnni", int_avx2::qdot_emulated_vnni(format).unwrap()));
+    }
+    out
+}
+
 /// Deterministic pseudo-random bytes for the kernel tests.
 #[cfg(test)]
 fn noise(n: usize, seed: u64) -> Vec<u8> {

@@ -141,8 +141,7 @@ mod tests {
             assert_eq!(row, data[lane * row.len()..(lane + 1) * row.len()]);
         }
         let (one, _) = int_scalar::qdot(base).unwrap();
-        for isa in Isa::available() {
-            let kern = super::super::group_kernel(format, isa).unwrap();
+        for (path, kern) in super::super::group_kernels_to_test(format) {
             for tokens in 1..=MAX_TOKENS {
                 let x: Vec<Q8Row> = acts[..tokens].iter().map(|a| a.row(0)).collect();
                 let mut out = vec![[0.0; INTERLEAVE]; tokens];
@@ -162,7 +161,7 @@ mod tests {
                         let got = out[t][lane];
                         assert!(
                             (got - want).abs() <= 1e-5 * mag + f32::MIN_POSITIVE,
-                            "{format:?} {isa:?} {case} t={t} lane={lane}: {got} vs {want}"
+                            "{format:?} {path} {case} t={t} lane={lane}: {got} vs {want}"
                         );
                     }
                 }

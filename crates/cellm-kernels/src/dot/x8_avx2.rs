@@ -402,6 +402,16 @@ unsafe fn run_avx512_vnni<const N: usize, const F: usize>(
     body::<Avx512Vnni, N, F>(g, x, o)
 }
 
+#[cfg(test)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_emulated_vnni<const N: usize, const F: usize>(
+    g: &[u8],
+    x: &[Q8Row],
+    o: &mut [[f32; 8]],
+) {
+    body::<bytes::EmulatedVnni, N, F>(g, x, o)
+}
+
 /// `N` tokens of format `F` on path `P` (`bytes::AVX2`...).
 unsafe fn run<const P: u8, const N: usize, const F: usize>(
     group: &[u8],
@@ -411,6 +421,8 @@ unsafe fn run<const P: u8, const N: usize, const F: usize>(
     match P {
         bytes::AVX2 => run_avx2::<N, F>(group, x, out),
         bytes::AVX_VNNI => run_avx_vnni::<N, F>(group, x, out),
+        #[cfg(test)]
+        bytes::EMULATED_VNNI => run_emulated_vnni::<N, F>(group, x, out),
         _ => run_avx512_vnni::<N, F>(group, x, out),
     }
 }
@@ -446,6 +458,14 @@ fn entry<const P: u8, const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32
 /// The entries of one path, in `TensorFormat::INTERLEAVED` order.
 const fn entries<const P: u8>() -> [QDotX8Fn; 6] {
     [entry::<P, 0>, entry::<P, 1>, entry::<P, 2>, entry::<P, 3>, entry::<P, 4>, entry::<P, 5>]
+}
+
+/// The VNNI paths' kernels on AVX2, with `vpdpbusd` emulated (tests).
+#[cfg(test)]
+pub fn qdot_emulated_vnni(format: TensorFormat) -> Option<QDotX8Fn> {
+    assert!(Isa::Avx2.supported());
+    let table = entries::<{ bytes::EMULATED_VNNI }>();
+    TensorFormat::INTERLEAVED.iter().position(|&f| f == format).map(|i| table[i])
 }
 
 pub fn qdot(format: TensorFormat, isa: Isa) -> Option<QDotX8Fn> {
