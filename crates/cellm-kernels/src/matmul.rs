@@ -222,20 +222,24 @@ impl Product<'_> {
         let mut vals = [0.0f32; TILE_ROWS * TILE_TOKENS];
         for r0 in rows.clone().step_by(TILE_ROWS) {
             let r_count = (rows.end - r0).min(TILE_ROWS);
-            let stored = (r0..r0 + r_count).map(|r| &self.w.bytes[r * stride..(r + 1) * stride]);
-            let w: Vec<&[u8]> = match decode {
-                Some(decode) => {
-                    for (row, out) in stored.zip(wide.chunks_exact_mut(k)) {
-                        decode(row, out);
-                    }
-                    wide.chunks_exact(k).take(r_count).map(as_bytes).collect()
+            // Stored rows, or their widened copies; a fixed array, as this runs per 4 rows.
+            let mut w: [&[u8]; TILE_ROWS] = [&[]; TILE_ROWS];
+            for (i, r) in (r0..r0 + r_count).enumerate() {
+                w[i] = &self.w.bytes[r * stride..(r + 1) * stride];
+            }
+            if let Some(decode) = decode {
+                for (i, out) in wide.chunks_exact_mut(k).take(r_count).enumerate() {
+                    decode(w[i], out);
                 }
-                None => stored.collect(),
-            };
+                for (i, row) in wide.chunks_exact(k).take(r_count).enumerate() {
+                    w[i] = as_bytes(row);
+                }
+            }
+            let w = &w[..r_count];
             for t0 in (0..tokens).step_by(TILE_TOKENS) {
                 let t_count = (tokens - t0).min(TILE_TOKENS);
                 let v = &mut vals[..r_count * t_count];
-                tile(&w, &x[t0 * k..(t0 + t_count) * k], v);
+                tile(w, &x[t0 * k..(t0 + t_count) * k], v);
                 for t in 0..t_count {
                     for r in 0..r_count {
                         // SAFETY: each task owns distinct rows, so output (t0 + t, r0 + r) is

@@ -197,6 +197,14 @@ unsafe fn dot_tile<L: Lanes>(rows: &[&[u8]], x: &[f32], out: &mut [f32]) {
         "dot_tile: rows and activations differ in length"
     );
     assert!(out.len() == rows.len() * tokens, "dot_tile: output size");
+    if tokens == 1 {
+        // Decode: nothing to share between rows, and one row at a time with four accumulators
+        // streams 16-bit rows about 1.5x faster than a 4 x 1 tile (`gemv`).
+        for (o, row) in out.iter_mut().zip(&w[..rows.len()]) {
+            *o = dot::<L>(row, x);
+        }
+        return;
+    }
     macro_rules! go {
         ($r:literal, $t:literal) => {
             tile::<L, $r, $t>(&w[..$r], x, out)
@@ -205,16 +213,12 @@ unsafe fn dot_tile<L: Lanes>(rows: &[&[u8]], x: &[f32], out: &mut [f32]) {
     match (rows.len(), tokens) {
         (4, 3) => go!(4, 3),
         (4, 2) => go!(4, 2),
-        (4, 1) => go!(4, 1),
         (3, 3) => go!(3, 3),
         (3, 2) => go!(3, 2),
-        (3, 1) => go!(3, 1),
         (2, 3) => go!(2, 3),
         (2, 2) => go!(2, 2),
-        (2, 1) => go!(2, 1),
         (1, 3) => go!(1, 3),
         (1, 2) => go!(1, 2),
-        (1, 1) => go!(1, 1),
         (r, t) => panic!("dot_tile takes 1..=4 rows and 1..=3 tokens, got {r} x {t}"),
     }
 }

@@ -13,11 +13,17 @@ pub(super) trait ByteDot {
     /// for VNNI.
     unsafe fn step(run: __m256i, u: __m256i, s: __m256i) -> __m256i;
 
-    /// A run's sums as i32 lanes.
-    unsafe fn widen(run: __m256i) -> __m256i;
+    /// A run's sums as i32 lanes (already so unless NARROW).
+    #[inline(always)]
+    unsafe fn widen(run: __m256i) -> __m256i {
+        run
+    }
 
     /// A run's i32 sums times `m`, an i16 multiplier repeated in both halves of each lane.
-    unsafe fn widen_times(run: __m256i, m: __m256i) -> __m256i;
+    #[inline(always)]
+    unsafe fn widen_times(run: __m256i, m: __m256i) -> __m256i {
+        _mm256_mullo_epi32(run, _mm256_srai_epi32::<16>(m))
+    }
 
     /// Four-product sums of `u` and `s` per i32 lane, from nothing.
     #[inline(always)]
@@ -59,12 +65,6 @@ impl ByteDot for Avx2 {
     }
 }
 
-/// The i16 multiplier of a `widen_times` argument as an i32 per lane.
-#[inline(always)]
-unsafe fn lane_multiplier(m: __m256i) -> __m256i {
-    _mm256_srai_epi32::<16>(m)
-}
-
 /// The VEX `vpdpbusd` (AVX-VNNI).
 pub(super) struct AvxVnni;
 
@@ -74,16 +74,6 @@ impl ByteDot for AvxVnni {
     #[inline(always)]
     unsafe fn step(run: __m256i, u: __m256i, s: __m256i) -> __m256i {
         _mm256_dpbusd_avx_epi32(run, u, s)
-    }
-
-    #[inline(always)]
-    unsafe fn widen(run: __m256i) -> __m256i {
-        run
-    }
-
-    #[inline(always)]
-    unsafe fn widen_times(run: __m256i, m: __m256i) -> __m256i {
-        _mm256_mullo_epi32(run, lane_multiplier(m))
     }
 }
 
@@ -96,16 +86,6 @@ impl ByteDot for Avx512Vnni {
     #[inline(always)]
     unsafe fn step(run: __m256i, u: __m256i, s: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(run, u, s)
-    }
-
-    #[inline(always)]
-    unsafe fn widen(run: __m256i) -> __m256i {
-        run
-    }
-
-    #[inline(always)]
-    unsafe fn widen_times(run: __m256i, m: __m256i) -> __m256i {
-        _mm256_mullo_epi32(run, lane_multiplier(m))
     }
 }
 
@@ -128,16 +108,6 @@ impl ByteDot for EmulatedVnni {
         let p =
             _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd));
         _mm256_add_epi32(run, p)
-    }
-
-    #[inline(always)]
-    unsafe fn widen(run: __m256i) -> __m256i {
-        run
-    }
-
-    #[inline(always)]
-    unsafe fn widen_times(run: __m256i, m: __m256i) -> __m256i {
-        _mm256_mullo_epi32(run, lane_multiplier(m))
     }
 }
 

@@ -295,13 +295,15 @@ unsafe fn q6_k_x8<D: ByteDot, const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [
                         sums[t] = _mm256_add_epi32(sums[t], D::widen_times(run[t][k], sc[k]));
                     }
                 }
-                for t in (0..N).filter(|_| !D::NARROW) {
-                    for (k, sc_k) in sc.iter().enumerate() {
-                        // |16 * sum| <= 16 * 16 * 127 fits i16; vpmaddwd adds the two halves,
-                        // which both hold sc: sc * -32 * sum.
-                        let sum = x[t].sums16[16 * b + 8 * half + 2 * k + quarter];
-                        let offset = _mm256_madd_epi16(*sc_k, _mm256_set1_epi16(-16 * sum));
-                        sums[t] = _mm256_add_epi32(sums[t], offset);
+                if !D::NARROW {
+                    for t in 0..N {
+                        for (k, sc_k) in sc.iter().enumerate() {
+                            // |16 * sum| <= 16 * 16 * 127 fits i16; vpmaddwd adds the two
+                            // halves, which both hold sc: sc * -32 * sum.
+                            let sum = x[t].sums16[16 * b + 8 * half + 2 * k + quarter];
+                            let offset = _mm256_madd_epi16(*sc_k, _mm256_set1_epi16(-16 * sum));
+                            sums[t] = _mm256_add_epi32(sums[t], offset);
+                        }
                     }
                 }
             }
