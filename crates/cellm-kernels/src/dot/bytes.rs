@@ -36,7 +36,9 @@ pub(super) trait ByteDot {
     /// pairs saturate past 32767, VNNI's i32 sums do not come close.
     fn run_chunks(max_u: i32, wanted: usize) -> usize {
         if Self::NARROW {
-            (32767 / (2 * max_u * 127)).clamp(1, wanted as i32) as usize
+            let fits = (32767 / (2 * max_u * 127)) as usize;
+            assert!(fits >= 1, "products of {max_u} x 127 overflow i16 pairs in one chunk");
+            fits.min(wanted)
         } else {
             wanted
         }
