@@ -20,7 +20,14 @@ fn main() {
     let mut out = vec![0.0f32; rows * tokens];
     let paths: Vec<Isa> = Isa::available().into_iter().filter(|i| *i != Isa::Scalar).collect();
     let floats = [TensorFormat::F16, TensorFormat::BF16, TensorFormat::F32];
+    // GEMV_FORMATS=f16,q8_0x8 times only those formats.
+    let only = std::env::var("GEMV_FORMATS").ok();
+    let wanted =
+        |f: TensorFormat| only.as_ref().is_none_or(|o| o.split(',').any(|n| n == f.name()));
     for format in floats.into_iter().chain(TensorFormat::BLOCKS).chain(TensorFormat::INTERLEAVED) {
+        if !wanted(format) {
+            continue;
+        }
         let Some(n) = format.nbytes(&[rows, cols]) else {
             continue; // rows that do not split into this format's blocks
         };

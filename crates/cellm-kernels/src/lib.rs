@@ -5,6 +5,7 @@
 pub mod acts;
 pub mod dot;
 pub mod gating;
+pub mod gemm;
 pub mod isa;
 pub mod matmul;
 pub mod ops;

@@ -12,6 +12,7 @@ use crate::dot::x8::{self, QDotX8Fn};
 use crate::dot::{
     dot_tiles, group_kernel, kernels, DotTileFn, QDot4Fn, QDotFn, TILE_ROWS, TILE_TOKENS,
 };
+use crate::gemm::{pack_tokens, FloatGemm};
 use crate::isa;
 use crate::pool::{self, SharedOut};
 
@@ -69,10 +70,13 @@ pub fn matmul_many_raw(x: &[f32], tokens: usize, ws: &[WeightRows], outs: &mut [
         }
     }
     let acts_for = |scheme| &quantized.iter().find(|(s, _)| *s == scheme).expect("quantized").1;
+    // A batch times float weights runs as a GEMM over activations packed once, here.
+    let batch_gemm = tokens > TILE_TOKENS && ws.iter().any(|w| act_scheme(*w).is_none());
+    let packed = batch_gemm.then(|| pack_tokens(x, tokens, ws[0].cols));
     let products: Vec<Product> = ws
         .iter()
         .zip(outs.iter_mut())
-        .map(|(&w, out)| Product::new(w, x, tokens, out.as_mut_ptr(), &acts_for))
+        .map(|(&w, out)| Product::new(w, x, packed.as_deref(), tokens, out.as_mut_ptr(), &acts_for))
         .collect();
 
     let work: usize = ws.iter().map(|w| w.rows * w.cols * tokens).sum();
@@ -113,14 +117,16 @@ struct Product<'a> {
 enum Kernel<'a> {
     Groups(QDotX8Fn, Vec<Q8Row<'a>>),
     Integer((QDotFn, QDot4Fn), &'a Q8Acts),
-    /// Float rows, in register tiles of rows x tokens.
-    Float(DotTileFn, &'a [f32]),
+    /// Float rows: decode in register tiles of rows x tokens, a batch as a GEMM over the
+    /// packed activations.
+    Float(DotTileFn, &'a [f32], Option<&'a [f32]>),
 }
 
 impl<'a> Product<'a> {
     fn new(
         w: WeightRows<'a>,
         x: &'a [f32],
+        packed: Option<&'a [f32]>,
         tokens: usize,
         out: *mut f32,
         acts_for: &impl Fn(ActScheme) -> &'a Q8Acts,
@@ -135,7 +141,7 @@ impl<'a> Product<'a> {
                 let qdot = kernels(w.format, isa::selected()).qdot.expect("integer kernel");
                 Kernel::Integer(qdot, acts_for(scheme))
             }
-            None => Kernel::Float(dot_tiles(w.format, isa::selected()), x),
+            None => Kernel::Float(dot_tiles(w.format, isa::selected()), x, packed),
         };
         Self { w, tokens, out: SharedOut(out), kernel }
     }
@@ -159,8 +165,8 @@ impl<'a> Product<'a> {
     /// `out[t, r]` for every token and the rows of `units`, each row (or group) read once
     /// per 4 tokens.
     fn run(&self, units: std::ops::Range<usize>) {
-        if let Kernel::Float(tile, x) = self.kernel {
-            return self.run_tiles(tile, x, units);
+        if let Kernel::Float(tile, x, packed) = self.kernel {
+            return self.run_float(tile, x, packed, units);
         }
         let (n, tokens) = (self.w.rows, self.tokens);
         let stride = self.w.bytes.len() / self.units().max(1);
@@ -205,57 +211,39 @@ impl<'a> Product<'a> {
 }
 
 impl Product<'_> {
-    /// The float product over `rows`, in tiles of up to 4 rows x 3 tokens. With more tokens
-    /// than one tile holds, 16-bit rows are widened to f32 once per block of rows rather than
-    /// once per tile.
-    fn run_tiles(&self, tile: DotTileFn, x: &[f32], rows: std::ops::Range<usize>) {
-        let (n, k, tokens) = (self.w.rows, self.w.cols, self.tokens);
+    /// The float product over `rows`. Up to one tile's worth of tokens (decode) streams the
+    /// stored rows through 4-row x 3-token tiles; a batch runs as a cache-blocked GEMM.
+    fn run_float(
+        &self,
+        tile: DotTileFn,
+        x: &[f32],
+        packed: Option<&[f32]>,
+        rows: std::ops::Range<usize>,
+    ) {
+        let (n, tokens) = (self.w.rows, self.tokens);
+        // SAFETY (both stores): each task owns distinct rows, so output (t, r) is written by
+        // it alone, and it lies inside `out` (tokens x n).
+        if let Some(packed) = packed {
+            let gemm = FloatGemm::new(self.w, isa::selected());
+            return gemm.run(packed, tokens, rows, |t, r0, vals| unsafe {
+                std::ptr::copy_nonoverlapping(vals.as_ptr(), self.out.at(t * n + r0), vals.len())
+            });
+        }
         let stride = self.w.bytes.len() / n.max(1);
-        let widen = tokens > TILE_TOKENS && self.w.format != TensorFormat::F32;
-        let (tile, decode) = if widen {
-            let isa = isa::selected();
-            (dot_tiles(TensorFormat::F32, isa), Some(kernels(self.w.format, isa).decode))
-        } else {
-            (tile, None)
-        };
-        let mut wide = vec![0.0f32; if widen { TILE_ROWS * k } else { 0 }];
         let mut vals = [0.0f32; TILE_ROWS * TILE_TOKENS];
         for r0 in rows.clone().step_by(TILE_ROWS) {
             let r_count = (rows.end - r0).min(TILE_ROWS);
-            // Stored rows, or their widened copies; a fixed array, as this runs per 4 rows.
             let mut w: [&[u8]; TILE_ROWS] = [&[]; TILE_ROWS];
             for (i, r) in (r0..r0 + r_count).enumerate() {
                 w[i] = &self.w.bytes[r * stride..(r + 1) * stride];
             }
-            if let Some(decode) = decode {
-                for (i, out) in wide.chunks_exact_mut(k).take(r_count).enumerate() {
-                    decode(w[i], out);
-                }
-                for (i, row) in wide.chunks_exact(k).take(r_count).enumerate() {
-                    w[i] = as_bytes(row);
-                }
-            }
-            let w = &w[..r_count];
-            for t0 in (0..tokens).step_by(TILE_TOKENS) {
-                let t_count = (tokens - t0).min(TILE_TOKENS);
-                let v = &mut vals[..r_count * t_count];
-                tile(w, &x[t0 * k..(t0 + t_count) * k], v);
-                for t in 0..t_count {
-                    for r in 0..r_count {
-                        // SAFETY: each task owns distinct rows, so output (t0 + t, r0 + r) is
-                        // written by it alone, and it lies inside `out` (tokens x n).
-                        unsafe { *self.out.at((t0 + t) * n + r0 + r) = v[r * t_count + t] };
-                    }
-                }
+            let v = &mut vals[..r_count * tokens];
+            tile(&w[..r_count], x, v);
+            for (t, r) in (0..tokens).flat_map(|t| (0..r_count).map(move |r| (t, r))) {
+                unsafe { *self.out.at(t * n + r0 + r) = v[r * tokens + t] };
             }
         }
     }
-}
-
-/// f32 values as the bytes of a stored f32 row.
-fn as_bytes(v: &[f32]) -> &[u8] {
-    // SAFETY: any initialised f32 storage is valid as bytes; the length covers it exactly.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
 /// Decodes row `r` of `w` into `out` (embedding lookup).

@@ -1,0 +1,228 @@
+//! Float weights times a batch of tokens (prefill), as a GEMM in register tiles.
+//!
+//! The activations are packed once per product, six tokens side by side per column. Each task
+//! widens 16 stored rows at a time to f32 into a panel, 16 rows side by side per column, and
+//! multiplies it with every packed group of tokens: a register tile of 16 rows x 6 tokens
+//! takes a panel column (two vectors) times six broadcast activations, 12 multiply-adds per 8
+//! loads and no horizontal sums. A panel (16 x cols f32, at most 512 KiB for 8192 columns)
+//! stays in L2 while the token groups stream past it, and each stored row is read and
+//! widened once per product.
+
+use crate::dot::{kernels, DecodeFn};
+use crate::isa::Isa;
+use crate::matmul::WeightRows;
+
+/// Rows and tokens of one register tile.
+pub const PANEL_ROWS: usize = 16;
+pub const PANEL_TOKENS: usize = 6;
+/// Columns widened per step into a small row-major buffer before they are transposed into
+/// the panel.
+const WIDEN_COLS: usize = 64;
+
+/// `tile[t][r] = sum_c panel[c][r] * x[c][t]` over `cols` columns: a panel column holds
+/// PANEL_ROWS rows and a packed activation column PANEL_TOKENS tokens.
+type TileFn =
+    fn(panel: &[f32], x: &[f32], cols: usize, tile: &mut [[f32; PANEL_ROWS]; PANEL_TOKENS]);
+
+/// Packs `tokens` activation rows of `cols` for [`FloatGemm::run`]: groups of PANEL_TOKENS
+/// tokens, column-major within a group, a short last group padded with zeros.
+pub fn pack_tokens(x: &[f32], tokens: usize, cols: usize) -> Vec<f32> {
+    assert_eq!(x.len(), tokens * cols, "gemm: activations are not tokens x cols");
+    let mut packed = vec![0.0f32; tokens.div_ceil(PANEL_TOKENS) * PANEL_TOKENS * cols];
+    for (g, group) in packed.chunks_exact_mut(PANEL_TOKENS * cols).enumerate() {
+        let toks = g * PANEL_TOKENS..((g + 1) * PANEL_TOKENS).min(tokens);
+        for (t, row) in x[toks.start * cols..toks.end * cols].chunks_exact(cols).enumerate() {
+            for (c, &v) in row.iter().enumerate() {
+                group[c * PANEL_TOKENS + t] = v;
+            }
+        }
+    }
+    packed
+}
+
+/// Stored float rows with the kernels of one ISA path.
+pub struct FloatGemm<'a> {
+    w: WeightRows<'a>,
+    tile: TileFn,
+    decode: DecodeFn,
+}
+
+impl<'a> FloatGemm<'a> {
+    pub fn new(w: WeightRows<'a>, isa: Isa) -> Self {
+        Self { w, tile: tile_kernel(isa), decode: kernels(w.format, isa).decode }
+    }
+
+    /// For every token of `packed` ([`pack_tokens`] of `tokens` rows) and the stored rows
+    /// `rows`, calls `store(t, r0, vals)` with `vals[i] = dot(x[t], row r0 + i)`.
+    pub fn run(
+        &self,
+        packed: &[f32],
+        tokens: usize,
+        rows: std::ops::Range<usize>,
+        mut store: impl FnMut(usize, usize, &[f32]),
+    ) {
+        let k = self.w.cols;
+        let groups = tokens.div_ceil(PANEL_TOKENS);
+        assert_eq!(packed.len(), groups * PANEL_TOKENS * k, "gemm: packed activations");
+        assert!(rows.end <= self.w.rows, "gemm: rows out of range");
+        let stride = self.w.bytes.len() / self.w.rows.max(1);
+        let mut panel = vec![0.0f32; PANEL_ROWS * k];
+        let mut out = [[0.0f32; PANEL_ROWS]; PANEL_TOKENS];
+        for r0 in rows.clone().step_by(PANEL_ROWS) {
+            let count = (rows.end - r0).min(PANEL_ROWS);
+            let stored = |r: usize| &self.w.bytes[(r0 + r) * stride..][..stride];
+            self.widen_panel(stored, count, &mut panel);
+            for (g, x) in packed.chunks_exact(PANEL_TOKENS * k).enumerate() {
+                (self.tile)(&panel, x, k, &mut out);
+                let t0 = g * PANEL_TOKENS;
+                for (t, vals) in out.iter().enumerate().take(tokens - t0) {
+                    store(t0 + t, r0, &vals[..count]);
+                }
+            }
+        }
+    }
+
+    /// Widens `count` stored rows into `panel`, column-major with PANEL_ROWS rows per column;
+    /// rows past `count` are zeros.
+    fn widen_panel<'b>(&self, stored: impl Fn(usize) -> &'b [u8], count: usize, panel: &mut [f32]) {
+        let (k, elem) = (self.w.cols, self.w.bytes.len() / (self.w.rows * self.w.cols).max(1));
+        let mut rows = [[0.0f32; WIDEN_COLS]; PANEL_ROWS];
+        for c0 in (0..k).step_by(WIDEN_COLS) {
+            let kc = (k - c0).min(WIDEN_COLS);
+            for (r, row) in rows.iter_mut().enumerate().take(count) {
+                (self.decode)(&stored(r)[c0 * elem..(c0 + kc) * elem], &mut row[..kc]);
+            }
+            for (c, col) in panel[c0 * PANEL_ROWS..(c0 + kc) * PANEL_ROWS]
+                .chunks_exact_mut(PANEL_ROWS)
+                .enumerate()
+            {
+                for (r, v) in col.iter_mut().enumerate() {
+                    *v = rows[r][c];
+                }
+            }
+        }
+    }
+}
+
+fn tile_kernel(isa: Isa) -> TileFn {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        isa if isa.has_avx2() => avx2::tile,
+        _ => tile_scalar,
+    }
+}
+
+/// The register tile, one product at a time: the reference for the SIMD tile.
+fn tile_scalar(
+    panel: &[f32],
+    x: &[f32],
+    cols: usize,
+    tile: &mut [[f32; PANEL_ROWS]; PANEL_TOKENS],
+) {
+    let (panel, x) = (&panel[..cols * PANEL_ROWS], &x[..cols * PANEL_TOKENS]);
+    *tile = [[0.0; PANEL_ROWS]; PANEL_TOKENS];
+    for (p, xs) in panel.chunks_exact(PANEL_ROWS).zip(x.chunks_exact(PANEL_TOKENS)) {
+        for (out, &xv) in tile.iter_mut().zip(xs) {
+            out.iter_mut().zip(p).for_each(|(o, &w)| *o += w * xv);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{PANEL_ROWS, PANEL_TOKENS};
+
+    pub fn tile(
+        panel: &[f32],
+        x: &[f32],
+        cols: usize,
+        tile: &mut [[f32; PANEL_ROWS]; PANEL_TOKENS],
+    ) {
+        assert!(crate::Isa::Avx2.supported(), "AVX2 kernel on a CPU without AVX2");
+        let (panel, x) = (&panel[..cols * PANEL_ROWS], &x[..cols * PANEL_TOKENS]);
+        // SAFETY: AVX2 and FMA were just checked; the slices above hold `cols` columns.
+        unsafe { tile_avx2(panel, x, cols, tile) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile_avx2(
+        panel: &[f32],
+        x: &[f32],
+        cols: usize,
+        tile: &mut [[f32; PANEL_ROWS]; PANEL_TOKENS],
+    ) {
+        let (p, xp) = (panel.as_ptr(), x.as_ptr());
+        let mut acc = [[_mm256_setzero_ps(); 2]; PANEL_TOKENS];
+        for c in 0..cols {
+            let lo = _mm256_loadu_ps(p.add(c * PANEL_ROWS));
+            let hi = _mm256_loadu_ps(p.add(c * PANEL_ROWS + 8));
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let xv = _mm256_broadcast_ss(&*xp.add(c * PANEL_TOKENS + t));
+                acc[0] = _mm256_fmadd_ps(lo, xv, acc[0]);
+                acc[1] = _mm256_fmadd_ps(hi, xv, acc[1]);
+            }
+        }
+        for (out, acc) in tile.iter_mut().zip(&acc) {
+            _mm256_storeu_ps(out.as_mut_ptr(), acc[0]);
+            _mm256_storeu_ps(out.as_mut_ptr().add(8), acc[1]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use cellm_format::TensorFormat;
+
+    use super::*;
+
+    /// The GEMM equals one row-kernel dot per (token, row) within rounding, for every float
+    /// format and path, with token and row counts that leave partial tiles and a column
+    /// count that is not a multiple of the widening step.
+    #[test]
+    fn gemm_matches_row_dots() {
+        let (rows, cols, tokens) = (37, 2 * WIDEN_COLS + 13, 2 * PANEL_TOKENS + 5);
+        let x: Vec<f32> =
+            (0..tokens * cols).map(|i| ((i * 7919) % 251) as f32 / 125.0 - 1.0).collect();
+        let packed = pack_tokens(&x, tokens, cols);
+        for format in [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16] {
+            let vals: Vec<f32> =
+                (0..rows * cols).map(|i| ((i * 104729) % 211) as f32 / 100.0 - 1.05).collect();
+            let bytes: Vec<u8> = match format {
+                TensorFormat::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                TensorFormat::F16 => {
+                    vals.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect()
+                }
+                _ => vals.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect(),
+            };
+            let stride = bytes.len() / rows;
+            let dot = kernels(format, Isa::Scalar).dot;
+            for path in Isa::available() {
+                let gemm = FloatGemm::new(WeightRows { format, bytes: &bytes, rows, cols }, path);
+                let mut got = vec![f32::NAN; tokens * rows];
+                // Rows 3.. only: a range that does not start at a panel boundary.
+                gemm.run(&packed, tokens, 3..rows, |t, r0, vals| {
+                    got[t * rows + r0..][..vals.len()].copy_from_slice(vals);
+                });
+                for t in 0..tokens {
+                    for r in 0..rows {
+                        let g = got[t * rows + r];
+                        if r < 3 {
+                            assert!(g.is_nan(), "row {r} is outside the range");
+                            continue;
+                        }
+                        let row = &bytes[r * stride..(r + 1) * stride];
+                        let want = dot(row, &x[t * cols..(t + 1) * cols]);
+                        // f32 sums of ~140 products of magnitude <= 1, in another order.
+                        let tol = 1e-4 * (1.0 + want.abs());
+                        assert!(
+                            (g - want).abs() <= tol,
+                            "{format:?} {path:?} t={t} r={r}: {g} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
