@@ -159,6 +159,7 @@ mod tests {
     /// over the whole useful range, tails included (large |x| saturates to 0 or x).
     #[test]
     fn paths_match_the_scalar_reference() {
+        let _serial = crate::isa::test_lock();
         let x: Vec<f32> = (0..20_011).map(|i| (i as f32 - 10_000.0) / 97.0).collect();
         let up: Vec<f32> = (0..x.len()).map(|i| ((i * 37) % 11) as f32 - 5.0).collect();
         for gate in [Gate::Silu, Gate::GeluTanh] {
@@ -186,6 +187,7 @@ mod tests {
 
     #[test]
     fn exp_matches_libm() {
+        let _serial = crate::isa::test_lock();
         let x: Vec<f32> = (0..4001).map(|i| (i as f32 - 3000.0) / 33.0).collect();
         for path in Isa::available() {
             isa::set_override(path).unwrap();

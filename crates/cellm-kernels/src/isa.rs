@@ -96,6 +96,14 @@ pub fn set_override(isa: Isa) -> Result<(), String> {
     Ok(())
 }
 
+/// Serialises the tests that override the path or depend on one path being selected for
+/// a whole comparison: the override is process-wide and tests run in parallel.
+#[cfg(test)]
+pub(crate) fn test_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,6 +16,11 @@ use crate::gemm::{pack_tokens, FloatGemm};
 use crate::isa;
 use crate::pool::{self, SharedOut};
 
+/// The int8 activations one block of tokens may take: a quarter of a 1 MiB L2, so they stay
+/// there while every row of a task passes (at 512 tokens, `ffn_down`'s 1536-column
+/// activations otherwise spill from L2 once per group of 8 rows).
+const ACT_BLOCK_BYTES: usize = 256 << 10;
+
 /// Below this many multiply-adds a call runs on the calling thread: fork-join costs more.
 const PARALLEL_MIN_WORK: usize = 1 << 15;
 
@@ -162,19 +167,27 @@ impl<'a> Product<'a> {
         }
     }
 
-    /// `out[t, r]` for every token and the rows of `units`, each row (or group) read once
-    /// per 4 tokens.
+    /// `out[t, r]` for every token and the rows of `units`. Tokens run in blocks whose int8
+    /// activations fit in L2 (`ACT_BLOCK_BYTES`); within a block each row (or group) is read
+    /// once per 4 tokens.
     fn run(&self, units: std::ops::Range<usize>) {
         if let Kernel::Float(tile, x, packed) = self.kernel {
             return self.run_float(tile, x, packed, units);
         }
         let (n, tokens) = (self.w.rows, self.tokens);
+        let block = (ACT_BLOCK_BYTES / self.w.cols.max(1)).next_multiple_of(x8::MAX_TOKENS);
+        for t_lo in (0..tokens).step_by(block) {
+            self.run_block(units.clone(), t_lo..(t_lo + block).min(tokens), n);
+        }
+    }
+
+    fn run_block(&self, units: std::ops::Range<usize>, toks: std::ops::Range<usize>, n: usize) {
         let stride = self.w.bytes.len() / self.units().max(1);
         let mut vals = [[0.0f32; INTERLEAVE]; x8::MAX_TOKENS];
         for u in units {
             let bytes = &self.w.bytes[u * stride..(u + 1) * stride];
-            for t in (0..tokens).step_by(x8::MAX_TOKENS) {
-                let count = (tokens - t).min(x8::MAX_TOKENS);
+            for t in toks.clone().step_by(x8::MAX_TOKENS) {
+                let count = (toks.end - t).min(x8::MAX_TOKENS);
                 let width = match &self.kernel {
                     Kernel::Groups(kern, rows) => {
                         kern(bytes, &rows[t..t + count], &mut vals[..count]);
@@ -275,10 +288,48 @@ mod tests {
     use super::*;
     use crate::pool::ThreadPool;
 
+    /// A batch longer than one token block (ACT_BLOCK_BYTES of int8 activations) gives what
+    /// two calls over its halves give, for a row-integer and an interleaved weight.
+    #[test]
+    fn token_blocks_equal_separate_calls() {
+        let _serial = crate::isa::test_lock();
+        let cols = 256;
+        let tokens = ACT_BLOCK_BYTES / cols + 76;
+        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 31) % 17) as f32 * 0.1 - 0.8).collect();
+        for format in [TensorFormat::Q8_0, TensorFormat::Q4_0X8] {
+            let rows = 16;
+            let n = format.nbytes(&[rows, cols]).unwrap();
+            let mut bytes: Vec<u8> = (0..n).map(|i| ((i * 2654435761usize) >> 7) as u8).collect();
+            scales_finite(format, &mut bytes);
+            let w = WeightRows { format, bytes: &bytes, rows, cols };
+            let mut whole = vec![0.0; tokens * rows];
+            matmul_raw(&x, tokens, w, &mut whole);
+            let half = 600; // a multiple of the 4-token step, inside the first block
+            let mut parts = vec![0.0; tokens * rows];
+            let (lo, hi) = parts.split_at_mut(half * rows);
+            matmul_raw(&x[..half * cols], half, w, lo);
+            matmul_raw(&x[half * cols..], tokens - half, w, hi);
+            assert_eq!(whole, parts, "{format:?}");
+        }
+    }
+
+    /// Finite f16 scales where each format keeps them: the front of each block, or the 8
+    /// rows' scales at the front of an interleaved column.
+    fn scales_finite(format: TensorFormat, bytes: &mut [u8]) {
+        let (column, scales) = match format.interleaved() {
+            Some(_) => (INTERLEAVE * format.block_bytes(), INTERLEAVE),
+            None => (format.block_bytes(), 1),
+        };
+        for col in bytes.chunks_exact_mut(column) {
+            (0..scales).for_each(|f| col[2 * f + 1] = 0x20);
+        }
+    }
+
     /// One call over weights of different formats (float, row-integer, interleaved; two
     /// activation schemes) gives exactly what separate calls give, serial and pooled.
     #[test]
     fn many_products_equal_separate_calls() {
+        let _serial = crate::isa::test_lock();
         let (cols, tokens) = (256, 6);
         let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 31) % 17) as f32 * 0.1 - 0.8).collect();
         let f16: Vec<u8> = (0..40 * cols)
@@ -287,15 +338,7 @@ mod tests {
         let blocks = |format: TensorFormat, rows: usize| -> Vec<u8> {
             let n = format.nbytes(&[rows, cols]).unwrap();
             let mut b: Vec<u8> = (0..n).map(|i| ((i * 2654435761usize) >> 7) as u8).collect();
-            // Finite f16 scales where each format keeps them: the front of each block, or
-            // the 8 rows' scales at the front of an interleaved column.
-            let (column, scales) = match format.interleaved() {
-                Some(_) => (INTERLEAVE * format.block_bytes(), INTERLEAVE),
-                None => (format.block_bytes(), 1),
-            };
-            for col in b.chunks_exact_mut(column) {
-                (0..scales).for_each(|f| col[2 * f + 1] = 0x20);
-            }
+            scales_finite(format, &mut b);
             b
         };
         let (q8, q4x8) = (blocks(TensorFormat::Q8_0, 24), blocks(TensorFormat::Q4_0X8, 64));

@@ -227,6 +227,7 @@ mod tests {
     /// decoding give the source format's results.
     #[test]
     fn matmul_and_decode_match_the_source_format() {
+        let _serial = isa::test_lock();
         let (rows, tokens) = (64, 7);
         for format in TensorFormat::INTERLEAVED {
             let base = format.interleaved().unwrap().base;
