@@ -1,9 +1,9 @@
 //! Matrix products against stored weights: `out[t, n] = dot(x[t, :], W[n, :])`.
 //!
-//! Work is split over blocks of weight rows so each row is read from memory once per call and
-//! reused for every token of the batch while it sits in L1. Several products of the same
-//! activations (a layer's q/k/v, or gate/up) go to the pool as one job, with the activations
-//! quantized once.
+//! Work is split over blocks of weight rows so each row is read from memory once per block of
+//! tokens and reused for each of them while it sits in L1 (float weights: once per call, see
+//! `gemm`). Several products of the same activations (a layer's q/k/v, or gate/up) go to the
+//! pool as one job, with the activations quantized (or packed) once.
 
 use cellm_format::{Interleaved, Tensor, TensorFormat, INTERLEAVE};
 
