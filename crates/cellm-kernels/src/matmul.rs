@@ -225,7 +225,7 @@ impl<'a> Product<'a> {
 
 impl Product<'_> {
     /// The float product over `rows`. Up to one tile's worth of tokens (decode) streams the
-    /// stored rows through 4-row x 3-token tiles; a batch runs as a cache-blocked GEMM.
+    /// stored rows through 4-row x 3-token tiles; a batch runs as a GEMM (`gemm`).
     fn run_float(
         &self,
         tile: DotTileFn,
