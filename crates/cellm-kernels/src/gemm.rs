@@ -13,8 +13,8 @@ use crate::isa::Isa;
 use crate::matmul::WeightRows;
 
 /// Rows and tokens of one register tile.
-pub const PANEL_ROWS: usize = 16;
-pub const PANEL_TOKENS: usize = 6;
+const PANEL_ROWS: usize = 16;
+const PANEL_TOKENS: usize = 6;
 /// Columns widened per step into a small row-major buffer before they are transposed into
 /// the panel.
 const WIDEN_COLS: usize = 64;
@@ -189,13 +189,7 @@ mod tests {
         for format in [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16] {
             let vals: Vec<f32> =
                 (0..rows * cols).map(|i| ((i * 104729) % 211) as f32 / 100.0 - 1.05).collect();
-            let bytes: Vec<u8> = match format {
-                TensorFormat::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                TensorFormat::F16 => {
-                    vals.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect()
-                }
-                _ => vals.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect(),
-            };
+            let bytes = crate::dot::encode(format, &vals);
             let stride = bytes.len() / rows;
             let dot = kernels(format, Isa::Scalar).dot;
             for path in Isa::available() {
@@ -214,7 +208,9 @@ mod tests {
                         }
                         let row = &bytes[r * stride..(r + 1) * stride];
                         let want = dot(row, &x[t * cols..(t + 1) * cols]);
-                        // f32 sums of ~140 products of magnitude <= 1, in another order.
+                        // f32 sums of 141 products of magnitude <= 1.05, added in another
+                        // order than the reference: rounding stays near 1e-6. A panel
+                        // column shifted by one fails this (mutation check).
                         let tol = 1e-4 * (1.0 + want.abs());
                         assert!(
                             (g - want).abs() <= tol,

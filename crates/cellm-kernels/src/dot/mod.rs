@@ -162,22 +162,24 @@ pub(crate) fn cast<T>(bytes: &[u8]) -> &[T] {
     unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), bytes.len() / size) }
 }
 
+/// Float values stored as a float format's row bytes (tests).
+#[cfg(test)]
+pub(crate) fn encode(format: TensorFormat, v: &[f32]) -> Vec<u8> {
+    match format {
+        TensorFormat::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        TensorFormat::F16 => {
+            v.iter().flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes()).collect()
+        }
+        TensorFormat::BF16 => {
+            v.iter().flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes()).collect()
+        }
+        other => unreachable!("{other:?} is a block format"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn encode(format: TensorFormat, v: &[f32]) -> Vec<u8> {
-        match format {
-            TensorFormat::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            TensorFormat::F16 => {
-                v.iter().flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes()).collect()
-            }
-            TensorFormat::BF16 => {
-                v.iter().flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes()).collect()
-            }
-            other => unreachable!("{other:?} is covered by the block tests"),
-        }
-    }
 
     fn aligned(bytes: &[u8]) -> Vec<u32> {
         let mut words = vec![0u32; bytes.len().div_ceil(4)];
