@@ -175,7 +175,8 @@ impl<'a> Product<'a> {
             return self.run_float(tile, x, packed, units);
         }
         let (n, tokens) = (self.w.rows, self.tokens);
-        let block = (ACT_BLOCK_BYTES / self.w.cols.max(1)).next_multiple_of(x8::MAX_TOKENS);
+        // At least one 4-token step, however wide the rows.
+        let block = (ACT_BLOCK_BYTES / self.w.cols.max(1)).max(1).next_multiple_of(x8::MAX_TOKENS);
         for t_lo in (0..tokens).step_by(block) {
             self.run_block(units.clone(), t_lo..(t_lo + block).min(tokens), n);
         }
