@@ -13,15 +13,15 @@ use crate::isa::Isa;
 use crate::matmul::WeightRows;
 
 /// Rows and tokens of one register tile.
-const PANEL_ROWS: usize = 16;
-const PANEL_TOKENS: usize = 6;
+pub const PANEL_ROWS: usize = 16;
+pub const PANEL_TOKENS: usize = 6;
 /// Columns widened per step into a small row-major buffer before they are transposed into
 /// the panel.
 const WIDEN_COLS: usize = 64;
 
 /// `tile[t][r] = sum_c panel[c][r] * x[c][t]` over `cols` columns: a panel column holds
 /// PANEL_ROWS rows and a packed activation column PANEL_TOKENS tokens.
-type TileFn =
+pub type TileFn =
     fn(panel: &[f32], x: &[f32], cols: usize, tile: &mut [[f32; PANEL_ROWS]; PANEL_TOKENS]);
 
 /// Packs `tokens` activation rows of `cols` for [`FloatGemm::run`]: groups of PANEL_TOKENS
@@ -104,7 +104,8 @@ impl<'a> FloatGemm<'a> {
     }
 }
 
-fn tile_kernel(isa: Isa) -> TileFn {
+/// The register tile of an ISA path (attention's query tiles use it too).
+pub fn tile_kernel(isa: Isa) -> TileFn {
     match isa {
         #[cfg(target_arch = "x86_64")]
         isa if isa.has_avx2() => avx2::tile,

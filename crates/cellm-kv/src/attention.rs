@@ -6,6 +6,7 @@ use cellm_kernels::isa;
 use cellm_kernels::pool::{current_threads, parallel_for, SharedOut};
 
 use crate::pool::{PagePool, SeqKv};
+use crate::query_tiles::MIN_TILED_ROWS;
 
 /// One session's part of a batch: its new tokens are rows `row0..row0 + len` of q/k/v and
 /// take positions `start..start + len`.
@@ -51,7 +52,7 @@ impl PagePool {
         let hd = shape.head_dim;
         let kv_width = shape.n_kv_heads * hd;
         assert_eq!(kv_width, self.config().kv_heads * self.config().head_dim, "KV shape");
-        let mut row_of = Vec::with_capacity(q.len() / (shape.n_heads * hd));
+        let mut row_of = Vec::new();
         for (si, s) in spans.iter().enumerate() {
             for i in 0..s.len {
                 let r = s.row0 + i;
@@ -62,8 +63,19 @@ impl PagePool {
                     &k[r * kv_width..][..kv_width],
                     v.get(r * kv_width..(r + 1) * kv_width).unwrap_or(&[]),
                 );
-                row_of.push((r, si, s.start + i));
+                if s.len < MIN_TILED_ROWS {
+                    row_of.push((r, si, s.start + i));
+                }
             }
+        }
+        // Runs of new rows (prefill) go by query tiles, the rest (decode) row by row.
+        let tiled: Vec<SeqSpan> =
+            spans.iter().filter(|s| s.len >= MIN_TILED_ROWS).copied().collect();
+        if !tiled.is_empty() {
+            self.attend_query_tiles(layer, &tiled, q, out, shape);
+        }
+        if row_of.is_empty() {
+            return;
         }
         row_of.sort_unstable();
         let pages = &*self;
@@ -82,7 +94,7 @@ impl PagePool {
         let (parts, accs) = (SharedOut(partial.as_mut_ptr()), SharedOut(acc.as_mut_ptr()));
         parallel_for(rows * chunks, |task| {
             let (row, chunk) = (task / chunks, task % chunks);
-            let (_, si, pos) = row_of[row];
+            let (r, si, pos) = row_of[row];
             let first = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             let (lo, hi) = (first / ps, pos / ps + 1);
             let per = (hi - lo).div_ceil(chunks);
@@ -91,16 +103,16 @@ impl PagePool {
             let (part, o) = unsafe {
                 (&mut *parts.at(task), std::slice::from_raw_parts_mut(accs.at(task * width), width))
             };
-            let q = &q[row * width..(row + 1) * width];
+            let q = &q[r * width..(r + 1) * width];
             let query = Query { seq: spans[si].kv, layer, q, first, pos };
             pages.attend_pages(&query, pages_of_chunk, shape, part, o);
         });
-        for row in 0..rows {
+        for (row, &(r, _, _)) in row_of.iter().enumerate() {
             merge(
                 &partial[row * chunks..(row + 1) * chunks],
                 &acc[row * chunks * width..(row + 1) * chunks * width],
                 hd,
-                &mut out[row * width..(row + 1) * width],
+                &mut out[r * width..(r + 1) * width],
             );
         }
     }

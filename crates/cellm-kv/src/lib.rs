@@ -5,6 +5,7 @@
 
 mod attention;
 mod pool;
+mod query_tiles;
 mod state;
 
 pub use attention::{AttentionShape, SeqSpan};
