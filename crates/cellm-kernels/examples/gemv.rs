@@ -19,11 +19,27 @@ fn main() {
     let x: Vec<f32> = (0..cols * tokens).map(|i| ((i * 7919) % 251) as f32 / 125.0 - 1.0).collect();
     let mut out = vec![0.0f32; rows * tokens];
     let paths: Vec<Isa> = Isa::available().into_iter().filter(|i| *i != Isa::Scalar).collect();
-    let floats = [TensorFormat::F16, TensorFormat::BF16, TensorFormat::F32];
     // GEMV_FORMATS=f16,q8_0x8 times only those formats.
     let only = std::env::var("GEMV_FORMATS").ok();
     let wanted =
         |f: TensorFormat| only.as_ref().is_none_or(|o| o.split(',').any(|n| n == f.name()));
+    // GEMV_THREADS=2 runs the products on a pool of that many threads (default: one).
+    let threads: usize =
+        std::env::var("GEMV_THREADS").map_or(1, |t| t.parse().expect("GEMV_THREADS"));
+    let pool = cellm_kernels::pool::ThreadPool::new(threads).expect("thread pool");
+    pool.install(|| run(rows, cols, tokens, &paths, &x, &mut out, &wanted));
+}
+
+fn run(
+    rows: usize,
+    cols: usize,
+    tokens: usize,
+    paths: &[Isa],
+    x: &[f32],
+    out: &mut [f32],
+    wanted: &dyn Fn(TensorFormat) -> bool,
+) {
+    let floats = [TensorFormat::F16, TensorFormat::BF16, TensorFormat::F32];
     for format in floats.into_iter().chain(TensorFormat::BLOCKS).chain(TensorFormat::INTERLEAVED) {
         if !wanted(format) {
             continue;
@@ -42,16 +58,16 @@ fn main() {
         // Paths alternate, best of five rounds, so a noisy machine hits them alike.
         let mut best = vec![f64::INFINITY; paths.len()];
         for _ in 0..5 {
-            for (b, &path) in best.iter_mut().zip(&paths) {
+            for (b, &path) in best.iter_mut().zip(paths) {
                 isa::set_override(path).expect("available");
                 let t = Instant::now();
                 for _ in 0..10 {
-                    matmul_raw(&x, tokens, w, &mut out);
+                    matmul_raw(x, tokens, w, out);
                 }
                 *b = b.min(t.elapsed().as_secs_f64() / 10.0);
             }
         }
-        for (dt, path) in best.iter().zip(&paths) {
+        for (dt, path) in best.iter().zip(paths) {
             let gbs = n as f64 / dt / 1e9;
             let ns_per_block = dt * 1e9 / (rows * cols / 32 * tokens) as f64;
             println!(

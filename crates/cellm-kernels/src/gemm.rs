@@ -1,42 +1,62 @@
 //! Float weights times a batch of tokens (prefill), as a GEMM in register tiles.
 //!
-//! The activations are packed once per product, six tokens side by side per column. Each task
-//! widens 16 stored rows at a time to f32 into a panel, 16 rows side by side per column, and
-//! multiplies it with every packed group of tokens: a register tile of 16 rows x 6 tokens
-//! takes a panel column (two vectors) times six broadcast activations, 12 multiply-adds per 8
-//! loads and no horizontal sums. A panel (16 x cols f32, at most 512 KiB for 8192 columns)
-//! stays in L2 while the token groups stream past it, and each stored row is read and
-//! widened once per product.
+//! The activations are packed once per product: in blocks of BLOCK_COLS columns, and within
+//! a block six tokens side by side per column. Each task widens 16 stored rows at a time to
+//! f32 into a panel, 16 rows side by side per column, and multiplies it with every packed
+//! group of tokens: a register tile of 16 rows x 6 tokens takes a panel column (two vectors)
+//! times six broadcast activations, 12 multiply-adds per 8 loads and no horizontal sums.
+//! The panel is widened whole (rows read start to end, as the prefetcher likes) and then
+//! multiplied a column block at a time: the block's slice of the panel (16 KiB) stays in L1
+//! while the token groups' slices stream past it from L2, as in BLIS. Each stored row is read
+//! and widened once per product.
 
-use crate::dot::{kernels, DecodeFn};
+use crate::dot::{kernels, panel_widener, DecodeFn, PanelFn};
 use crate::isa::Isa;
 use crate::matmul::WeightRows;
+use crate::pool::{parallel_for, SharedOut};
 
 /// Rows and tokens of one register tile.
 pub const PANEL_ROWS: usize = 16;
 pub const PANEL_TOKENS: usize = 6;
-/// Columns widened per step into a small row-major buffer before they are transposed into
-/// the panel.
+/// Columns multiplied per pass over the token groups: the panel's slice stays in L1.
+const BLOCK_COLS: usize = 256;
+/// Columns widened per step by the row-by-row (scalar) widening, into a small row-major
+/// buffer before they are transposed into the panel.
 const WIDEN_COLS: usize = 64;
 
-/// `tile[t][r] = sum_c panel[c][r] * x[c][t]` over `cols` columns: a panel column holds
+/// `tile[t][r] += sum_c panel[c][r] * x[c][t]` over `cols` columns: a panel column holds
 /// PANEL_ROWS rows and a packed activation column PANEL_TOKENS tokens.
 pub type TileFn =
     fn(panel: &[f32], x: &[f32], cols: usize, tile: &mut [[f32; PANEL_ROWS]; PANEL_TOKENS]);
 
-/// Packs `tokens` activation rows of `cols` for [`FloatGemm::run`]: groups of PANEL_TOKENS
-/// tokens, column-major within a group, a short last group padded with zeros.
+/// The column blocks of a `cols`-wide product.
+fn column_blocks(cols: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (0..cols).step_by(BLOCK_COLS).map(move |c0| c0..(c0 + BLOCK_COLS).min(cols))
+}
+
+/// Packs `tokens` activation rows of `cols` for [`FloatGemm::run`]: column blocks of
+/// BLOCK_COLS, within a block groups of PANEL_TOKENS tokens, column-major within a group; a
+/// short last group is padded with zeros. (block, group) pairs run on the installed pool.
 pub fn pack_tokens(x: &[f32], tokens: usize, cols: usize) -> Vec<f32> {
     assert_eq!(x.len(), tokens * cols, "gemm: activations are not tokens x cols");
-    let mut packed = vec![0.0f32; tokens.div_ceil(PANEL_TOKENS) * PANEL_TOKENS * cols];
-    for (g, group) in packed.chunks_exact_mut(PANEL_TOKENS * cols).enumerate() {
-        let toks = g * PANEL_TOKENS..((g + 1) * PANEL_TOKENS).min(tokens);
-        for (t, row) in x[toks.start * cols..toks.end * cols].chunks_exact(cols).enumerate() {
-            for (c, &v) in row.iter().enumerate() {
-                group[c * PANEL_TOKENS + t] = v;
+    let groups = tokens.div_ceil(PANEL_TOKENS);
+    let mut packed = vec![0.0f32; groups * PANEL_TOKENS * cols];
+    let blocks: Vec<_> = column_blocks(cols).collect();
+    let out = SharedOut(packed.as_mut_ptr());
+    parallel_for(blocks.len() * groups, |task| {
+        let (block, g) = (&blocks[task / groups], task % groups);
+        let width = block.len();
+        let at = (block.start * groups + g * width) * PANEL_TOKENS;
+        // SAFETY: each (block, group) pair owns these PANEL_TOKENS * width elements, and the
+        // last pair's end is the buffer's.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.at(at), PANEL_TOKENS * width) };
+        for (lane, t) in (g * PANEL_TOKENS..((g + 1) * PANEL_TOKENS).min(tokens)).enumerate() {
+            let src = &x[t * cols + block.start..][..width];
+            for (c, &v) in src.iter().enumerate() {
+                dst[c * PANEL_TOKENS + lane] = v;
             }
         }
-    }
+    });
     packed
 }
 
@@ -45,11 +65,17 @@ pub struct FloatGemm<'a> {
     w: WeightRows<'a>,
     tile: TileFn,
     decode: DecodeFn,
+    widen: Option<PanelFn>,
 }
 
 impl<'a> FloatGemm<'a> {
     pub fn new(w: WeightRows<'a>, isa: Isa) -> Self {
-        Self { w, tile: tile_kernel(isa), decode: kernels(w.format, isa).decode }
+        Self {
+            w,
+            tile: tile_kernel(isa),
+            decode: kernels(w.format, isa).decode,
+            widen: panel_widener(w.format, isa),
+        }
     }
 
     /// For every token of `packed` ([`pack_tokens`] of `tokens` rows) and the stored rows
@@ -67,31 +93,54 @@ impl<'a> FloatGemm<'a> {
         assert!(rows.end <= self.w.rows, "gemm: rows out of range");
         let stride = self.w.bytes.len() / self.w.rows.max(1);
         let mut panel = vec![0.0f32; PANEL_ROWS * k];
-        let mut out = [[0.0f32; PANEL_ROWS]; PANEL_TOKENS];
+        let mut acc = vec![[[0.0f32; PANEL_ROWS]; PANEL_TOKENS]; groups];
         for r0 in rows.clone().step_by(PANEL_ROWS) {
             let count = (rows.end - r0).min(PANEL_ROWS);
-            let stored = |r: usize| &self.w.bytes[(r0 + r) * stride..][..stride];
-            self.widen_panel(stored, count, &mut panel);
-            for (g, x) in packed.chunks_exact(PANEL_TOKENS * k).enumerate() {
-                (self.tile)(&panel, x, k, &mut out);
+            let mut stored: [&[u8]; PANEL_ROWS] = [&[]; PANEL_ROWS];
+            for (r, s) in stored.iter_mut().enumerate().take(count) {
+                *s = &self.w.bytes[(r0 + r) * stride..][..stride];
+            }
+            self.widen_panel(&stored[..count], &mut panel);
+            acc.iter_mut().for_each(|a| *a = [[0.0; PANEL_ROWS]; PANEL_TOKENS]);
+            for block in column_blocks(k) {
+                let width = block.len();
+                let slice = &panel[block.start * PANEL_ROWS..block.end * PANEL_ROWS];
+                let xs =
+                    &packed[block.start * groups * PANEL_TOKENS..][..groups * PANEL_TOKENS * width];
+                for (x, a) in xs.chunks_exact(PANEL_TOKENS * width).zip(&mut acc) {
+                    (self.tile)(slice, x, width, a);
+                }
+            }
+            for (g, a) in acc.iter().enumerate() {
                 let t0 = g * PANEL_TOKENS;
-                for (t, vals) in out.iter().enumerate().take(tokens - t0) {
+                for (t, vals) in a.iter().enumerate().take(tokens - t0) {
                     store(t0 + t, r0, &vals[..count]);
                 }
             }
         }
     }
 
-    /// Widens `count` stored rows into `panel`, column-major with PANEL_ROWS rows per column;
-    /// rows past `count` are zeros.
-    fn widen_panel<'b>(&self, stored: impl Fn(usize) -> &'b [u8], count: usize, panel: &mut [f32]) {
-        let (k, elem) = (self.w.cols, self.w.bytes.len() / (self.w.rows * self.w.cols).max(1));
-        let mut rows = [[0.0f32; WIDEN_COLS]; PANEL_ROWS];
-        for c0 in (0..k).step_by(WIDEN_COLS) {
-            let kc = (k - c0).min(WIDEN_COLS);
-            for (r, row) in rows.iter_mut().enumerate().take(count) {
-                (self.decode)(&stored(r)[c0 * elem..(c0 + kc) * elem], &mut row[..kc]);
+    /// Widens `stored` (at most PANEL_ROWS rows) into `panel`, column-major with PANEL_ROWS
+    /// rows per column; rows past the stored ones are zeros. The SIMD widener takes whole
+    /// steps of 8 columns, the row decoder the rest.
+    fn widen_panel(&self, stored: &[&[u8]], panel: &mut [f32]) {
+        let k = self.w.cols;
+        let simd = match self.widen {
+            Some(widen) => {
+                let cols = k / 8 * 8;
+                widen(stored, cols, panel);
+                cols
             }
+            None => 0,
+        };
+        let elem = self.w.bytes.len() / (self.w.rows * k).max(1);
+        let mut rows = [[0.0f32; WIDEN_COLS]; PANEL_ROWS];
+        for c0 in (simd..k).step_by(WIDEN_COLS) {
+            let kc = (k - c0).min(WIDEN_COLS);
+            for (row, s) in rows.iter_mut().zip(stored) {
+                (self.decode)(&s[c0 * elem..(c0 + kc) * elem], &mut row[..kc]);
+            }
+            rows[stored.len()..].iter_mut().for_each(|r| r.fill(0.0));
             for (c, col) in panel[c0 * PANEL_ROWS..(c0 + kc) * PANEL_ROWS]
                 .chunks_exact_mut(PANEL_ROWS)
                 .enumerate()
@@ -121,7 +170,6 @@ fn tile_scalar(
     tile: &mut [[f32; PANEL_ROWS]; PANEL_TOKENS],
 ) {
     let (panel, x) = (&panel[..cols * PANEL_ROWS], &x[..cols * PANEL_TOKENS]);
-    *tile = [[0.0; PANEL_ROWS]; PANEL_TOKENS];
     for (p, xs) in panel.chunks_exact(PANEL_ROWS).zip(x.chunks_exact(PANEL_TOKENS)) {
         for (out, &xv) in tile.iter_mut().zip(xs) {
             out.iter_mut().zip(p).for_each(|(o, &w)| *o += w * xv);
@@ -156,6 +204,10 @@ mod avx2 {
     ) {
         let (p, xp) = (panel.as_ptr(), x.as_ptr());
         let mut acc = [[_mm256_setzero_ps(); 2]; PANEL_TOKENS];
+        for (acc, out) in acc.iter_mut().zip(tile.iter()) {
+            acc[0] = _mm256_loadu_ps(out.as_ptr());
+            acc[1] = _mm256_loadu_ps(out.as_ptr().add(8));
+        }
         for c in 0..cols {
             let lo = _mm256_loadu_ps(p.add(c * PANEL_ROWS));
             let hi = _mm256_loadu_ps(p.add(c * PANEL_ROWS + 8));
@@ -183,10 +235,14 @@ mod tests {
     /// count that is not a multiple of the widening step.
     #[test]
     fn gemm_matches_row_dots() {
-        let (rows, cols, tokens) = (37, 2 * WIDEN_COLS + 13, 2 * PANEL_TOKENS + 5);
+        // Two column blocks, the second not a multiple of the SIMD widener's 8 columns.
+        let (rows, cols, tokens) = (37, BLOCK_COLS + 2 * WIDEN_COLS + 13, 2 * PANEL_TOKENS + 5);
         let x: Vec<f32> =
             (0..tokens * cols).map(|i| ((i * 7919) % 251) as f32 / 125.0 - 1.0).collect();
         let packed = pack_tokens(&x, tokens, cols);
+        // Packing on a pool (tasks over column blocks and token groups) gives the same layout.
+        let pool = crate::pool::ThreadPool::new(3).unwrap();
+        assert_eq!(pool.install(|| pack_tokens(&x, tokens, cols)), packed);
         for format in [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16] {
             let vals: Vec<f32> =
                 (0..rows * cols).map(|i| ((i * 104729) % 211) as f32 / 100.0 - 1.05).collect();
@@ -209,7 +265,7 @@ mod tests {
                         }
                         let row = &bytes[r * stride..(r + 1) * stride];
                         let want = dot(row, &x[t * cols..(t + 1) * cols]);
-                        // f32 sums of 141 products of magnitude <= 1.05, added in another
+                        // f32 sums of 397 products of magnitude <= 1.05, added in another
                         // order than the reference: rounding stays near 1e-6. A panel
                         // column shifted by one fails this (mutation check).
                         let tol = 1e-4 * (1.0 + want.abs());

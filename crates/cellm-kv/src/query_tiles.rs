@@ -167,6 +167,8 @@ fn window_start(pos: usize, window: Option<usize>) -> usize {
     window.map_or(0, |w| (pos + 1).saturating_sub(w))
 }
 
+type OutTile = [[f32; PANEL_ROWS]; PANEL_TOKENS];
+
 /// One block of cached positions widened to f32: keys as panels of PANEL_ROWS keys
 /// (column-major over the head dimension), values as panels of PANEL_ROWS value dimensions
 /// (column-major over the block's keys).
@@ -199,8 +201,10 @@ struct TileState {
     scores: Vec<f32>,
     /// The weights again, packed like `q` but over the block's keys.
     weights: Vec<f32>,
-    /// Unnormalised outputs, a row per vector padded to whole dimension panels.
-    out: Vec<f32>,
+    /// Unnormalised outputs as register tiles: `dim_panels` tiles per group of vectors, each
+    /// PANEL_TOKENS vectors x PANEL_ROWS dimensions.
+    out: Vec<OutTile>,
+    dim_panels: usize,
     max: Vec<f32>,
     denom: Vec<f32>,
 }
@@ -211,6 +215,7 @@ impl TileState {
         let count = tile.rows.len() * group;
         let padded = count.div_ceil(PANEL_TOKENS) * PANEL_TOKENS;
         let width = shape.n_heads * hd;
+        let dim_panels = hd.div_ceil(PANEL_ROWS);
         let mut packed = vec![0.0f32; padded * hd];
         for m in 0..count {
             let (i, h) = (m / group, kv_head * group + m % group);
@@ -228,7 +233,8 @@ impl TileState {
             group,
             scores: vec![0.0; padded * KEY_BLOCK],
             weights: vec![0.0; padded * KEY_BLOCK],
-            out: vec![0.0; padded * hd.div_ceil(PANEL_ROWS) * PANEL_ROWS],
+            out: vec![[[0.0; PANEL_ROWS]; PANEL_TOKENS]; padded / PANEL_TOKENS * dim_panels],
+            dim_panels,
             max: vec![f32::NEG_INFINITY; padded],
             denom: vec![0.0; padded],
         }
@@ -245,11 +251,11 @@ impl TileState {
     ) {
         let hd = shape.head_dim;
         let groups = self.q.len() / (hd * PANEL_TOKENS);
-        let mut t = [[0.0f32; PANEL_ROWS]; PANEL_TOKENS];
         let key_panels = block.keys.div_ceil(PANEL_ROWS);
         for g in 0..groups {
             let qg = &self.q[g * hd * PANEL_TOKENS..(g + 1) * hd * PANEL_TOKENS];
             for b in 0..key_panels {
+                let mut t = [[0.0; PANEL_ROWS]; PANEL_TOKENS];
                 tile_fn(&block.k[b * hd * PANEL_ROWS..(b + 1) * hd * PANEL_ROWS], qg, hd, &mut t);
                 for (v, s) in t.iter().enumerate() {
                     let row = (g * PANEL_TOKENS + v) * KEY_BLOCK + b * PANEL_ROWS;
@@ -258,16 +264,12 @@ impl TileState {
             }
         }
         self.softmax_block(keys, tile, shape);
-        let (n, dims) = (block.keys, self.out.len() / self.max.len());
-        for g in 0..groups {
+        let n = block.keys;
+        for (g, out) in self.out.chunks_exact_mut(self.dim_panels).enumerate() {
             let wg = &self.weights[g * KEY_BLOCK * PANEL_TOKENS..][..n * PANEL_TOKENS];
-            for b in 0..dims / PANEL_ROWS {
+            for (b, out) in out.iter_mut().enumerate() {
                 let panel = &block.v[b * KEY_BLOCK * PANEL_ROWS..][..n * PANEL_ROWS];
-                tile_fn(panel, wg, n, &mut t);
-                for (v, s) in t.iter().enumerate() {
-                    let at = (g * PANEL_TOKENS + v) * dims + b * PANEL_ROWS;
-                    self.out[at..at + PANEL_ROWS].iter_mut().zip(s).for_each(|(o, s)| *o += s);
-                }
+                tile_fn(panel, wg, n, out);
             }
         }
     }
@@ -276,7 +278,6 @@ impl TileState {
     /// (rescaling its sums when the maximum grows), then packs them for the value tile.
     /// Keys a vector cannot see (later positions, outside its window) weigh zero.
     fn softmax_block(&mut self, keys: Range<usize>, tile: &QueryTile, shape: &AttentionShape) {
-        let dims = self.out.len() / self.max.len();
         let n = keys.len();
         for m in 0..self.max.len() {
             let row = &mut self.scores[m * KEY_BLOCK..m * KEY_BLOCK + n];
@@ -295,7 +296,10 @@ impl TileState {
             let top = seen.iter().fold(f32::NEG_INFINITY, |a, &s| a.max(s));
             if top > self.max[m] {
                 let rescale = (self.max[m] - top).exp();
-                self.out[m * dims..(m + 1) * dims].iter_mut().for_each(|o| *o *= rescale);
+                let (g, t) = (m / PANEL_TOKENS, m % PANEL_TOKENS);
+                for tile in &mut self.out[g * self.dim_panels..(g + 1) * self.dim_panels] {
+                    tile[t].iter_mut().for_each(|o| *o *= rescale);
+                }
                 self.denom[m] *= rescale;
                 self.max[m] = top;
             }
@@ -318,13 +322,12 @@ impl TileState {
     }
 
     /// The normalised output of each vector in use: `(m, head_dim values)`.
-    fn finish(&mut self, hd: usize) -> impl Iterator<Item = (usize, &[f32])> {
-        let dims = self.out.len() / self.max.len();
-        let denom = &self.denom;
-        self.out.chunks_exact_mut(dims).take(self.count).enumerate().map(move |(m, o)| {
-            let inv = 1.0 / denom[m];
-            o[..hd].iter_mut().for_each(|v| *v *= inv);
-            (m, &o[..hd])
+    fn finish(&self, hd: usize) -> impl Iterator<Item = (usize, Vec<f32>)> + '_ {
+        (0..self.count).map(move |m| {
+            let (g, t) = (m / PANEL_TOKENS, m % PANEL_TOKENS);
+            let inv = 1.0 / self.denom[m];
+            let tiles = &self.out[g * self.dim_panels..(g + 1) * self.dim_panels];
+            (m, tiles.iter().flat_map(|tile| tile[t]).take(hd).map(|v| v * inv).collect())
         })
     }
 }

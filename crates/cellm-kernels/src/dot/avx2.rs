@@ -32,6 +32,16 @@ pub fn head_kernels(format: TensorFormat) -> HeadKernels {
     }
 }
 
+pub fn panel_widener(format: TensorFormat) -> super::PanelFn {
+    assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
+    match format {
+        TensorFormat::F32 => |rows, cols, panel| unsafe { widen_panel::<F32>(rows, cols, panel) },
+        TensorFormat::F16 => |rows, cols, panel| unsafe { widen_panel::<F16>(rows, cols, panel) },
+        TensorFormat::BF16 => |rows, cols, panel| unsafe { widen_panel::<Bf16>(rows, cols, panel) },
+        other => unreachable!("{other:?} is a block format"),
+    }
+}
+
 /// Loads eight stored elements as f32 lanes.
 trait Lanes {
     type Elem: Copy + Into<Widen>;
@@ -86,6 +96,67 @@ impl Lanes for Bf16 {
         let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
         _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
     }
+}
+
+/// Eight columns of eight rows at a time: eight row loads, an 8 x 8 transpose in registers,
+/// eight column stores (each half of a 16-row panel column).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn widen_panel<L: Lanes>(rows: &[&[u8]], cols: usize, panel: &mut [f32]) {
+    const PANEL: usize = crate::gemm::PANEL_ROWS;
+    assert!(rows.len() <= PANEL && cols.is_multiple_of(8) && panel.len() >= cols * PANEL);
+    let count = rows.len();
+    let mut elems: [&[L::Elem]; PANEL] = [&[]; PANEL];
+    for (e, r) in elems.iter_mut().zip(rows) {
+        *e = cast::<L::Elem>(r);
+        assert!(e.len() >= cols, "panel rows shorter than the columns");
+    }
+    let p = panel.as_mut_ptr();
+    for c in (0..cols).step_by(8) {
+        for half in 0..PANEL / 8 {
+            let mut v = [_mm256_setzero_ps(); 8];
+            for (i, v) in v.iter_mut().enumerate().take(count.saturating_sub(half * 8)) {
+                *v = L::load8(elems[half * 8 + i].as_ptr().add(c));
+            }
+            for (j, col) in transpose8(v).iter().enumerate() {
+                _mm256_storeu_ps(p.add((c + j) * PANEL + half * 8), *col);
+            }
+        }
+    }
+}
+
+/// Rows of an 8 x 8 block in, its columns out.
+#[inline(always)]
+unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    let t = [
+        _mm256_unpacklo_ps(r[0], r[1]),
+        _mm256_unpackhi_ps(r[0], r[1]),
+        _mm256_unpacklo_ps(r[2], r[3]),
+        _mm256_unpackhi_ps(r[2], r[3]),
+        _mm256_unpacklo_ps(r[4], r[5]),
+        _mm256_unpackhi_ps(r[4], r[5]),
+        _mm256_unpacklo_ps(r[6], r[7]),
+        _mm256_unpackhi_ps(r[6], r[7]),
+    ];
+    let s = [
+        _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+        _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+        _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+        _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+        _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+        _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+        _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+        _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+    ];
+    [
+        _mm256_permute2f128_ps::<0x20>(s[0], s[4]),
+        _mm256_permute2f128_ps::<0x20>(s[1], s[5]),
+        _mm256_permute2f128_ps::<0x20>(s[2], s[6]),
+        _mm256_permute2f128_ps::<0x20>(s[3], s[7]),
+        _mm256_permute2f128_ps::<0x31>(s[0], s[4]),
+        _mm256_permute2f128_ps::<0x31>(s[1], s[5]),
+        _mm256_permute2f128_ps::<0x31>(s[2], s[6]),
+        _mm256_permute2f128_ps::<0x31>(s[3], s[7]),
+    ]
 }
 
 #[inline(always)]

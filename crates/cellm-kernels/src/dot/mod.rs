@@ -43,6 +43,20 @@ pub type DotHeadsFn = fn(&[u8], &[f32], &mut [f32]);
 /// `acc[h] += a[h] * row` for the heads that share one stored value row.
 pub type AxpyHeadsFn = fn(&[f32], &[u8], &mut [f32]);
 
+/// Widens columns `0..cols` (a multiple of 8) of up to 16 stored float rows into `panel`,
+/// column-major with 16 rows per column; rows past `rows.len()` are zeros (`gemm`'s panels).
+pub type PanelFn = fn(rows: &[&[u8]], cols: usize, panel: &mut [f32]);
+
+/// The SIMD panel widener of a float format (None on the scalar path: `gemm` widens row by
+/// row there).
+pub fn panel_widener(format: TensorFormat, isa: Isa) -> Option<PanelFn> {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        isa if isa.has_avx2() => Some(avx2::panel_widener(format)),
+        _ => None,
+    }
+}
+
 /// Attention's kernels over a float cache row, for a group of query heads at once.
 #[derive(Clone, Copy)]
 pub struct HeadKernels {
