@@ -336,9 +336,11 @@ impl TileState {
 mod tests {
     use crate::{AttentionShape, KvConfig, KvEncoding, PagePool, SeqSpan};
 
-    /// Exact in f16 (multiples of 1/32 below 2), so both cache encodings hold the same values.
+    /// Exact in f16 (multiples of 1/32 below 2), so both cache encodings hold the same values;
+    /// hashed, so no two stretches of the cache repeat each other (split contexts' chunks
+    /// then have different maxima, which their merge must reconcile).
     fn val(i: usize) -> f32 {
-        ((i * 7919) % 97) as f32 / 32.0 - 1.5
+        (((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) % 97) as f32 / 32.0 - 1.5
     }
 
     /// softmax(q.K^T * scale) V over positions `lo..=pos`, for query head `h`.
