@@ -76,13 +76,14 @@ impl PagePool {
             let group = shape.n_heads / kv_heads;
             let mut acc = TileState::new(&tile, kv_head, q, shape);
             self.accumulate(&tile, kv_head, shape, kern, &mut acc);
-            for (m, o) in acc.finish(shape.head_dim) {
+            for m in 0..acc.count {
                 let (i, h) = (m / group, kv_head * group + m % group);
                 let at = (tile.span.row0 + tile.rows.start + i) * width + h * shape.head_dim;
-                assert!(at + o.len() <= out_len, "attention: output row out of range");
+                assert!(at + shape.head_dim <= out_len, "attention: output row out of range");
                 // SAFETY: in bounds (checked above); each (row, query head) belongs to one
                 // task: its tile's rows and its kv head's group of query heads.
-                unsafe { std::ptr::copy_nonoverlapping(o.as_ptr(), out_ptr.at(at), o.len()) };
+                let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.at(at), shape.head_dim) };
+                acc.finish(m, o);
             }
         });
     }
@@ -321,14 +322,14 @@ impl TileState {
         }
     }
 
-    /// The normalised output of each vector in use: `(m, head_dim values)`.
-    fn finish(&self, hd: usize) -> impl Iterator<Item = (usize, Vec<f32>)> + '_ {
-        (0..self.count).map(move |m| {
-            let (g, t) = (m / PANEL_TOKENS, m % PANEL_TOKENS);
-            let inv = 1.0 / self.denom[m];
-            let tiles = &self.out[g * self.dim_panels..(g + 1) * self.dim_panels];
-            (m, tiles.iter().flat_map(|tile| tile[t]).take(hd).map(|v| v * inv).collect())
-        })
+    /// Writes vector `m`'s normalised output (one head's `out.len()` values).
+    fn finish(&self, m: usize, out: &mut [f32]) {
+        let (g, t) = (m / PANEL_TOKENS, m % PANEL_TOKENS);
+        let inv = 1.0 / self.denom[m];
+        let tiles = &self.out[g * self.dim_panels..(g + 1) * self.dim_panels];
+        for (o, v) in out.iter_mut().zip(tiles.iter().flat_map(|tile| tile[t])) {
+            *o = v * inv;
+        }
     }
 }
 

@@ -4,7 +4,7 @@ use std::arch::x86_64::*;
 
 use cellm_format::TensorFormat;
 
-use super::{cast, HeadKernels, RowKernels};
+use super::{cast, prefetch, HeadKernels, RowKernels};
 
 pub fn kernels(format: TensorFormat) -> RowKernels {
     assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
@@ -172,22 +172,6 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// How far ahead of the elements being multiplied a streaming row dot reads, in bytes: one
-/// thread's demand loads alone keep too few cache misses in flight to stream a row at the
-/// memory's rate (as in the group kernels, `x8_avx2::PREFETCH_BYTES`). Past a row's end this
-/// is the next row of the same matrix, which a task reads next.
-const PREFETCH_BYTES: usize = 4096;
-
-/// Requests the lines `PREFETCH_BYTES` after the 32 elements at `p`.
-#[inline(always)]
-unsafe fn prefetch_ahead<L: Lanes>(p: *const L::Elem) {
-    let ahead = p.cast::<u8>().wrapping_add(PREFETCH_BYTES);
-    for line in (0..32 * std::mem::size_of::<L::Elem>()).step_by(64) {
-        // A prefetch never faults, whatever the address.
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
-    }
-}
-
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot<L: Lanes>(w: &[L::Elem], x: &[f32]) -> f32 {
     let n = w.len();
@@ -195,7 +179,8 @@ unsafe fn dot<L: Lanes>(w: &[L::Elem], x: &[f32]) -> f32 {
     let mut acc = [_mm256_setzero_ps(); 4];
     let mut i = 0;
     while i + 32 <= n {
-        prefetch_ahead::<L>(wp.add(i));
+        // The next row of the matrix lies past this one's end: a task reads it next.
+        prefetch::ahead(wp.add(i).cast(), 32 * std::mem::size_of::<L::Elem>());
         for (j, a) in acc.iter_mut().enumerate() {
             let o = i + 8 * j;
             *a = _mm256_fmadd_ps(L::load8(wp.add(o)), _mm256_loadu_ps(xp.add(o)), *a);

@@ -10,31 +10,10 @@ use cellm_format::TensorFormat;
 
 use super::bytes::{self, Avx2, Avx512Vnni, AvxVnni, ByteDot};
 use super::int_scalar::scale_min_k4;
+use super::prefetch;
 use super::{QDot4Fn, QDotFn};
 use crate::acts::Q8Row;
 use crate::Isa;
-
-/// How far ahead of the block being multiplied to read, in bytes: one thread's demand loads
-/// alone keep too few cache misses in flight to stream a row at the memory's rate (as in
-/// `x8_avx2`).
-const PREFETCH_BYTES: usize = 4096;
-
-/// Requests the lines of the `bytes`-long block `PREFETCH_BYTES` after `blk`. Each request
-/// names the line of the block's last byte (then every 64 bytes back), so blocks shorter than
-/// a line request each line once or twice, not once per block per line.
-#[inline(always)]
-unsafe fn prefetch_ahead(blk: *const u8, bytes: usize) {
-    let ahead = blk.wrapping_add(PREFETCH_BYTES);
-    let mut offset = bytes - 1;
-    loop {
-        // A prefetch never faults, whatever the address.
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(offset).cast());
-        if offset < 64 {
-            break;
-        }
-        offset -= 64;
-    }
-}
 
 #[inline(always)]
 unsafe fn hsum(v: __m256) -> f32 {
@@ -98,7 +77,7 @@ unsafe fn unsigned_groups<D: ByteDot, const N: usize>(
     let base = row.as_ptr();
     for g in 0..row.len() / bytes {
         let blk = base.add(bytes * g);
-        prefetch_ahead(blk, bytes);
+        prefetch::ahead(blk, bytes);
         let dc = scales(blk);
         for j in 0..subs {
             let (u, b) = (unpack(blk, j), g * subs + j);
@@ -134,7 +113,7 @@ unsafe fn q8_0<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; 
     let base = row.as_ptr();
     for b in 0..row.len() / 34 {
         let blk = base.add(34 * b);
-        prefetch_ahead(blk, 34);
+        prefetch::ahead(blk, 34);
         let w = _mm256_loadu_si256(blk.add(2).cast());
         let wabs = _mm256_sign_epi8(w, w);
         let d = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(blk.cast::<u16>().read_unaligned())));
@@ -156,7 +135,7 @@ unsafe fn i8_row<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32
     let scale = f32::from_le_bytes([row[0], row[1], row[2], row[3]]);
     let base = row.as_ptr().add(4);
     for b in 0..(row.len() - 4) / 32 {
-        prefetch_ahead(base.add(32 * b), 32);
+        prefetch::ahead(base.add(32 * b), 32);
         let w = _mm256_loadu_si256(base.add(32 * b).cast());
         let wabs = _mm256_sign_epi8(w, w);
         for t in 0..N {
@@ -260,7 +239,7 @@ unsafe fn k_quant<const N: usize>(
     let low = _mm256_set1_epi8(0x0F);
     let base = row.as_ptr();
     for b in 0..row.len() / bytes {
-        prefetch_ahead(base.add(bytes * b), bytes);
+        prefetch::ahead(base.add(bytes * b), bytes);
         let blk = std::slice::from_raw_parts(base.add(bytes * b), bytes);
         let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(blk.as_ptr().cast::<i32>().read_unaligned()));
         let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_shuffle_ps::<1>(dd, dd)));
@@ -333,7 +312,7 @@ unsafe fn q6_k<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; 
     let base = row.as_ptr();
     for b in 0..row.len() / 210 {
         let blk = base.add(210 * b);
-        prefetch_ahead(blk, 210);
+        prefetch::ahead(blk, 210);
         let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
             blk.add(208).cast::<u16>().read_unaligned(),
         ))));

@@ -9,6 +9,8 @@ mod bytes;
 #[cfg(target_arch = "x86_64")]
 mod int_avx2;
 mod int_scalar;
+#[cfg(target_arch = "x86_64")]
+mod prefetch;
 mod scalar;
 pub mod x8;
 #[cfg(target_arch = "x86_64")]

@@ -9,36 +9,10 @@ use std::arch::x86_64::*;
 use cellm_format::{TensorFormat, INTERLEAVE};
 
 use super::bytes::{self, Avx2, Avx512Vnni, AvxVnni, ByteDot};
+use super::prefetch;
 use super::x8::QDotX8Fn;
 use crate::acts::Q8Row;
 use crate::Isa;
-
-/// How far ahead of the column being multiplied to read, in bytes (whole columns, at least
-/// one). One thread's loads alone do not keep enough cache misses in flight to stream at the
-/// memory's rate; 4 KiB did better than 8 columns (1-13 KiB) and 8 KiB in `gemv`.
-const PREFETCH_BYTES: usize = 4096;
-
-/// Requests the cache lines of the column about `PREFETCH_BYTES` after `column` (`bytes`
-/// long); past the end of the group that is the next group's data, or nothing.
-#[inline(always)]
-unsafe fn prefetch_ahead(column: *const u8, bytes: usize) {
-    let ahead = column.wrapping_add((PREFETCH_BYTES / bytes).max(1) * bytes);
-    for line in (0..bytes).step_by(64) {
-        // A prefetch never faults, whatever the address.
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
-    }
-}
-
-/// Part `part` of `parts` of what [`prefetch_ahead`] requests: a wide column's prefetches
-/// spread over its inner loop instead of one burst.
-#[inline(always)]
-unsafe fn prefetch_ahead_part(column: *const u8, bytes: usize, part: usize, parts: usize) {
-    let ahead = column.wrapping_add((PREFETCH_BYTES / bytes).max(1) * bytes);
-    let lines = bytes.div_ceil(64) + 1;
-    for line in part * lines / parts..(part + 1) * lines / parts {
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
-    }
-}
 
 /// Activation bytes `4v..4v + 4` of block `b`, in every 32-bit lane.
 #[inline(always)]
@@ -88,7 +62,7 @@ unsafe fn unsigned_x8<D: ByteDot, const N: usize, const KIND: u8>(
     let base = group.as_ptr();
     for b in 0..group.len() / bytes {
         let blk = base.add(bytes * b);
-        prefetch_ahead(blk, bytes);
+        prefetch::column_ahead(blk, bytes);
         let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
         let c = match KIND {
             0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
@@ -162,7 +136,7 @@ unsafe fn q4_k_x8<D: ByteDot, const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [
     let base = group.as_ptr();
     for b in 0..group.len() / bytes {
         let blk = base.add(bytes * b);
-        prefetch_ahead(blk, bytes);
+        prefetch::column_ahead(blk, bytes);
         let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
         let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16).cast()));
         // Per lane, bytes j of scale/min words 0 and 1 are sub-blocks j and 4 + j.
@@ -262,7 +236,7 @@ unsafe fn q6_k_x8<D: ByteDot, const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [
             for quarter in 0..2 {
                 let mut run = [[_mm256_setzero_si256(); 4]; N];
                 for i in 4 * quarter..4 * quarter + 4 {
-                    prefetch_ahead_part(blk, bytes, 8 * half + i, 16);
+                    prefetch::column_ahead_part(blk, bytes, 8 * half + i, 16);
                     let (ql_a, ql_b) = (chunk(16 * half + i), chunk(16 * half + 8 + i));
                     let qh = chunk(32 + 8 * half + i);
                     let q = [
@@ -351,7 +325,7 @@ unsafe fn q8_0_x8<D: ByteDot, const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [
     let base = group.as_ptr();
     for b in 0..group.len() / bytes {
         let blk = base.add(bytes * b);
-        prefetch_ahead(blk, bytes);
+        prefetch::column_ahead(blk, bytes);
         let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
         let qs = blk.add(16);
         let mut sums = [_mm256_setzero_si256(); N];

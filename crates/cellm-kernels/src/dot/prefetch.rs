@@ -1,0 +1,51 @@
+//! Software prefetch for the streaming kernels of the AVX2 family. One thread's demand loads
+//! alone keep too few cache misses in flight to stream weights at the memory's rate, so the
+//! kernels request what they will read about PREFETCH_BYTES later. A prefetch never faults,
+//! whatever the address: past the end of a matrix it requests nothing useful, nothing worse.
+
+use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+
+/// How far ahead to read: 4 KiB did better than 1-13 KiB of whole columns and than 8 KiB in
+/// the group kernels (`gemv`).
+const PREFETCH_BYTES: usize = 4096;
+
+/// Requests the lines holding `at..at + bytes` of a stream read in order, in address order,
+/// one per 64 bytes from `at`. A line the span ends in without starting it is the next span's
+/// to request, so spans shorter than a line cost one request, not one per line they touch.
+/// (Requesting a column's lines last to first made q4_kx8 stream a third slower.)
+#[inline(always)]
+unsafe fn lines(at: *const u8, bytes: usize) {
+    for offset in (0..bytes).step_by(64) {
+        // SAFETY (of the intrinsic): a prefetch reads nothing the program sees.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(offset).cast()) };
+    }
+}
+
+/// The span of `bytes` PREFETCH_BYTES after `p`: row kernels, a block or a step at a time.
+#[inline(always)]
+pub(super) unsafe fn ahead(p: *const u8, bytes: usize) {
+    unsafe { lines(p.wrapping_add(PREFETCH_BYTES), bytes) }
+}
+
+/// The distance of [`column_ahead`]: whole columns of `bytes`, at least one.
+#[inline(always)]
+fn column_distance(bytes: usize) -> usize {
+    (PREFETCH_BYTES / bytes).max(1) * bytes
+}
+
+/// The whole column of `bytes` about PREFETCH_BYTES after `column` (group kernels).
+#[inline(always)]
+pub(super) unsafe fn column_ahead(column: *const u8, bytes: usize) {
+    unsafe { lines(column.wrapping_add(column_distance(bytes)), bytes) }
+}
+
+/// Part `part` of `parts` of [`column_ahead`]'s requests, for a wide column whose requests
+/// are spread over its inner loop instead of sent in one burst.
+#[inline(always)]
+pub(super) unsafe fn column_ahead_part(column: *const u8, bytes: usize, part: usize, parts: usize) {
+    let ahead = column.wrapping_add(column_distance(bytes));
+    let count = bytes.div_ceil(64) + 1; // +1: an unaligned column touches one more line
+    for line in part * count / parts..(part + 1) * count / parts {
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast()) };
+    }
+}
