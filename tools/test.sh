@@ -5,6 +5,7 @@ cd "$(dirname "$0")/.."
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
+bash tools/test_aarch64.sh
 ruff check python tests tools benches
 ruff format --check python tests tools benches
 python -m pytest -q

@@ -1,10 +1,12 @@
 //! Instruction-set selection: detected once at run time, never fixed at compile time, so one
-//! wheel runs on every x86-64 and uses the widest path the CPU offers.
+//! wheel runs on every x86-64 (or every aarch64) and uses the widest path the CPU offers.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
-/// The kernel paths, narrowest first. Every path from `Avx2` up runs the AVX2 float kernels;
-/// the VNNI paths differ in how the integer kernels multiply bytes (`dot::bytes`).
+/// The kernel paths, narrowest first within each architecture. Every x86 path from `Avx2` up
+/// runs the AVX2 float kernels, and both aarch64 paths the NEON float kernels; the paths of
+/// one family differ in how the integer kernels multiply bytes (`dot::bytes`,
+/// `dot::bytes_neon`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     /// Plain Rust; the reference every other path is tested against.
@@ -16,9 +18,15 @@ pub enum Isa {
     /// AVX2 plus AVX-512 VL + VNNI: the EVEX `vpdpbusd` on 256-bit registers (Ice Lake
     /// server and later Xeons, Zen 4), which keeps the AVX2 kernels' data layout.
     Avx512Vnni,
+    /// aarch64 Advanced SIMD (every ARMv8-A core): bytes multiplied by `smull` and pairwise
+    /// adds.
+    Neon,
+    /// NEON plus the dot product extension's `sdot` (ARMv8.2+: Cortex-A76 and later, Apple M).
+    NeonDotprod,
 }
 
-const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni];
+const ALL: [Isa; 6] =
+    [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni, Isa::Neon, Isa::NeonDotprod];
 
 impl Isa {
     pub fn name(self) -> &'static str {
@@ -27,6 +35,8 @@ impl Isa {
             Isa::Avx2 => "avx2",
             Isa::AvxVnni => "avx-vnni",
             Isa::Avx512Vnni => "avx512-vnni",
+            Isa::Neon => "neon",
+            Isa::NeonDotprod => "neon-dotprod",
         }
     }
 
@@ -34,9 +44,14 @@ impl Isa {
         ALL.into_iter().find(|i| i.name() == name)
     }
 
-    /// Whether the path runs the AVX2 kernels (all SIMD paths do).
+    /// Whether the path runs the AVX2 kernels (every x86 SIMD path does).
     pub fn has_avx2(self) -> bool {
-        self >= Isa::Avx2
+        matches!(self, Isa::Avx2 | Isa::AvxVnni | Isa::Avx512Vnni)
+    }
+
+    /// Whether the path runs the NEON kernels (both aarch64 paths do).
+    pub fn has_neon(self) -> bool {
+        matches!(self, Isa::Neon | Isa::NeonDotprod)
     }
 
     /// Whether this CPU can run the path.
@@ -58,9 +73,22 @@ impl Isa {
                         && is_x86_feature_detected!("avx512vl")
                         && is_x86_feature_detected!("avx512vnni")
                 }
+                Isa::Neon | Isa::NeonDotprod => false,
             }
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        {
+            match self {
+                Isa::Scalar => true,
+                Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+                Isa::NeonDotprod => {
+                    std::arch::is_aarch64_feature_detected!("neon")
+                        && std::arch::is_aarch64_feature_detected!("dotprod")
+                }
+                _ => false,
+            }
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         {
             self == Isa::Scalar
         }

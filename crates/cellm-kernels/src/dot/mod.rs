@@ -6,15 +6,23 @@ mod avx2;
 mod blocks;
 #[cfg(target_arch = "x86_64")]
 mod bytes;
+#[cfg(target_arch = "aarch64")]
+mod bytes_neon;
 #[cfg(target_arch = "x86_64")]
 mod int_avx2;
+#[cfg(target_arch = "aarch64")]
+mod int_neon;
 mod int_scalar;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 #[cfg(target_arch = "x86_64")]
 mod prefetch;
 mod scalar;
 pub mod x8;
 #[cfg(target_arch = "x86_64")]
 mod x8_avx2;
+#[cfg(target_arch = "aarch64")]
+mod x8_neon;
 
 use cellm_format::TensorFormat;
 
@@ -49,8 +57,9 @@ pub type AxpyHeadsFn = fn(&[f32], &[u8], &mut [f32]);
 /// column-major with 16 rows per column; rows past `rows.len()` are zeros (`gemm`'s panels).
 pub type PanelFn = fn(rows: &[&[u8]], cols: usize, panel: &mut [f32]);
 
-/// The SIMD panel widener of a float format (None on the scalar path: `gemm` widens row by
-/// row there).
+/// The SIMD panel widener of a float format (None on the scalar and NEON paths: `gemm` widens
+/// row by row there).
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 pub fn panel_widener(format: TensorFormat, isa: Isa) -> Option<PanelFn> {
     match isa {
         #[cfg(target_arch = "x86_64")]
@@ -71,6 +80,8 @@ pub fn head_kernels(format: TensorFormat, isa: Isa) -> HeadKernels {
     match isa {
         #[cfg(target_arch = "x86_64")]
         isa if isa.has_avx2() => avx2::head_kernels(format),
+        #[cfg(target_arch = "aarch64")]
+        isa if isa.has_neon() => neon::head_kernels(format),
         _ => scalar::head_kernels(format),
     }
 }
@@ -80,6 +91,8 @@ pub fn dot_tiles(format: TensorFormat, isa: Isa) -> DotTileFn {
     match isa {
         #[cfg(target_arch = "x86_64")]
         isa if isa.has_avx2() => avx2::dot_tiles(format),
+        #[cfg(target_arch = "aarch64")]
+        isa if isa.has_neon() => neon::dot_tiles(format),
         _ => scalar::dot_tiles(format),
     }
 }
@@ -103,6 +116,8 @@ pub fn kernels(format: TensorFormat, isa: Isa) -> RowKernels {
         let qdot = match isa {
             #[cfg(target_arch = "x86_64")]
             isa if isa.has_avx2() => int_avx2::qdot(format, isa),
+            #[cfg(target_arch = "aarch64")]
+            isa if isa.has_neon() => int_neon::qdot(format, isa),
             _ => int_scalar::qdot(format),
         };
         return RowKernels { qdot, ..k };
@@ -110,6 +125,8 @@ pub fn kernels(format: TensorFormat, isa: Isa) -> RowKernels {
     match isa {
         #[cfg(target_arch = "x86_64")]
         isa if isa.has_avx2() => avx2::kernels(format),
+        #[cfg(target_arch = "aarch64")]
+        isa if isa.has_neon() => neon::kernels(format),
         _ => scalar::kernels(format),
     }
 }
@@ -119,6 +136,8 @@ pub fn group_kernel(format: TensorFormat, isa: Isa) -> Option<x8::QDotX8Fn> {
     match isa {
         #[cfg(target_arch = "x86_64")]
         isa if isa.has_avx2() => x8_avx2::qdot(format, isa),
+        #[cfg(target_arch = "aarch64")]
+        isa if isa.has_neon() => x8_neon::qdot(format, isa),
         _ => x8::scalar(format),
     }
 }
@@ -126,6 +145,7 @@ pub fn group_kernel(format: TensorFormat, isa: Isa) -> Option<x8::QDotX8Fn> {
 /// Every group kernel of an interleaved format this CPU can run, by path name, plus the VNNI
 /// kernel code on AVX2 with `vpdpbusd` emulated: what the kernel tests check.
 #[cfg(test)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
 fn group_kernels_to_test(format: TensorFormat) -> Vec<(&'static str, x8::QDotX8Fn)> {
     let mut out: Vec<_> = Isa::available()
         .into_iter()
@@ -140,6 +160,7 @@ fn group_kernels_to_test(format: TensorFormat) -> Vec<(&'static str, x8::QDotX8F
 
 /// As [`group_kernels_to_test`] for the integer row kernels of a block format.
 #[cfg(test)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
 fn integer_kernels_to_test(format: TensorFormat) -> Vec<(&'static str, (QDotFn, QDot4Fn))> {
     let mut out: Vec<_> = Isa::available()
         .into_iter()
