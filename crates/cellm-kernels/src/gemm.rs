@@ -158,6 +158,8 @@ pub fn tile_kernel(isa: Isa) -> TileFn {
     match isa {
         #[cfg(target_arch = "x86_64")]
         isa if isa.has_avx2() => avx2::tile,
+        #[cfg(target_arch = "aarch64")]
+        isa if isa.has_neon() => neon::tile,
         _ => tile_scalar,
     }
 }
@@ -220,6 +222,64 @@ mod avx2 {
         for (out, acc) in tile.iter_mut().zip(&acc) {
             _mm256_storeu_ps(out.as_mut_ptr(), acc[0]);
             _mm256_storeu_ps(out.as_mut_ptr().add(8), acc[1]);
+        }
+    }
+}
+
+/// The NEON tile: 16 rows x 6 tokens in 24 of the 32 vector registers, each panel column's
+/// four row vectors times the six activations by lane (`fmla` by element).
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use std::arch::aarch64::*;
+
+    use super::{PANEL_ROWS, PANEL_TOKENS};
+
+    pub fn tile(
+        panel: &[f32],
+        x: &[f32],
+        cols: usize,
+        tile: &mut [[f32; PANEL_ROWS]; PANEL_TOKENS],
+    ) {
+        assert!(crate::Isa::Neon.supported(), "NEON kernel on a CPU without NEON");
+        let (panel, x) = (&panel[..cols * PANEL_ROWS], &x[..cols * PANEL_TOKENS]);
+        // SAFETY: NEON was just checked; the slices above hold `cols` columns.
+        unsafe { tile_neon(panel, x, cols, tile) }
+    }
+
+    #[target_feature(enable = "neon")]
+    unsafe fn tile_neon(
+        panel: &[f32],
+        x: &[f32],
+        cols: usize,
+        tile: &mut [[f32; PANEL_ROWS]; PANEL_TOKENS],
+    ) {
+        const VECS: usize = PANEL_ROWS / 4;
+        let (p, xp) = (panel.as_ptr(), x.as_ptr());
+        let mut acc = [[vdupq_n_f32(0.0); VECS]; PANEL_TOKENS];
+        for (acc, out) in acc.iter_mut().zip(tile.iter()) {
+            for (v, a) in acc.iter_mut().enumerate() {
+                *a = vld1q_f32(out.as_ptr().add(4 * v));
+            }
+        }
+        for c in 0..cols {
+            let w: [float32x4_t; VECS] =
+                std::array::from_fn(|v| vld1q_f32(p.add(c * PANEL_ROWS + 4 * v)));
+            // Tokens 0..4 and 4..6 of the column: no load past the packed activations.
+            let (xa, xb) =
+                (vld1q_f32(xp.add(c * PANEL_TOKENS)), vld1_f32(xp.add(c * PANEL_TOKENS + 4)));
+            for v in 0..VECS {
+                acc[0][v] = vfmaq_laneq_f32::<0>(acc[0][v], w[v], xa);
+                acc[1][v] = vfmaq_laneq_f32::<1>(acc[1][v], w[v], xa);
+                acc[2][v] = vfmaq_laneq_f32::<2>(acc[2][v], w[v], xa);
+                acc[3][v] = vfmaq_laneq_f32::<3>(acc[3][v], w[v], xa);
+                acc[4][v] = vfmaq_lane_f32::<0>(acc[4][v], w[v], xb);
+                acc[5][v] = vfmaq_lane_f32::<1>(acc[5][v], w[v], xb);
+            }
+        }
+        for (out, acc) in tile.iter_mut().zip(&acc) {
+            for (v, a) in acc.iter().enumerate() {
+                vst1q_f32(out.as_mut_ptr().add(4 * v), *a);
+            }
         }
     }
 }
