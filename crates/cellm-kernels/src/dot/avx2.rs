@@ -4,7 +4,7 @@ use std::arch::x86_64::*;
 
 use cellm_format::TensorFormat;
 
-use super::{cast, prefetch, HeadKernels, RowKernels};
+use super::{cast, HeadKernels, RowKernels};
 
 pub fn kernels(format: TensorFormat) -> RowKernels {
     assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
@@ -179,8 +179,6 @@ unsafe fn dot<L: Lanes>(w: &[L::Elem], x: &[f32]) -> f32 {
     let mut acc = [_mm256_setzero_ps(); 4];
     let mut i = 0;
     while i + 32 <= n {
-        // The next row of the matrix lies past this one's end: a task reads it next.
-        prefetch::ahead(wp.add(i).cast(), 32 * std::mem::size_of::<L::Elem>());
         for (j, a) in acc.iter_mut().enumerate() {
             let o = i + 8 * j;
             *a = _mm256_fmadd_ps(L::load8(wp.add(o)), _mm256_loadu_ps(xp.add(o)), *a);
