@@ -136,7 +136,6 @@ unsafe fn q4_k_x8<D: ByteDot, const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [
     let base = group.as_ptr();
     for b in 0..group.len() / bytes {
         let blk = base.add(bytes * b);
-        prefetch::column_ahead(blk, bytes);
         let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
         let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16).cast()));
         // Per lane, bytes j of scale/min words 0 and 1 are sub-blocks j and 4 + j.
@@ -157,6 +156,10 @@ unsafe fn q4_k_x8<D: ByteDot, const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [
         // Eight chunks of u4 x i8 products (a sub-block) fit one AVX2 run, as in q4_0x8.
         debug_assert_eq!(D::run_chunks(15, 8), 8);
         for pair in 0..4 {
+            // A quarter of the column's prefetches per pair, not a burst of 19 up front:
+            // Llama-3.2-1B Q4_K_M decode 16.7-17.3 -> 18.0-18.3 tok/s (medians of 6 and 8
+            // alternating runs), though `gemv` alone had preferred the burst.
+            prefetch::column_ahead_part(blk, bytes, pair, 4);
             let (mut lo_sums, mut hi_sums) =
                 ([_mm256_setzero_si256(); N], [_mm256_setzero_si256(); N]);
             for chunk in 0..8 {
@@ -228,7 +231,7 @@ unsafe fn q6_k_x8<D: ByteDot, const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [
     for b in 0..group.len() / bytes {
         let blk = base.add(bytes * b);
         // Spread over the inner loop below: q6_k's 27-line burst halved its streaming rate
-        // (`gemv 32768 4096`, 2 threads: 8.6-11.8 -> 14.2-18.7 GB/s), q4_k's 19 did not gain.
+        // (`gemv 32768 4096`, 2 threads: 8.6-11.8 -> 14.2-18.7 GB/s).
         let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
         let chunk = |c: usize| _mm256_loadu_si256(blk.add(16 + 32 * c).cast());
         let mut sums = [_mm256_setzero_si256(); N];
