@@ -4,23 +4,12 @@ use std::arch::x86_64::*;
 
 use cellm_format::TensorFormat;
 
-use super::{cast, HeadKernels, RowKernels};
+use super::{cast, HeadKernels};
 
-pub fn kernels(format: TensorFormat) -> RowKernels {
-    assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
-    match format {
-        TensorFormat::F32 => {
-            RowKernels { dot: dot_f32, decode: decode_f32, axpy: axpy_f32, qdot: None }
-        }
-        TensorFormat::F16 => {
-            RowKernels { dot: dot_f16, decode: decode_f16, axpy: axpy_f16, qdot: None }
-        }
-        TensorFormat::BF16 => {
-            RowKernels { dot: dot_bf16, decode: decode_bf16, axpy: axpy_bf16, qdot: None }
-        }
-        other => unreachable!("{other:?} is a block format"),
-    }
-}
+float_row_kernels!(assert!(
+    crate::Isa::Avx2.supported(),
+    "AVX2 kernels requested on a CPU without AVX2"
+));
 
 pub fn head_kernels(format: TensorFormat) -> HeadKernels {
     assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");

@@ -392,18 +392,7 @@ macro_rules! safe_entry {
                     }
                 }
 
-                pub fn one<const P: u8>(row: &[u8], x: Q8Row) -> f32 {
-                    check(row, &[x], $format);
-                    // SAFETY: `qdot` hands these out only after checking the path's CPU
-                    // features; every activation load stays inside the rows checked above.
-                    unsafe { run::<P, 1>(row, &[x])[0] }
-                }
-
-                pub fn four<const P: u8>(row: &[u8], x: &[Q8Row; 4]) -> [f32; 4] {
-                    check(row, x, $format);
-                    // SAFETY: as above.
-                    unsafe { run::<P, 4>(row, x) }
-                }
+                integer_entry_points!($format);
             }
         )*
 
@@ -429,14 +418,6 @@ pub fn qdot(format: TensorFormat, isa: Isa) -> Option<(QDotFn, QDot4Fn)> {
         bytes::AVX2 => entries::<{ bytes::AVX2 }>(format),
         bytes::AVX_VNNI => entries::<{ bytes::AVX_VNNI }>(format),
         _ => entries::<{ bytes::AVX512_VNNI }>(format),
-    }
-}
-
-/// Every activation row covers the weight row.
-fn check(row: &[u8], x: &[Q8Row], f: TensorFormat) {
-    let elems = (row.len() - f.row_header()) / f.block_bytes() * f.block_len();
-    for r in x {
-        assert!(r.qs.len() >= elems && r.ds.len() * 32 >= elems);
     }
 }
 

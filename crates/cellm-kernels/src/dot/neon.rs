@@ -7,71 +7,16 @@ use std::arch::asm;
 
 use cellm_format::TensorFormat;
 
-use super::{cast, DotTileFn, HeadKernels, RowKernels};
+use super::cast;
 
-pub fn kernels(format: TensorFormat) -> RowKernels {
-    assert!(crate::Isa::Neon.supported(), "NEON kernels requested on a CPU without NEON");
-    match format {
-        TensorFormat::F32 => {
-            RowKernels { dot: dot_f32, decode: decode_f32, axpy: axpy_f32, qdot: None }
-        }
-        TensorFormat::F16 => {
-            RowKernels { dot: dot_f16, decode: decode_f16, axpy: axpy_f16, qdot: None }
-        }
-        TensorFormat::BF16 => {
-            RowKernels { dot: dot_bf16, decode: decode_bf16, axpy: axpy_bf16, qdot: None }
-        }
-        other => unreachable!("{other:?} is a block format"),
-    }
-}
+float_row_kernels!(assert!(
+    crate::Isa::Neon.supported(),
+    "NEON kernels requested on a CPU without NEON"
+));
 
-/// Attention's head-group kernels: one row kernel call per head (the row is a cache row of
-/// one head's width, which stays in L1 across the group).
-pub fn head_kernels(format: TensorFormat) -> HeadKernels {
-    fn dot_heads<const F: usize>(row: &[u8], q: &[f32], out: &mut [f32]) {
-        let (dot, n) = (kernels(FLOATS[F]).dot, row.len() / ELEM_BYTES[F]);
-        for (h, o) in out.iter_mut().enumerate() {
-            *o = dot(row, &q[h * n..(h + 1) * n]);
-        }
-    }
-    fn axpy_heads<const F: usize>(a: &[f32], row: &[u8], acc: &mut [f32]) {
-        let (axpy, n) = (kernels(FLOATS[F]).axpy, row.len() / ELEM_BYTES[F]);
-        for (h, &ah) in a.iter().enumerate() {
-            axpy(ah, row, &mut acc[h * n..(h + 1) * n]);
-        }
-    }
-    match format {
-        TensorFormat::F32 => HeadKernels { dot: dot_heads::<0>, axpy: axpy_heads::<0> },
-        TensorFormat::F16 => HeadKernels { dot: dot_heads::<1>, axpy: axpy_heads::<1> },
-        TensorFormat::BF16 => HeadKernels { dot: dot_heads::<2>, axpy: axpy_heads::<2> },
-        other => unreachable!("{other:?} is not a cache format"),
-    }
-}
+head_kernels_by_rows!();
 
-/// The float matmul's small tiles (decode and 2-3 token steps): one row dot per (row,
-/// token). Batches of more tokens run as the GEMM.
-pub fn dot_tiles(format: TensorFormat) -> DotTileFn {
-    fn tile<const F: usize>(rows: &[&[u8]], x: &[f32], out: &mut [f32]) {
-        let dot = kernels(FLOATS[F]).dot;
-        let n = rows.first().map_or(0, |r| r.len() / ELEM_BYTES[F]);
-        let tokens = x.len() / n.max(1);
-        assert!(out.len() == rows.len() * tokens, "dot_tile: output size");
-        for (r, row) in rows.iter().enumerate() {
-            for t in 0..tokens {
-                out[r * tokens + t] = dot(row, &x[t * n..(t + 1) * n]);
-            }
-        }
-    }
-    match format {
-        TensorFormat::F32 => tile::<0>,
-        TensorFormat::F16 => tile::<1>,
-        TensorFormat::BF16 => tile::<2>,
-        other => unreachable!("{other:?} is a block format"),
-    }
-}
-
-const FLOATS: [TensorFormat; 3] = [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16];
-const ELEM_BYTES: [usize; 3] = [4, 2, 2];
+dot_tiles_by_rows!();
 
 /// Eight f16 bits as two vectors of four f32 (`fcvtl`, `fcvtl2`).
 #[inline(always)]

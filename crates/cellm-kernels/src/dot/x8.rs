@@ -21,6 +21,28 @@ pub const MAX_TOKENS: usize = 4;
 /// `out[t][r] = dot(row r of the group, x[t])` for `x.len() == out.len()` tokens (1..=4).
 pub type QDotX8Fn = fn(&[u8], &[Q8Row], &mut [[f32; INTERLEAVE]]);
 
+/// Panics unless a group kernel's arguments fit: whole block columns, one output per
+/// activation row, and activation rows (with their sums of 16 where `sums16`) that cover the
+/// group's columns.
+pub(super) fn check_group_args(
+    format: TensorFormat,
+    group: &[u8],
+    x: &[Q8Row],
+    outs: usize,
+    sums16: bool,
+) {
+    let base = format.interleaved().expect("interleaved").base;
+    let elems = group.len() / INTERLEAVE / base.block_bytes() * base.block_len();
+    assert!(
+        group.len().is_multiple_of(INTERLEAVE * base.block_bytes()) && x.len() == outs,
+        "{format:?} group kernel: bad arguments"
+    );
+    for r in x {
+        assert!(r.qs.len() >= elems && r.ds.len() * 32 >= elems, "activations too short");
+        assert!(!sums16 || r.sums16.len() * 16 >= elems, "the activations' sums of 16 are missing");
+    }
+}
+
 /// Copies row `lane` of an interleaved `group` out as the source format's row.
 pub fn row_of_group(format: TensorFormat, group: &[u8], lane: usize, out: &mut Vec<u8>) {
     let Interleaved { base, fields, fields_at } = format.interleaved().expect("interleaved");

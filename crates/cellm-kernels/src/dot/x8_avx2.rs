@@ -10,7 +10,7 @@ use cellm_format::{TensorFormat, INTERLEAVE};
 
 use super::bytes::{self, Avx2, Avx512Vnni, AvxVnni, ByteDot};
 use super::prefetch;
-use super::x8::QDotX8Fn;
+use super::x8::{check_group_args, QDotX8Fn};
 use crate::acts::Q8Row;
 use crate::Isa;
 
@@ -421,19 +421,8 @@ unsafe fn run<const P: u8, const N: usize, const F: usize>(
 
 /// Format `F` (index into `TensorFormat::INTERLEAVED`) on path `P` for 1..=4 tokens.
 fn entry<const P: u8, const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLEAVE]]) {
-    let format = TensorFormat::INTERLEAVED[F];
-    let base = format.interleaved().expect("interleaved").base;
-    let elems = group.len() / INTERLEAVE / base.block_bytes() * base.block_len();
-    assert!(
-        group.len().is_multiple_of(INTERLEAVE * base.block_bytes()) && x.len() == out.len(),
-        "{format:?} group kernel: bad arguments"
-    );
-    for r in x {
-        assert!(r.qs.len() >= elems && r.ds.len() * 32 >= elems, "activations too short");
-        if F == 5 {
-            assert!(r.sums16.len() * 16 >= elems, "q6_k needs the activations' sums of 16");
-        }
-    }
+    // AVX2's q6_k kernel takes its offset off with the activations' sums of 16.
+    check_group_args(TensorFormat::INTERLEAVED[F], group, x, out.len(), F == 5);
     // SAFETY: `qdot` hands this out only after checking the path's CPU features; loads stay
     // inside the group and the activation rows checked above.
     unsafe {

@@ -10,7 +10,7 @@ use cellm_format::{TensorFormat, INTERLEAVE};
 
 use super::bytes_neon::{self, broadcast4, Dotprod, NeonDot, Widening};
 use super::neon::widen_f16x8;
-use super::x8::QDotX8Fn;
+use super::x8::{check_group_args, QDotX8Fn};
 use crate::acts::Q8Row;
 use crate::Isa;
 
@@ -330,16 +330,7 @@ unsafe fn run_dotprod<const N: usize, const F: usize>(g: &[u8], x: &[Q8Row], o: 
 
 /// Format `F` (index into `TensorFormat::INTERLEAVED`) on path `P` for 1..=4 tokens.
 fn entry<const P: u8, const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLEAVE]]) {
-    let format = TensorFormat::INTERLEAVED[F];
-    let base = format.interleaved().expect("interleaved").base;
-    let elems = group.len() / INTERLEAVE / base.block_bytes() * base.block_len();
-    assert!(
-        group.len().is_multiple_of(INTERLEAVE * base.block_bytes()) && x.len() == out.len(),
-        "{format:?} group kernel: bad arguments"
-    );
-    for r in x {
-        assert!(r.qs.len() >= elems && r.ds.len() * 32 >= elems, "activations too short");
-    }
+    check_group_args(TensorFormat::INTERLEAVED[F], group, x, out.len(), false);
     macro_rules! go {
         ($n:literal) => {
             // SAFETY: `qdot` hands this out only after checking the path's CPU features;
