@@ -1,0 +1,105 @@
+//! Kernel tables that several paths build the same way, as macros expanded inside each path's
+//! module (so the tables name that module's own kernels).
+
+/// `pub fn kernels(format) -> RowKernels` for a module with `dot_f32`, `decode_f32`,
+/// `axpy_f32` and their `_f16`, `_bf16` twins, after the path's check `$ready` if any.
+macro_rules! float_row_kernels {
+    () => {
+        float_row_kernels!(());
+    };
+    ($ready:expr) => {
+        pub fn kernels(format: TensorFormat) -> super::RowKernels {
+            $ready;
+            use super::RowKernels as K;
+            match format {
+                TensorFormat::F32 => {
+                    K { dot: dot_f32, decode: decode_f32, axpy: axpy_f32, qdot: None }
+                }
+                TensorFormat::F16 => {
+                    K { dot: dot_f16, decode: decode_f16, axpy: axpy_f16, qdot: None }
+                }
+                TensorFormat::BF16 => {
+                    K { dot: dot_bf16, decode: decode_bf16, axpy: axpy_bf16, qdot: None }
+                }
+                other => unreachable!("{other:?} is a block format"),
+            }
+        }
+    };
+}
+
+/// `pub fn dot_tiles` as one row dot per (row, token), for a module with `kernels(format)`:
+/// the scalar reference, and NEON (where decode tiles are one token anyway).
+macro_rules! dot_tiles_by_rows {
+    () => {
+        pub fn dot_tiles(format: TensorFormat) -> super::DotTileFn {
+            const FORMATS: [TensorFormat; 3] =
+                [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16];
+            fn tile<const F: usize>(rows: &[&[u8]], x: &[f32], out: &mut [f32]) {
+                let dot = kernels(FORMATS[F]).dot;
+                let n = rows.first().map_or(0, |r| r.len() / [4, 2, 2][F]);
+                let tokens = x.len() / n.max(1);
+                assert!(out.len() == rows.len() * tokens, "dot_tile: output size");
+                for (r, row) in rows.iter().enumerate() {
+                    for t in 0..tokens {
+                        out[r * tokens + t] = dot(row, &x[t * n..(t + 1) * n]);
+                    }
+                }
+            }
+            match format {
+                TensorFormat::F32 => tile::<0>,
+                TensorFormat::F16 => tile::<1>,
+                TensorFormat::BF16 => tile::<2>,
+                other => unreachable!("{other:?} is a block format"),
+            }
+        }
+    };
+}
+
+/// `pub fn head_kernels` as one row kernel call per head, for a module with
+/// `kernels(format)`: the scalar reference, and NEON.
+macro_rules! head_kernels_by_rows {
+    () => {
+        pub fn head_kernels(format: TensorFormat) -> super::HeadKernels {
+            const FORMATS: [TensorFormat; 3] =
+                [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16];
+            fn dot_heads<const F: usize>(row: &[u8], q: &[f32], out: &mut [f32]) {
+                let (dot, n) = (kernels(FORMATS[F]).dot, row.len() / [4, 2, 2][F]);
+                for (h, o) in out.iter_mut().enumerate() {
+                    *o = dot(row, &q[h * n..(h + 1) * n]);
+                }
+            }
+            fn axpy_heads<const F: usize>(a: &[f32], row: &[u8], acc: &mut [f32]) {
+                let (axpy, n) = (kernels(FORMATS[F]).axpy, row.len() / [4, 2, 2][F]);
+                for (h, &ah) in a.iter().enumerate() {
+                    axpy(ah, row, &mut acc[h * n..(h + 1) * n]);
+                }
+            }
+            use super::HeadKernels as K;
+            match format {
+                TensorFormat::F32 => K { dot: dot_heads::<0>, axpy: axpy_heads::<0> },
+                TensorFormat::F16 => K { dot: dot_heads::<1>, axpy: axpy_heads::<1> },
+                TensorFormat::BF16 => K { dot: dot_heads::<2>, axpy: axpy_heads::<2> },
+                other => unreachable!("{other:?} is not a cache format"),
+            }
+        }
+    };
+}
+
+/// `one` and `four`, the safe entries of an integer row kernel for one and four activation
+/// rows, around the enclosing module's `run::<P, N>` (the kernel compiled for path `P`).
+macro_rules! integer_entry_points {
+    ($format:path) => {
+        pub fn one<const P: u8>(row: &[u8], x: Q8Row) -> f32 {
+            crate::dot::check_integer_acts(row, &[x], $format);
+            // SAFETY: `qdot` hands these out only after checking the path's CPU features;
+            // every activation load stays inside the rows checked above.
+            unsafe { run::<P, 1>(row, &[x])[0] }
+        }
+
+        pub fn four<const P: u8>(row: &[u8], x: &[Q8Row; 4]) -> [f32; 4] {
+            crate::dot::check_integer_acts(row, x, $format);
+            // SAFETY: as above.
+            unsafe { run::<P, 4>(row, x) }
+        }
+    };
+}
