@@ -103,3 +103,37 @@ macro_rules! integer_entry_points {
         }
     };
 }
+
+/// Calls `$then!` with every integer row kernel, as `entry module => kernel, format;`: the
+/// list each path's integer entries are generated from.
+macro_rules! with_integer_kernels {
+    ($then:ident) => {
+        $then! {
+            e_q8_0 => q8_0, TensorFormat::Q8_0;
+            e_q4_0 => q4_0, TensorFormat::Q4_0;
+            e_q4_1 => q4_1, TensorFormat::Q4_1;
+            e_q5_0 => q5_0, TensorFormat::Q5_0;
+            e_q4_k => q4_k, TensorFormat::Q4K;
+            e_q5_k => q5_k, TensorFormat::Q5K;
+            e_q6_k => q6_k, TensorFormat::Q6K;
+            e_i8_row => i8_row, TensorFormat::I8Row;
+            e_i4_g64 => i4_g64, TensorFormat::I4G64;
+            e_i4_g128 => i4_g128, TensorFormat::I4G128;
+            e_i4a_g64 => i4a_g64, TensorFormat::I4AG64;
+            e_i4a_g128 => i4a_g128, TensorFormat::I4AG128;
+        }
+    };
+}
+
+/// `fn entries<const P: u8>(format)`: the (one row, four rows) entries of `format` on path
+/// `P`, from the entry modules `integer_entry_points!` filled.
+macro_rules! integer_entries_table {
+    ($($name:ident => $format:path),*) => {
+        fn entries<const P: u8>(format: TensorFormat) -> Option<(QDotFn, QDot4Fn)> {
+            match format {
+                $($format => Some(($name::one::<P>, $name::four::<P>)),)*
+                _ => None,
+            }
+        }
+    };
+}

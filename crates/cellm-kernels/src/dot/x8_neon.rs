@@ -152,10 +152,11 @@ unsafe fn nibbles_x8<D: NeonDot, const N: usize, const KIND: u8>(
                 sums[t] = step8::<D>(sums[t], hi, x4(&x[t], b, c + 4));
             }
         }
+        // q4_1's mins, times each token's activation sum.
+        let m = (KIND == 1).then(|| halves8(blk.add(16)));
         for t in 0..N {
             acc[t] = fma_scaled(acc[t], d, x[t].ds[b][0], sums[t]);
-            if KIND == 1 {
-                let m = halves8(blk.add(16));
+            if let Some(m) = m {
                 let s = x[t].ds[b][1];
                 acc[t] = [vfmaq_n_f32(acc[t][0], m[0], s), vfmaq_n_f32(acc[t][1], m[1], s)];
             }
