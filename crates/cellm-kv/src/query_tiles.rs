@@ -257,7 +257,13 @@ impl TileState {
             let qg = &self.q[g * hd * PANEL_TOKENS..(g + 1) * hd * PANEL_TOKENS];
             for b in 0..key_panels {
                 let mut t = [[0.0; PANEL_ROWS]; PANEL_TOKENS];
-                tile_fn(&block.k[b * hd * PANEL_ROWS..(b + 1) * hd * PANEL_ROWS], qg, hd, &mut t);
+                tile_fn(
+                    &block.k[b * hd * PANEL_ROWS..][..hd * PANEL_ROWS],
+                    qg,
+                    hd,
+                    PANEL_TOKENS,
+                    &mut t,
+                );
                 for (v, s) in t.iter().enumerate() {
                     let row = (g * PANEL_TOKENS + v) * KEY_BLOCK + b * PANEL_ROWS;
                     self.scores[row..row + PANEL_ROWS].copy_from_slice(s);
@@ -270,7 +276,7 @@ impl TileState {
             let wg = &self.weights[g * KEY_BLOCK * PANEL_TOKENS..][..n * PANEL_TOKENS];
             for (b, out) in out.iter_mut().enumerate() {
                 let panel = &block.v[b * KEY_BLOCK * PANEL_ROWS..][..n * PANEL_ROWS];
-                tile_fn(panel, wg, n, out);
+                tile_fn(panel, wg, n, PANEL_TOKENS, out);
             }
         }
     }

@@ -211,91 +211,19 @@ unsafe fn q4_k_x8<D: ByteDot, const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [
 #[inline(always)]
 unsafe fn q6_k_x8<D: ByteDot, const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [__m256; N] {
     let bytes = 8 * 210;
-    let (low, bits45) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
-    // Bits 2k..2k+2 of each byte of `qh`, moved to bits 4..6 (16-bit shifts: what crosses
-    // into a neighbouring byte is masked off).
-    let high = |qh: __m256i, k: usize| {
-        let moved = match k {
-            0 => _mm256_slli_epi16::<4>(qh),
-            1 => _mm256_slli_epi16::<2>(qh),
-            2 => qh,
-            _ => _mm256_srli_epi16::<2>(qh),
-        };
-        _mm256_and_si256(moved, bits45)
-    };
-    // A quarter (4 chunks) is one run: AVX2 sums four (q - 32) x i8 pair sums per i16 lane,
-    // within 4 * 8128 = 32512.
-    let k32 = _mm256_set1_epi8(32);
     let mut acc = [_mm256_setzero_ps(); N];
     let base = group.as_ptr();
     for b in 0..group.len() / bytes {
         let blk = base.add(bytes * b);
-        // Spread over the inner loop below: q6_k's 27-line burst halved its streaming rate
-        // (`gemv 32768 4096`, 2 threads: 8.6-11.8 -> 14.2-18.7 GB/s).
         let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
-        let chunk = |c: usize| _mm256_loadu_si256(blk.add(16 + 32 * c).cast());
         let mut sums = [_mm256_setzero_si256(); N];
         for half in 0..2 {
             for quarter in 0..2 {
-                let mut run = [[_mm256_setzero_si256(); 4]; N];
-                for i in 4 * quarter..4 * quarter + 4 {
-                    prefetch::column_ahead_part(blk, bytes, 8 * half + i, 16);
-                    let (ql_a, ql_b) = (chunk(16 * half + i), chunk(16 * half + 8 + i));
-                    let qh = chunk(32 + 8 * half + i);
-                    let q = [
-                        _mm256_or_si256(_mm256_and_si256(ql_a, low), high(qh, 0)),
-                        _mm256_or_si256(_mm256_and_si256(ql_b, low), high(qh, 1)),
-                        _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(ql_a), low),
-                            high(qh, 2),
-                        ),
-                        _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(ql_b), low),
-                            high(qh, 3),
-                        ),
-                    ];
-                    for t in 0..N {
-                        for (k, qk) in q.iter().enumerate() {
-                            let xv = broadcast4(&x[t], 8 * b + 4 * half + k, i);
-                            run[t][k] = if D::NARROW {
-                                let p = _mm256_sub_epi16(
-                                    _mm256_maddubs_epi16(*qk, xv),
-                                    _mm256_maddubs_epi16(k32, xv),
-                                );
-                                _mm256_add_epi16(run[t][k], p)
-                            } else {
-                                D::step(run[t][k], *qk, xv)
-                            };
-                        }
-                    }
-                }
-                // Element 32k + l of this half, l in 16 * quarter..+16, is in sub-block
-                // 8 * half + 2k + quarter. Its scale is byte quarter or 2 + quarter of scale
-                // chunk 2 * half (k < 2) or 2 * half + 1.
-                let (s0, s1) = (chunk(48 + 2 * half), chunk(49 + 2 * half));
-                let q8 = quarter as i8;
-                let sc = [
-                    signed_lane_scale(s0, q8),
-                    signed_lane_scale(s0, 2 + q8),
-                    signed_lane_scale(s1, q8),
-                    signed_lane_scale(s1, 2 + q8),
-                ];
-                for t in 0..N {
-                    for k in 0..4 {
-                        sums[t] = _mm256_add_epi32(sums[t], D::widen_times(run[t][k], sc[k]));
-                    }
-                }
-                if !D::NARROW {
-                    for t in 0..N {
-                        for (k, sc_k) in sc.iter().enumerate() {
-                            // |16 * sum| <= 16 * 16 * 127 fits i16; vpmaddwd adds the two
-                            // halves, which both hold sc: sc * -32 * sum.
-                            let sum = x[t].sums16[16 * b + 8 * half + 2 * k + quarter];
-                            let offset = _mm256_madd_epi16(*sc_k, _mm256_set1_epi16(-16 * sum));
-                            sums[t] = _mm256_add_epi32(sums[t], offset);
-                        }
-                    }
-                }
+                let at = Q6Quarter { blk, b, half, quarter };
+                at.add::<D, N, 0>(x, &mut sums);
+                at.add::<D, N, 1>(x, &mut sums);
+                at.add::<D, N, 2>(x, &mut sums);
+                at.add::<D, N, 3>(x, &mut sums);
             }
         }
         for t in 0..N {
@@ -304,6 +232,82 @@ unsafe fn q6_k_x8<D: ByteDot, const N: usize>(group: &[u8], x: &[Q8Row; N]) -> [
         }
     }
     acc
+}
+
+/// Elements `32k + l`, `l` in `16 * quarter..+16`, of half `half` of a q6_kx8 column: the
+/// 16-element sub-block `8 * half + 2k + quarter` of each row, in 4 chunks `i`. Its quants
+/// are nibble `k / 2` of `ql` chunk `16 * half + 8 * (k % 2) + i` with bits `2k..2k+2` of
+/// `qh` chunk `32 + 8 * half + i`; its scale is byte `2 * (k % 2) + quarter` of scale chunk
+/// `48 + 2 * half + k / 2`. One sub-block at a time keeps one running sum per token live:
+/// four at once fill the 16 registers with 4 tokens' sums, and spill.
+struct Q6Quarter {
+    blk: *const u8,
+    b: usize,
+    half: usize,
+    quarter: usize,
+}
+
+impl Q6Quarter {
+    /// `sums[t] += sc * sum(q * x[t])` over the sub-block, for `(q - 32)` in AVX2's case.
+    #[inline(always)]
+    unsafe fn add<D: ByteDot, const N: usize, const K: usize>(
+        &self,
+        x: &[Q8Row; N],
+        sums: &mut [__m256i; N],
+    ) {
+        const SIZE: usize = 8 * 210;
+        let Self { blk, b, half, quarter } = *self;
+        let chunk = |c: usize| _mm256_loadu_si256(blk.add(16 + 32 * c).cast());
+        let low = _mm256_set1_epi8(0x0F);
+        // A sub-block (4 chunks) is one run: AVX2 sums four (q - 32) x i8 pair sums per i16
+        // lane, within 4 * 8128 = 32512.
+        let mut run = [_mm256_setzero_si256(); N];
+        for i in 4 * quarter..4 * quarter + 4 {
+            if K == 0 {
+                // Spread over the column: q6_k's 27-line burst halved its streaming rate
+                // (`gemv 32768 4096`, 2 threads: 8.6-11.8 -> 14.2-18.7 GB/s).
+                prefetch::column_ahead_part(blk, SIZE, 8 * half + i, 16);
+            }
+            let ql = chunk(16 * half + 8 * (K % 2) + i);
+            let nibbles = if K < 2 { ql } else { _mm256_srli_epi16::<4>(ql) };
+            // Bits 2K..2K+2 of each byte of `qh` moved to bits 4..6 (16-bit shifts: what
+            // crosses into a neighbouring byte is masked off).
+            let qh = chunk(32 + 8 * half + i);
+            let moved = match K {
+                0 => _mm256_slli_epi16::<4>(qh),
+                1 => _mm256_slli_epi16::<2>(qh),
+                2 => qh,
+                _ => _mm256_srli_epi16::<2>(qh),
+            };
+            let q = _mm256_or_si256(
+                _mm256_and_si256(nibbles, low),
+                _mm256_and_si256(moved, _mm256_set1_epi8(0x30)),
+            );
+            for t in 0..N {
+                let xv = broadcast4(&x[t], 8 * b + 4 * half + K, i);
+                run[t] = if D::NARROW {
+                    let p = _mm256_sub_epi16(
+                        _mm256_maddubs_epi16(q, xv),
+                        _mm256_maddubs_epi16(_mm256_set1_epi8(32), xv),
+                    );
+                    _mm256_add_epi16(run[t], p)
+                } else {
+                    D::step(run[t], q, xv)
+                };
+            }
+        }
+        let sc = signed_lane_scale(chunk(48 + 2 * half + K / 2), (2 * (K % 2) + quarter) as i8);
+        for t in 0..N {
+            sums[t] = _mm256_add_epi32(sums[t], D::widen_times(run[t], sc));
+            if !D::NARROW {
+                // |16 * sum| <= 16 * 16 * 127 fits i16; vpmaddwd adds the two halves, which
+                // both hold sc: sc * -32 * sum.
+                let sum = x[t].sums16[16 * b + 8 * half + 2 * K + quarter];
+                let offset = _mm256_madd_epi16(sc, _mm256_set1_epi16(-16 * sum));
+                sums[t] = _mm256_add_epi32(sums[t], offset);
+            }
+        }
+    }
 }
 
 /// Signed byte `j` (0..4) of each lane, sign-extended to i16 in both halves of the lane.
