@@ -1,8 +1,9 @@
 """`python -m cellm.bench`: cellm and llama.cpp side by side on the same GGUF files, the same
 thread count, alternating runs, each in a fresh process (so peak RSS is per engine).
 
-Per run and engine: prefill tok/s for 128 and 512 tokens, decode tok/s for 64 tokens after a
-128-token prompt and 128 tokens after 512; medians over the runs. The roofline is this
+Per run and engine, after an untimed warm-up: prefill tok/s for 128 and 512 tokens, decode
+tok/s for 64 tokens after a 128-token prompt and 128 tokens after 512; medians over the runs,
+and ratios as the median of the runs' ratios. The roofline is this
 machine's measured read bandwidth divided by the bytes a decode step must read (weights plus
 the KV cache at that context).
 """
@@ -22,6 +23,8 @@ from cellm.cli import Parser, bounded
 
 ENGINES = ("cellm", "llama.cpp")
 SCENARIOS = ((128, 64), (512, 128))  # (prompt tokens, decoded tokens)
+WARMUP_TOKENS = 32
+KEYS = ("prefill_128", "prefill_512", "decode_64@128", "decode_128@512")
 
 
 def _text_ids(n: int) -> list[int]:
@@ -63,6 +66,13 @@ def _worker(engine: str, model: str, threads: int) -> dict[str, Any]:
         def done(s: Any) -> None:
             pass
 
+    # Untimed warm-up, as llama-bench runs one: the first pass faults the weights in (cellm
+    # maps them lazily, llama.cpp populates its map at load) and sizes the work buffers, which
+    # would otherwise land on whichever scenario runs first.
+    warm = _text_ids(WARMUP_TOKENS + 2)
+    s = prefill(warm[:WARMUP_TOKENS])
+    decode(s, warm[WARMUP_TOKENS:])
+    done(s)
     for prompt, gen in SCENARIOS:
         ids = _text_ids(prompt + gen)
         t0 = time.perf_counter()
@@ -125,27 +135,36 @@ def bench_model(name: str, threads: int, runs: int) -> dict[str, Any]:
     for _ in range(runs):  # alternate, so machine noise hits both engines alike
         samples["cellm"].append(_run_worker("cellm", cellm_file, threads))
         samples["llama.cpp"].append(_run_worker("llama.cpp", gguf, threads))
-    med = {e: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for e, rs in samples.items()}
     return {
         "name": name,
-        "median": med,
+        **summarize(samples),
         "bytes": {c: decode_bytes(cellm_file, c) for c in (128, 512)},
     }
 
 
+def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per engine the median of each measure; per measure the median of the runs' ratios
+    cellm / llama.cpp. Each run's two workers ran back to back, so a ratio within a run sees
+    one state of the machine; drift between runs, which moves both engines, cancels in it
+    where a ratio of the two medians would keep it."""
+    med = {e: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for e, rs in samples.items()}
+    pairs = list(zip(samples["cellm"], samples["llama.cpp"]))
+    ratio = {k: statistics.median(c[k] / p[k] for c, p in pairs) for k in KEYS}
+    return {"median": med, "ratio": ratio}
+
+
 def _table(results: list[dict[str, Any]], bandwidth: float, threads: int, runs: int) -> str:
-    keys = ["prefill_128", "prefill_512", "decode_64@128", "decode_128@512"]
     lines = [
         f"Read bandwidth ({threads} threads, best of 5 passes over 1 GiB): {bandwidth:.1f} GB/s. "
-        f"Medians of {runs} alternating runs, {threads} threads; tok/s as cellm / llama.cpp "
-        "(ratio).",
+        f"{runs} alternating runs, {threads} threads, each after an untimed warm-up; tok/s as "
+        "cellm / llama.cpp, medians (median of the runs' ratios).",
         "",
-        "| model | " + " | ".join(keys) + " | decode roof @128 (cellm share) | peak RSS MiB |",
-        "|---|" + "---:|" * (len(keys) + 2),
+        "| model | " + " | ".join(KEYS) + " | decode roof @128 (cellm share) | peak RSS MiB |",
+        "|---|" + "---:|" * (len(KEYS) + 2),
     ]
     for r in results:
         c, p = r["median"]["cellm"], r["median"]["llama.cpp"]
-        cells = [f"{c[k]:.1f} / {p[k]:.1f} ({c[k] / p[k]:.2f}x)" for k in keys]
+        cells = [f"{c[k]:.1f} / {p[k]:.1f} ({r['ratio'][k]:.2f}x)" for k in KEYS]
         roof = bandwidth * 1e9 / r["bytes"][128]
         share = c["decode_64@128"] / roof
         rss = f"{c['peak_rss_mib']:.0f} / {p['peak_rss_mib']:.0f}"
