@@ -167,3 +167,12 @@ def test_prompt_longer_than_context(cellm_file):
     assert_one_line_error(proc, "context length")
     # The model is still usable afterwards: nothing was left half-done.
     assert llm.generate("hello", max_tokens=3).token_ids
+
+
+def test_bench_bad_models_and_paths(tmp_path):
+    # Each fails before the bandwidth probe and any run, in one line.
+    assert_one_line_error(cli("cellm.bench", "--models", str(tmp_path / "x.gguf")), "no such")
+    assert_one_line_error(cli("cellm.bench", "--models", "no-such-model"), "unknown model")
+    out = tmp_path / "missing" / "b.md"
+    assert_one_line_error(cli("cellm.bench", "--out", str(out)), "no such directory")
+    assert_one_line_error(cli("cellm.bench", "--runs", "0"), "--runs")

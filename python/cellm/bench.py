@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from cellm.cli import Parser, bounded
+from cellm.cli import Parser, bounded, run
+from cellm.errors import CellmError, InvalidArgument
 
 ENGINES = ("cellm", "llama.cpp")
 SCENARIOS = ((128, 64), (512, 128))  # (prompt tokens, decoded tokens)
@@ -100,8 +101,14 @@ def _run_worker(engine: str, model: Path, threads: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "cellm.bench", "--worker", engine, str(model), str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"{engine} worker failed: {proc.stderr.strip()[-500:]}")
+        # The worker's last line names what failed (an exception, or llama_cpp missing).
+        last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        raise WorkerFailed(f"{engine} on {model.name} failed: {last}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class WorkerFailed(CellmError):
+    """A benchmark worker process exited with an error."""
 
 
 def decode_bytes(cellm_path: Path, context: int) -> float:
@@ -121,16 +128,19 @@ def decode_bytes(cellm_path: Path, context: int) -> float:
     return weights + kv
 
 
-def bench_model(name: str, threads: int, runs: int) -> dict[str, Any]:
-    """A registry model, or a GGUF file by path (converted once, as `cellm.LLM` would)."""
+def resolve(name: str) -> tuple[str, Path, Path]:
+    """(label, GGUF file, .cellm file) of a registry model, or of a GGUF file by path
+    (converted once, as `cellm.LLM` would)."""
     from cellm.fetch import fetch, fetch_gguf
     from cellm.resolve import resolve_model
 
     if name.endswith(".gguf"):
-        gguf, cellm_file = Path(name), resolve_model(name)
-        name = gguf.stem
-    else:
-        gguf, cellm_file = fetch_gguf(name), fetch(name)
+        return Path(name).stem, Path(name), resolve_model(name)
+    return name, fetch_gguf(name), fetch(name)
+
+
+def bench_model(model: tuple[str, Path, Path], threads: int, runs: int) -> dict[str, Any]:
+    name, gguf, cellm_file = model
     samples: dict[str, list[dict[str, Any]]] = {e: [] for e in ENGINES}
     for _ in range(runs):  # alternate, so machine noise hits both engines alike
         samples["cellm"].append(_run_worker("cellm", cellm_file, threads))
@@ -189,15 +199,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--runs", type=bounded(int, 1), default=5)
     p.add_argument("--out", help="also write the table to this markdown file")
     args = p.parse_args(argv)
-    from cellm import _core
 
-    bandwidth = _core.read_bandwidth(1024, args.threads, 5)
-    results = [bench_model(n, args.threads, args.runs) for n in args.models.split(",")]
-    table = _table(results, bandwidth, args.threads, args.runs)
-    print(table)
-    if args.out:
-        write_between_markers(Path(args.out), table)
-    return 0
+    def body() -> int:
+        from cellm import _core
+
+        # Bad names and paths fail here, before any timing.
+        if args.out and not Path(args.out).parent.is_dir():
+            raise InvalidArgument(f"--out {args.out}: no such directory")
+        models = [resolve(n) for n in args.models.split(",")]
+        bandwidth = _core.read_bandwidth(1024, args.threads, 5)
+        results = [bench_model(m, args.threads, args.runs) for m in models]
+        table = _table(results, bandwidth, args.threads, args.runs)
+        print(table)
+        if args.out:
+            write_between_markers(Path(args.out), table)
+        return 0
+
+    return run(body)
 
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
