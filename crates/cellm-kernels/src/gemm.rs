@@ -8,7 +8,8 @@
 //! The panel is widened whole (rows read start to end, as the prefetcher likes) and then
 //! multiplied a column block at a time: the block's slice of the panel (16 KiB) stays in L1
 //! while the token groups' slices stream past it from L2, as in BLIS. Each stored row is read
-//! and widened once per product.
+//! and widened once per product; the next panel's rows are prefetched while this one
+//! multiplies, and the last token group multiplies only the tokens it has.
 
 use crate::dot::{kernels, panel_widener, DecodeFn, PanelFn};
 use crate::isa::Isa;
