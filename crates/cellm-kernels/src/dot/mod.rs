@@ -78,6 +78,19 @@ pub struct HeadKernels {
     pub axpy: AxpyHeadsFn,
 }
 
+/// The float formats, in the order the by-rows kernel tables (`tables.rs`) index them, and
+/// their element sizes.
+const FLOAT_FORMATS: [TensorFormat; 3] = [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16];
+const FLOAT_BYTES: [usize; 3] = [4, 2, 2];
+
+/// The position of a float format in [`FLOAT_FORMATS`].
+fn float_index(format: TensorFormat) -> usize {
+    FLOAT_FORMATS
+        .iter()
+        .position(|&f| f == format)
+        .unwrap_or_else(|| unreachable!("{format:?} is not a float format"))
+}
+
 /// The head-group kernels of a float (cache) format on an ISA path.
 pub fn head_kernels(format: TensorFormat, isa: Isa) -> HeadKernels {
     match isa {

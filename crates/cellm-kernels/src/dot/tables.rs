@@ -32,11 +32,10 @@ macro_rules! float_row_kernels {
 macro_rules! dot_tiles_by_rows {
     () => {
         pub fn dot_tiles(format: TensorFormat) -> super::DotTileFn {
-            const FORMATS: [TensorFormat; 3] =
-                [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16];
+            use super::{float_index, FLOAT_BYTES, FLOAT_FORMATS};
             fn tile<const F: usize>(rows: &[&[u8]], x: &[f32], out: &mut [f32]) {
-                let dot = kernels(FORMATS[F]).dot;
-                let n = rows.first().map_or(0, |r| r.len() / [4, 2, 2][F]);
+                let dot = kernels(FLOAT_FORMATS[F]).dot;
+                let n = rows.first().map_or(0, |r| r.len() / FLOAT_BYTES[F]);
                 let tokens = x.len() / n.max(1);
                 assert!(out.len() == rows.len() * tokens, "dot_tile: output size");
                 for (r, row) in rows.iter().enumerate() {
@@ -45,12 +44,8 @@ macro_rules! dot_tiles_by_rows {
                     }
                 }
             }
-            match format {
-                TensorFormat::F32 => tile::<0>,
-                TensorFormat::F16 => tile::<1>,
-                TensorFormat::BF16 => tile::<2>,
-                other => unreachable!("{other:?} is a block format"),
-            }
+            let tiles: [super::DotTileFn; 3] = [tile::<0>, tile::<1>, tile::<2>];
+            tiles[float_index(format)]
         }
     };
 }
@@ -60,27 +55,25 @@ macro_rules! dot_tiles_by_rows {
 macro_rules! head_kernels_by_rows {
     () => {
         pub fn head_kernels(format: TensorFormat) -> super::HeadKernels {
-            const FORMATS: [TensorFormat; 3] =
-                [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16];
+            use super::{float_index, HeadKernels as K, FLOAT_BYTES, FLOAT_FORMATS};
             fn dot_heads<const F: usize>(row: &[u8], q: &[f32], out: &mut [f32]) {
-                let (dot, n) = (kernels(FORMATS[F]).dot, row.len() / [4, 2, 2][F]);
+                let (dot, n) = (kernels(FLOAT_FORMATS[F]).dot, row.len() / FLOAT_BYTES[F]);
                 for (h, o) in out.iter_mut().enumerate() {
                     *o = dot(row, &q[h * n..(h + 1) * n]);
                 }
             }
             fn axpy_heads<const F: usize>(a: &[f32], row: &[u8], acc: &mut [f32]) {
-                let (axpy, n) = (kernels(FORMATS[F]).axpy, row.len() / [4, 2, 2][F]);
+                let (axpy, n) = (kernels(FLOAT_FORMATS[F]).axpy, row.len() / FLOAT_BYTES[F]);
                 for (h, &ah) in a.iter().enumerate() {
                     axpy(ah, row, &mut acc[h * n..(h + 1) * n]);
                 }
             }
-            use super::HeadKernels as K;
-            match format {
-                TensorFormat::F32 => K { dot: dot_heads::<0>, axpy: axpy_heads::<0> },
-                TensorFormat::F16 => K { dot: dot_heads::<1>, axpy: axpy_heads::<1> },
-                TensorFormat::BF16 => K { dot: dot_heads::<2>, axpy: axpy_heads::<2> },
-                other => unreachable!("{other:?} is not a cache format"),
-            }
+            let heads = [
+                K { dot: dot_heads::<0>, axpy: axpy_heads::<0> },
+                K { dot: dot_heads::<1>, axpy: axpy_heads::<1> },
+                K { dot: dot_heads::<2>, axpy: axpy_heads::<2> },
+            ];
+            heads[float_index(format)]
         }
     };
 }
