@@ -11,6 +11,7 @@
 //! and widened once per product; the next panel's rows are prefetched while this one
 //! multiplies, and the last token group multiplies only the tokens it has.
 
+use crate::cache::prefetch_line;
 use crate::dot::{kernels, panel_widener, DecodeFn, PanelFn};
 use crate::isa::Isa;
 use crate::matmul::WeightRows;
@@ -201,18 +202,6 @@ impl<'a> RowPrefetch<'a> {
             }
         }
     }
-}
-
-/// A hint to bring the line at `p` into cache; a no-op where there is no such instruction.
-#[inline(always)]
-fn prefetch_line(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch reads nothing the program sees and never faults.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 /// The register tile of an ISA path (attention's query tiles use it too).

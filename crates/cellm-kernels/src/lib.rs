@@ -3,6 +3,7 @@
 //! from the CPU's features; `matmul` spreads rows over the installed worker pool.
 
 pub mod acts;
+pub mod cache;
 pub mod dot;
 pub mod gating;
 pub mod gemm;

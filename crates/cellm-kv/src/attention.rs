@@ -1,6 +1,7 @@
 //! Causal attention over paged keys and values.
 
-use cellm_kernels::dot::head_kernels;
+use cellm_kernels::cache::prefetch_all;
+use cellm_kernels::dot::{head_kernels, CachedRows};
 use cellm_kernels::gating::exp_in_place;
 use cellm_kernels::isa;
 use cellm_kernels::pool::{current_threads, parallel_for, SharedOut};
@@ -119,8 +120,8 @@ impl PagePool {
 
     /// Unnormalised softmax-weighted sums of values over the pages `pages` (clipped to the
     /// query's window) for every head of one query row, a page at a time with a running
-    /// maximum per head; `part` gets each head's maximum and denominator. Each cached key and
-    /// value row is read once, and widened once for the query heads sharing its kv head.
+    /// maximum per head; `part` gets each head's maximum and denominator. A page's rows of one
+    /// kv head go through the page kernels once for all the query heads sharing it.
     fn attend_pages(
         &self,
         query: &Query,
@@ -135,27 +136,43 @@ impl PagePool {
         let head_bytes = self.config().encoding.format().nbytes(&[hd]).expect("small");
         let (rb, ps) = (self.row_bytes(), self.config().page_size);
         let (max, denom) = (&mut part.max, &mut part.denom);
-        // scores[h][slot], then the softmax weights in place.
-        let mut scores = vec![[0.0f32; MAX_PAGE]; n_heads];
-        let mut per_head = [0.0f32; MAX_HEADS];
-        for page in pages {
+        // The scale goes into the queries once instead of into every score.
+        let q: Vec<f32> = query.q.iter().map(|x| x * shape.scale).collect();
+        // scores[h * count + slot] for the page's `count` live slots, then the softmax
+        // weights in place.
+        let mut scores = [0.0f32; MAX_HEADS * MAX_PAGE];
+        for page in pages.clone() {
             let (krows, vrows) = self.page_rows(query.seq, query.layer, page);
+            // The next page comes from memory while this one multiplies, a share of each of
+            // its planes before each kernel call: the hardware prefetcher does not follow a
+            // session's pages, which lie anywhere in the pool, and one burst of requests for
+            // a whole page stalls more than it saves.
+            let next = match page + 1 < pages.end {
+                true => self.page_rows(query.seq, query.layer, page + 1),
+                false => (&[][..], &[][..]),
+            };
+            let ahead = |plane: &[u8], kv: usize| {
+                let share = plane.len() / shape.n_kv_heads;
+                prefetch_all(&plane[kv * share..(kv + 1) * share]);
+            };
             let slots = page * ps..(page * ps + ps).min(query.pos + 1);
             let slots = slots.start.max(query.first) - page * ps..slots.end - page * ps;
-            for slot in slots.clone() {
-                let krow = &krows[slot * rb..slot * rb + shape.n_kv_heads * head_bytes];
-                for (kv, k) in krow.chunks_exact(head_bytes).enumerate() {
-                    let heads = kv * group..(kv + 1) * group;
-                    let q = &query.q[heads.start * hd..heads.end * hd];
-                    (kern.dot)(k, q, &mut per_head[heads]);
-                }
-                for (h, &s) in per_head[..n_heads].iter().enumerate() {
-                    let s = s * shape.scale;
-                    scores[h][slot] = shape.softcap.map_or(s, |cap| cap * (s / cap).tanh());
-                }
+            let count = slots.len();
+            let scores = &mut scores[..n_heads * count];
+            let run = |plane, kv: usize| {
+                CachedRows { bytes: plane, stride: rb, count, dim: hd }
+                    .offset_by(slots.start * rb + kv * head_bytes)
+            };
+            for kv in 0..shape.n_kv_heads {
+                let heads = kv * group..(kv + 1) * group;
+                let scores = &mut scores[heads.start * count..heads.end * count];
+                ahead(next.0, kv);
+                (kern.dot)(run(krows, kv), &q[heads.start * hd..heads.end * hd], scores);
             }
-            for h in 0..n_heads {
-                let weights = &mut scores[h][slots.clone()];
+            if let Some(cap) = shape.softcap {
+                scores.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
+            }
+            for (h, weights) in scores.chunks_exact_mut(count).enumerate() {
                 let page_max = weights.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
                 if page_max > max[h] {
                     let rescale = (max[h] - page_max).exp();
@@ -167,14 +184,11 @@ impl PagePool {
                 exp_in_place(weights);
                 denom[h] += weights.iter().sum::<f32>();
             }
-            for slot in slots {
-                scores.iter().zip(&mut per_head).for_each(|(s, w)| *w = s[slot]);
-                let vrow = &vrows[slot * rb..slot * rb + shape.n_kv_heads * head_bytes];
-                for (kv, v) in vrow.chunks_exact(head_bytes).enumerate() {
-                    let heads = kv * group..(kv + 1) * group;
-                    let o = &mut out[heads.start * hd..heads.end * hd];
-                    (kern.axpy)(&per_head[heads], v, o);
-                }
+            for kv in 0..shape.n_kv_heads {
+                let heads = kv * group..(kv + 1) * group;
+                let weights = &scores[heads.start * count..heads.end * count];
+                ahead(next.1, kv);
+                (kern.axpy)(weights, run(vrows, kv), &mut out[heads.start * hd..heads.end * hd]);
             }
         }
     }

@@ -4,7 +4,7 @@ use std::arch::x86_64::*;
 
 use cellm_format::TensorFormat;
 
-use super::{cast, HeadKernels};
+use super::{cast, head_passes, CachedRows, HeadKernels};
 
 float_row_kernels!(assert!(
     crate::Isa::Avx2.supported(),
@@ -331,84 +331,190 @@ fn axpy_bf16(a: f32, row: &[u8], acc: &mut [f32]) {
     unsafe { axpy::<Bf16>(a, cast(row), acc) }
 }
 
-/// `out[h] = dot(w, q[h])` for `M` query heads at `q` (stride `w.len()`): each 8 stored
-/// elements are widened once for all heads. Two accumulators per head keep 2M multiply-adds
-/// in flight, more than one chain per head's FMA latency would allow.
+// Attention's page kernels. A pass takes up to three query heads of a kv head group: with
+// four rows at a time the dot products keep 12 accumulators, three queries and a widened row
+// in the 16 registers, and the weighted sums 12 output vectors, three weights and a row.
+
+/// Four rows' dot products with `H` queries, as `[__m128; H]` (lane s: row s). Each 8 stored
+/// elements are widened once for every head; the sums are reduced four rows at a time.
 #[inline(always)]
-unsafe fn dot_heads_m<L: Lanes, const M: usize>(w: &[L::Elem], q: *const f32, out: &mut [f32]) {
-    let n = w.len();
-    let mut acc = [[_mm256_setzero_ps(); M]; 2];
-    let (pairs, full) = (n / 16 * 16, n / 8 * 8);
-    for i in (0..pairs).step_by(16) {
-        let kv = [L::load8(w.as_ptr().add(i)), L::load8(w.as_ptr().add(i + 8))];
-        for (j, acc) in acc.iter_mut().enumerate() {
-            for (h, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(h * n + i + 8 * j)), kv[j], *a);
+unsafe fn dot_four<L: Lanes, const H: usize>(
+    rows: [*const L::Elem; 4],
+    n: usize,
+    q: *const f32,
+) -> [__m128; H] {
+    // No closures here: they would not inherit this path's target features, and every
+    // intrinsic in them would become a call.
+    let mut acc = [[_mm256_setzero_ps(); 4]; H];
+    let mut qv = [_mm256_setzero_ps(); H];
+    let full = n / 8 * 8;
+    for i in (0..full).step_by(8) {
+        for (h, qv) in qv.iter_mut().enumerate() {
+            *qv = _mm256_loadu_ps(q.add(h * n + i));
+        }
+        for (s, row) in rows.iter().enumerate() {
+            let k = L::load8(row.add(i));
+            for h in 0..H {
+                acc[h][s] = _mm256_fmadd_ps(qv[h], k, acc[h][s]);
             }
         }
     }
-    if full > pairs {
-        let kv = L::load8(w.as_ptr().add(pairs));
-        for (h, a) in acc[0].iter_mut().enumerate() {
-            *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(h * n + pairs)), kv, *a);
+    let mut sums = [_mm_setzero_ps(); H];
+    for (sum, acc) in sums.iter_mut().zip(acc) {
+        *sum = hsum4(acc);
+    }
+    if full < n {
+        for (h, sum) in sums.iter_mut().enumerate() {
+            let mut tails = [0.0f32; 4];
+            for (s, tail) in tails.iter_mut().enumerate() {
+                for k in full..n {
+                    *tail += widen(*rows[s].add(k)) * *q.add(h * n + k);
+                }
+            }
+            *sum = _mm_add_ps(*sum, _mm_loadu_ps(tails.as_ptr()));
         }
     }
-    for h in 0..M {
-        let tail: f32 = (full..n).map(|k| widen(w[k]) * *q.add(h * n + k)).sum();
-        out[h] = hsum(_mm256_add_ps(acc[0][h], acc[1][h])) + tail;
+    sums
+}
+
+/// The horizontal sums of four vectors, in order.
+#[inline(always)]
+unsafe fn hsum4(v: [__m256; 4]) -> __m128 {
+    let pairs = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps::<1>(pairs))
+}
+
+/// Scores of one pass of `H` heads against every row, four rows at a time (a last partial
+/// four repeats its last row and keeps only the real sums).
+#[inline(always)]
+unsafe fn dot_pass<L: Lanes, const H: usize>(rows: CachedRows, q: *const f32, scores: *mut f32) {
+    let (base, count) = (rows.bytes.as_ptr(), rows.count);
+    for s0 in (0..count).step_by(4) {
+        let mut four = [base.cast::<L::Elem>(); 4];
+        for (s, row) in four.iter_mut().enumerate() {
+            *row = base.add((s0 + s).min(count - 1) * rows.stride).cast();
+        }
+        let sums = dot_four::<L, H>(four, rows.dim, q);
+        let real = (count - s0).min(4);
+        for (h, sum) in sums.iter().enumerate() {
+            let to = scores.add(h * count + s0);
+            if real == 4 {
+                _mm_storeu_ps(to, *sum);
+            } else {
+                let mut lanes = [0.0f32; 4];
+                _mm_storeu_ps(lanes.as_mut_ptr(), *sum);
+                for (i, &lane) in lanes[..real].iter().enumerate() {
+                    *to.add(i) = lane;
+                }
+            }
+        }
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_heads<L: Lanes>(w: &[L::Elem], q: &[f32], out: &mut [f32]) {
-    let n = w.len();
-    assert!(q.len() >= out.len() * n, "dot_heads: queries too short");
-    for (h0, o) in (0..out.len()).step_by(4).zip(out.chunks_mut(4)) {
-        let qp = q.as_ptr().add(h0 * n);
-        match o.len() {
-            1 => dot_heads_m::<L, 1>(w, qp, o),
-            2 => dot_heads_m::<L, 2>(w, qp, o),
-            3 => dot_heads_m::<L, 3>(w, qp, o),
-            _ => dot_heads_m::<L, 4>(w, qp, o),
+unsafe fn dot_heads<L: Lanes>(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
+    let elem = size_of::<L::Elem>();
+    let heads = rows.heads(elem, (q.len(), rows.dim), (scores.len(), rows.count));
+    for pass in head_passes(heads, 3) {
+        let (qp, sp) = (q.as_ptr().add(pass.start * rows.dim), scores.as_mut_ptr());
+        let sp = sp.add(pass.start * rows.count);
+        match pass.len() {
+            1 => dot_pass::<L, 1>(rows, qp, sp),
+            2 => dot_pass::<L, 2>(rows, qp, sp),
+            _ => dot_pass::<L, 3>(rows, qp, sp),
         }
     }
 }
 
-/// `acc[h] += a[h] * w` for every head `h` (rows of `acc` are `w.len()` long).
+/// `acc[h][cols] += sum over s of w[h][s] * row s[cols]` for `H` heads and the `C` vectors of
+/// columns from `col`: the outputs stay in registers while every row streams past.
+#[inline(always)]
+unsafe fn axpy_cols<L: Lanes, const H: usize, const C: usize>(
+    w: *const f32,
+    rows: CachedRows,
+    col: usize,
+    acc: *mut f32,
+) {
+    let (n, count) = (rows.dim, rows.count);
+    let mut o = [[_mm256_setzero_ps(); C]; H];
+    for (h, o) in o.iter_mut().enumerate() {
+        for (c, o) in o.iter_mut().enumerate() {
+            *o = _mm256_loadu_ps(acc.add(h * n + col + 8 * c));
+        }
+    }
+    for s in 0..count {
+        let row = rows.bytes.as_ptr().add(s * rows.stride).cast::<L::Elem>().add(col);
+        let mut ws = [_mm256_setzero_ps(); H];
+        for (h, ws) in ws.iter_mut().enumerate() {
+            *ws = _mm256_broadcast_ss(&*w.add(h * count + s));
+        }
+        for c in 0..C {
+            let v = L::load8(row.add(8 * c));
+            for (o, w) in o.iter_mut().zip(ws) {
+                o[c] = _mm256_fmadd_ps(w, v, o[c]);
+            }
+        }
+    }
+    for (h, o) in o.iter().enumerate() {
+        for (c, o) in o.iter().enumerate() {
+            _mm256_storeu_ps(acc.add(h * n + col + 8 * c), *o);
+        }
+    }
+}
+
+/// One pass of `H` heads over every column: 32 at a time, then 8, then one by one.
+#[inline(always)]
+unsafe fn axpy_pass<L: Lanes, const H: usize>(w: *const f32, rows: CachedRows, acc: *mut f32) {
+    let (n, count) = (rows.dim, rows.count);
+    let mut col = 0;
+    while col + 32 <= n {
+        axpy_cols::<L, H, 4>(w, rows, col, acc);
+        col += 32;
+    }
+    while col + 8 <= n {
+        axpy_cols::<L, H, 1>(w, rows, col, acc);
+        col += 8;
+    }
+    for s in 0..count {
+        let row = rows.bytes.as_ptr().add(s * rows.stride).cast::<L::Elem>();
+        for h in 0..H {
+            for k in col..n {
+                *acc.add(h * n + k) += *w.add(h * count + s) * widen(*row.add(k));
+            }
+        }
+    }
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn axpy_heads<L: Lanes>(a: &[f32], w: &[L::Elem], acc: &mut [f32]) {
-    let n = w.len();
-    assert!(acc.len() >= a.len() * n, "axpy_heads: accumulators too short");
-    let full = n / 8 * 8;
-    for i in (0..full).step_by(8) {
-        let kv = L::load8(w.as_ptr().add(i));
-        for (h, &ah) in a.iter().enumerate() {
-            let p = acc.as_mut_ptr().add(h * n + i);
-            _mm256_storeu_ps(p, _mm256_fmadd_ps(_mm256_set1_ps(ah), kv, _mm256_loadu_ps(p)));
-        }
-    }
-    for (h, &ah) in a.iter().enumerate() {
-        for k in full..n {
-            acc[h * n + k] += ah * widen(w[k]);
+unsafe fn axpy_heads<L: Lanes>(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
+    let elem = size_of::<L::Elem>();
+    let heads = rows.heads(elem, (acc.len(), rows.dim), (weights.len(), rows.count));
+    for pass in head_passes(heads, 3) {
+        let wp = weights.as_ptr().add(pass.start * rows.count);
+        let ap = acc.as_mut_ptr().add(pass.start * rows.dim);
+        match pass.len() {
+            1 => axpy_pass::<L, 1>(wp, rows, ap),
+            2 => axpy_pass::<L, 2>(wp, rows, ap),
+            _ => axpy_pass::<L, 3>(wp, rows, ap),
         }
     }
 }
 
-fn dot_heads_f32(row: &[u8], q: &[f32], out: &mut [f32]) {
-    unsafe { dot_heads::<F32>(cast(row), q, out) }
+fn dot_heads_f32(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
+    unsafe { dot_heads::<F32>(rows, q, scores) }
 }
-fn dot_heads_f16(row: &[u8], q: &[f32], out: &mut [f32]) {
-    unsafe { dot_heads::<F16>(cast(row), q, out) }
+fn dot_heads_f16(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
+    unsafe { dot_heads::<F16>(rows, q, scores) }
 }
-fn dot_heads_bf16(row: &[u8], q: &[f32], out: &mut [f32]) {
-    unsafe { dot_heads::<Bf16>(cast(row), q, out) }
+fn dot_heads_bf16(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
+    unsafe { dot_heads::<Bf16>(rows, q, scores) }
 }
-fn axpy_heads_f32(a: &[f32], row: &[u8], acc: &mut [f32]) {
-    unsafe { axpy_heads::<F32>(a, cast(row), acc) }
+fn axpy_heads_f32(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
+    unsafe { axpy_heads::<F32>(weights, rows, acc) }
 }
-fn axpy_heads_f16(a: &[f32], row: &[u8], acc: &mut [f32]) {
-    unsafe { axpy_heads::<F16>(a, cast(row), acc) }
+fn axpy_heads_f16(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
+    unsafe { axpy_heads::<F16>(weights, rows, acc) }
 }
-fn axpy_heads_bf16(a: &[f32], row: &[u8], acc: &mut [f32]) {
-    unsafe { axpy_heads::<Bf16>(a, cast(row), acc) }
+fn axpy_heads_bf16(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
+    unsafe { axpy_heads::<Bf16>(weights, rows, acc) }
 }

@@ -50,11 +50,55 @@ pub type DotTileFn = fn(&[&[u8]], &[f32], &mut [f32]);
 pub const TILE_ROWS: usize = 4;
 pub const TILE_TOKENS: usize = 3;
 
-/// `out[h] = dot(row, q[h])` for the query heads that share one stored key row (`q` holds
-/// `out.len()` rows as long as the stored row).
-pub type DotHeadsFn = fn(&[u8], &[f32], &mut [f32]);
-/// `acc[h] += a[h] * row` for the heads that share one stored value row.
-pub type AxpyHeadsFn = fn(&[f32], &[u8], &mut [f32]);
+/// A run of cached rows of one kv head: `count` rows of `dim` stored elements, `stride` bytes
+/// apart, the first at the start of `bytes` (a page plane holds every kv head of a position
+/// side by side, so one head's rows are strided).
+#[derive(Clone, Copy)]
+pub struct CachedRows<'a> {
+    pub bytes: &'a [u8],
+    pub stride: usize,
+    pub count: usize,
+    pub dim: usize,
+}
+
+impl<'a> CachedRows<'a> {
+    /// The same rows in a plane that starts `offset` bytes later.
+    pub fn offset_by(self, offset: usize) -> Self {
+        Self { bytes: &self.bytes[offset..], ..self }
+    }
+
+    /// Row `s`, for elements of `elem` bytes.
+    pub fn row(&self, s: usize, elem: usize) -> &'a [u8] {
+        &self.bytes[s * self.stride..][..self.dim * elem]
+    }
+
+    /// The number of heads in `per_head` (heads x `per` values each: `dim` for queries and
+    /// accumulators, `count` for scores and weights), after checking that every row lies
+    /// inside `bytes` and that `other` holds `other_per` values for as many heads. The SIMD
+    /// kernels read through raw pointers after this check.
+    fn heads(&self, elem: usize, per_head: (usize, usize), other: (usize, usize)) -> usize {
+        let end = self.count.checked_sub(1).map_or(0, |last| last * self.stride + self.dim * elem);
+        assert!(self.bytes.len() >= end, "cached rows end at {end}, past the plane");
+        assert!(self.dim > 0 && self.count > 0, "cached rows: empty run");
+        let heads = per_head.0 / per_head.1;
+        assert!(per_head.0 == heads * per_head.1 && other.0 == heads * other.1, "head shapes");
+        heads
+    }
+}
+
+/// `scores[h * rows.count + s] = dot(q[h], row s)` for the query heads that share the rows'
+/// kv head (`q` holds those heads, `rows.dim` apart; `scores` is heads x rows).
+pub type DotHeadsFn = fn(CachedRows, &[f32], &mut [f32]);
+/// `acc[h] += sum over s of weights[h * rows.count + s] * row s`, for the heads that share
+/// the rows' kv head (`acc` holds those heads, `rows.dim` apart).
+pub type AxpyHeadsFn = fn(&[f32], CachedRows, &mut [f32]);
+
+/// How many heads of a group a page kernel takes in one pass, and the passes' sizes: the
+/// group split as evenly as it goes into passes of at most `most` (7 in threes: 3, 2, 2).
+pub fn head_passes(heads: usize, most: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let passes = heads.div_ceil(most);
+    (0..passes).map(move |p| p * heads / passes..(p + 1) * heads / passes)
+}
 
 /// Widens columns `0..cols` (a multiple of 8) of up to 16 stored float rows into `panel`,
 /// column-major with 16 rows per column; rows past `rows.len()` are zeros (`gemm`'s panels).
@@ -272,32 +316,44 @@ mod tests {
             .collect()
     }
 
-    /// The head-group kernels equal one row kernel call per head, on every path, for head
-    /// dims with and without a tail and groups of 1 to 7 heads.
+    /// The page kernels equal one scalar row kernel call per (head, row) on every path, for
+    /// head dims with and without a tail, groups of 1 to 7 heads (one to three passes) and
+    /// runs of rows that do and do not fill the last four, strided as in a page plane.
     #[test]
-    fn head_kernels_match_per_head_calls() {
+    fn head_kernels_match_per_row_calls() {
         for isa in Isa::available() {
             for format in [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16] {
                 let (rows, heads) = (kernels(format, Isa::Scalar), head_kernels(format, isa));
-                for (n, group) in [(64, 1), (64, 3), (60, 7), (256, 4), (12, 5)] {
-                    let bytes = encode(format, &pseudo_random(n, n as u32));
-                    let words = aligned(&bytes);
-                    let row = as_bytes(&words, bytes.len());
+                let elem = format.nbytes(&[1]).unwrap();
+                for (n, group, count) in
+                    [(64, 1, 16), (64, 3, 7), (60, 7, 5), (256, 4, 1), (12, 5, 9)]
+                {
+                    // Each row sits in a stride of three rows (kv heads side by side), the
+                    // run starting at the second.
+                    let stride = 3 * n * elem;
+                    let plane = encode(format, &pseudo_random(3 * n * count, n as u32));
+                    let words = aligned(&plane);
+                    let plane = as_bytes(&words, plane.len());
+                    let run = CachedRows { bytes: &plane[n * elem..], stride, count, dim: n };
+                    let row = |s: usize| &plane[s * stride + n * elem..][..n * elem];
                     let q = pseudo_random(n * group, 9);
-                    let mut got = vec![0.0; group];
-                    (heads.dot)(row, &q, &mut got);
-                    for (h, g) in got.iter().enumerate() {
-                        let want = (rows.dot)(row, &q[h * n..(h + 1) * n]);
+                    let mut got = vec![0.0; group * count];
+                    (heads.dot)(run, &q, &mut got);
+                    for (i, g) in got.iter().enumerate() {
+                        let (h, s) = (i / count, i % count);
+                        let want = (rows.dot)(row(s), &q[h * n..(h + 1) * n]);
                         assert!((g - want).abs() <= 1e-5 * n as f32, "{isa:?} {format:?} dot");
                     }
-                    let a: Vec<f32> = (0..group).map(|h| 0.3 - 0.1 * h as f32).collect();
+                    let w: Vec<f32> = (0..group * count).map(|i| 0.3 - 0.07 * i as f32).collect();
                     let (mut got, mut want) = (q.clone(), q.clone());
-                    (heads.axpy)(&a, row, &mut got);
-                    for (h, &ah) in a.iter().enumerate() {
-                        (rows.axpy)(ah, row, &mut want[h * n..(h + 1) * n]);
+                    (heads.axpy)(&w, run, &mut got);
+                    for (i, &wi) in w.iter().enumerate() {
+                        let (h, s) = (i / count, i % count);
+                        (rows.axpy)(wi, row(s), &mut want[h * n..(h + 1) * n]);
                     }
                     for (g, w) in got.iter().zip(&want) {
-                        assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{isa:?} axpy");
+                        let tol = 1e-5 * w.abs().max(1.0) * count as f32;
+                        assert!((g - w).abs() <= tol, "{isa:?} {format:?} axpy: {g} vs {w}");
                     }
                 }
             }

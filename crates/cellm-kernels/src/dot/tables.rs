@@ -50,22 +50,30 @@ macro_rules! dot_tiles_by_rows {
     };
 }
 
-/// `pub fn head_kernels` as one row kernel call per head, for a module with
+/// `pub fn head_kernels` as one row kernel call per (head, row), for a module with
 /// `kernels(format)`: the scalar reference, and NEON.
 macro_rules! head_kernels_by_rows {
     () => {
         pub fn head_kernels(format: TensorFormat) -> super::HeadKernels {
-            use super::{float_index, HeadKernels as K, FLOAT_BYTES, FLOAT_FORMATS};
-            fn dot_heads<const F: usize>(row: &[u8], q: &[f32], out: &mut [f32]) {
-                let (dot, n) = (kernels(FLOAT_FORMATS[F]).dot, row.len() / FLOAT_BYTES[F]);
-                for (h, o) in out.iter_mut().enumerate() {
-                    *o = dot(row, &q[h * n..(h + 1) * n]);
+            use super::{float_index, CachedRows, HeadKernels as K, FLOAT_BYTES, FLOAT_FORMATS};
+            fn dot_heads<const F: usize>(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
+                let (dot, n, count) = (kernels(FLOAT_FORMATS[F]).dot, rows.dim, rows.count);
+                let heads = rows.heads(FLOAT_BYTES[F], (q.len(), n), (scores.len(), count));
+                for s in 0..count {
+                    let row = rows.row(s, FLOAT_BYTES[F]);
+                    for h in 0..heads {
+                        scores[h * count + s] = dot(row, &q[h * n..(h + 1) * n]);
+                    }
                 }
             }
-            fn axpy_heads<const F: usize>(a: &[f32], row: &[u8], acc: &mut [f32]) {
-                let (axpy, n) = (kernels(FLOAT_FORMATS[F]).axpy, row.len() / FLOAT_BYTES[F]);
-                for (h, &ah) in a.iter().enumerate() {
-                    axpy(ah, row, &mut acc[h * n..(h + 1) * n]);
+            fn axpy_heads<const F: usize>(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
+                let (axpy, n, count) = (kernels(FLOAT_FORMATS[F]).axpy, rows.dim, rows.count);
+                let heads = rows.heads(FLOAT_BYTES[F], (acc.len(), n), (weights.len(), count));
+                for s in 0..count {
+                    let row = rows.row(s, FLOAT_BYTES[F]);
+                    for h in 0..heads {
+                        axpy(weights[h * count + s], row, &mut acc[h * n..(h + 1) * n]);
+                    }
                 }
             }
             let heads = [
