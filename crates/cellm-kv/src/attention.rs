@@ -81,14 +81,18 @@ impl PagePool {
         row_of.sort_unstable();
         let pages = &*self;
         let ps = self.config().page_size;
-        assert!(shape.n_heads <= MAX_HEADS && ps <= MAX_PAGE, "attention: too many heads");
+        assert!(
+            shape.n_heads <= MAX_HEADS && ps <= MAX_PAGE,
+            "attention: {} heads or pages of {ps} are more than a task holds ({MAX_HEADS}, {MAX_PAGE})",
+            shape.n_heads
+        );
         // Tasks are (token, chunk of pages) over all heads: cached rows hold every kv head side
         // by side, so a chunk's pages stream from memory once, in order. A lone decode token
         // still splits its context over every thread (each chunk keeps its own softmax
         // maximum; chunks merge below).
         let rows = row_of.len();
         let longest = row_of.iter().map(|&(_, _, pos)| pos / ps + 1).max().unwrap_or(1);
-        let chunks = (4 * current_threads()).div_ceil(rows).clamp(1, longest);
+        let chunks = (2 * current_threads()).div_ceil(rows).clamp(1, longest);
         let width = shape.n_heads * hd;
         let mut partial = vec![Partial::default(); rows * chunks];
         let mut acc = vec![0.0f32; rows * chunks * width];
@@ -143,6 +147,12 @@ impl PagePool {
         let mut scores = [0.0f32; MAX_HEADS * MAX_PAGE];
         for page in pages.clone() {
             let (krows, vrows) = self.page_rows(query.seq, query.layer, page);
+            // A chunk's first page was not requested ahead: ask for all of it at once rather
+            // than meet its misses one kv head's strided rows at a time.
+            if page == pages.start {
+                prefetch_all(krows);
+                prefetch_all(vrows);
+            }
             // The next page comes from memory while this one multiplies, a share of each of
             // its planes before each kernel call: the hardware prefetcher does not follow a
             // session's pages, which lie anywhere in the pool, and one burst of requests for
