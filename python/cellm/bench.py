@@ -3,9 +3,9 @@ thread count, alternating runs, each in a fresh process (so peak RSS is per engi
 
 Per run and engine, after an untimed warm-up: prefill tok/s for 128 and 512 tokens, decode
 tok/s for 64 tokens after a 128-token prompt and 128 tokens after 512; medians over the runs,
-and ratios as the median of the runs' ratios. The roofline is this
-machine's measured read bandwidth divided by the bytes a decode step must read (weights plus
-the KV cache at that context).
+and ratios as the median of the runs' ratios. The roofline is this machine's read bandwidth,
+probed in every run next to its two workers, divided by the bytes a decode step must read
+(weights plus the KV cache at that context).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from cellm.cli import Parser, bounded, run
 from cellm.errors import CellmError, InvalidArgument
@@ -26,6 +26,8 @@ ENGINES = ("cellm", "llama.cpp")
 SCENARIOS = ((128, 64), (512, 128))  # (prompt tokens, decoded tokens)
 WARMUP_TOKENS = 32
 KEYS = ("prefill_128", "prefill_512", "decode_64@128", "decode_128@512")
+# The bandwidth probe of each run: larger than any cache, a second or two.
+PROBE_MIB, PROBE_PASSES = 1024, 3
 
 
 def _text_ids(n: int) -> list[int]:
@@ -139,47 +141,67 @@ def resolve(name: str) -> tuple[str, Path, Path]:
     return name, fetch_gguf(name), fetch(name)
 
 
-def bench_model(model: tuple[str, Path, Path], threads: int, runs: int) -> dict[str, Any]:
+def bench_model(
+    model: tuple[str, Path, Path], threads: int, runs: int, probe: Callable[[], float]
+) -> dict[str, Any]:
+    """`runs` alternating runs of both engines on one model; `probe()` measures the read
+    bandwidth (GB/s) before each run's workers."""
     name, gguf, cellm_file = model
     samples: dict[str, list[dict[str, Any]]] = {e: [] for e in ENGINES}
+    bandwidths = []
     for _ in range(runs):  # alternate, so machine noise hits both engines alike
+        bandwidths.append(probe())
         samples["cellm"].append(_run_worker("cellm", cellm_file, threads))
         samples["llama.cpp"].append(_run_worker("llama.cpp", gguf, threads))
-    return {
-        "name": name,
-        **summarize(samples),
-        "bytes": {c: decode_bytes(cellm_file, c) for c in (128, 512)},
-    }
+    return {"name": name, **summarize(samples, bandwidths, decode_bytes(cellm_file, 128))}
 
 
-def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def summarize(
+    samples: dict[str, list[dict[str, Any]]], bandwidths: list[float], step_bytes: int
+) -> dict[str, Any]:
     """Per engine the median of each measure; per measure the median of the runs' ratios
     cellm / llama.cpp. Each run's two workers ran back to back, so a ratio within a run sees
     one state of the machine; drift between runs, which moves both engines, cancels in it
-    where a ratio of the two medians would keep it."""
+    where a ratio of the two medians would keep it. The roof share is per run too, against
+    the bandwidth probed in that run (`bandwidths`, GB/s; `step_bytes` read per decode step
+    at 128 tokens)."""
     med = {e: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for e, rs in samples.items()}
     pairs = list(zip(samples["cellm"], samples["llama.cpp"]))
     ratio = {k: statistics.median(c[k] / p[k] for c, p in pairs) for k in KEYS}
-    return {"median": med, "ratio": ratio}
+    roofs = [bw * 1e9 / step_bytes for bw in bandwidths]
+    return {
+        "median": med,
+        "ratio": ratio,
+        "bandwidth": statistics.median(bandwidths),
+        "roof": statistics.median(roofs),
+        "share": {
+            e: statistics.median(r["decode_64@128"] / roof for r, roof in zip(rs, roofs))
+            for e, rs in samples.items()
+        },
+    }
 
 
-def _table(results: list[dict[str, Any]], bandwidth: float, threads: int, runs: int) -> str:
+def _table(results: list[dict[str, Any]], threads: int, runs: int) -> str:
     lines = [
-        f"Read bandwidth ({threads} threads, best of 5 passes over 1 GiB): {bandwidth:.1f} GB/s. "
         f"{runs} alternating runs, {threads} threads, each after an untimed warm-up; tok/s as "
-        "cellm / llama.cpp, medians (median of the runs' ratios).",
+        "cellm / llama.cpp, medians (median of the runs' ratios). Read bandwidth probed in "
+        f"each run ({threads} threads, best of {PROBE_PASSES} passes over {PROBE_MIB} MiB); "
+        "the roof share is the median of the runs' own shares.",
         "",
-        "| model | " + " | ".join(KEYS) + " | decode roof @128 (cellm share) | peak RSS MiB |",
-        "|---|" + "---:|" * (len(KEYS) + 2),
+        "| model | "
+        + " | ".join(KEYS)
+        + " | read GB/s | decode roof @128 (share: cellm / llama.cpp) | peak RSS MiB |",
+        "|---|" + "---:|" * (len(KEYS) + 3),
     ]
     for r in results:
         c, p = r["median"]["cellm"], r["median"]["llama.cpp"]
         cells = [f"{c[k]:.1f} / {p[k]:.1f} ({r['ratio'][k]:.2f}x)" for k in KEYS]
-        roof = bandwidth * 1e9 / r["bytes"][128]
-        share = c["decode_64@128"] / roof
+        share = f"{r['share']['cellm']:.0%} / {r['share']['llama.cpp']:.0%}"
         rss = f"{c['peak_rss_mib']:.0f} / {p['peak_rss_mib']:.0f}"
         lines.append(
-            f"| {r['name']} | " + " | ".join(cells) + f" | {roof:.0f} ({share:.0%}) | {rss} |"
+            f"| {r['name']} | "
+            + " | ".join(cells)
+            + f" | {r['bandwidth']:.1f} | {r['roof']:.0f} ({share}) | {rss} |"
         )
     return "\n".join(lines)
 
@@ -207,9 +229,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.out and not Path(args.out).parent.is_dir():
             raise InvalidArgument(f"--out {args.out}: no such directory")
         models = [resolve(n) for n in args.models.split(",")]
-        bandwidth = _core.read_bandwidth(1024, args.threads, 5)
-        results = [bench_model(m, args.threads, args.runs) for m in models]
-        table = _table(results, bandwidth, args.threads, args.runs)
+
+        def probe() -> float:
+            return _core.read_bandwidth(PROBE_MIB, args.threads, PROBE_PASSES)
+
+        results = [bench_model(m, args.threads, args.runs, probe) for m in models]
+        table = _table(results, args.threads, args.runs)
         print(table)
         if args.out:
             write_between_markers(Path(args.out), table)
