@@ -124,7 +124,7 @@ unsafe fn q8_0<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; 
             acc[t] = _mm256_fmadd_ps(_mm256_broadcastss_ps(scale), p, acc[t]);
         }
     }
-    acc.map(|a| hsum(a))
+    hsums(acc, 1.0)
 }
 
 /// cellm int8 per row: q8_0's block product without per-block weight scales, times the f32
@@ -145,7 +145,7 @@ unsafe fn i8_row<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32
             acc[t] = _mm256_fmadd_ps(dx, p, acc[t]);
         }
     }
-    acc.map(|a| scale * hsum(a))
+    hsums(acc, scale)
 }
 
 /// cellm int4 groups of `GROUP` (symmetric: `c = -8d`; affine: `c = m`).
@@ -350,7 +350,7 @@ unsafe fn q6_k<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; 
             acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sumi[t]), acc[t]);
         }
     }
-    acc.map(|a| hsum(a))
+    hsums(acc, 1.0)
 }
 
 /// Per kernel, a module with the kernel compiled once per path (each with its path's target
@@ -416,3 +416,14 @@ pub fn qdot(format: TensorFormat, isa: Isa) -> Option<(QDotFn, QDot4Fn)> {
 }
 
 with_integer_kernels!(safe_entry);
+
+/// `scale` times each accumulator's horizontal sum. A loop, not `array::map`: the closure
+/// would not inherit the caller's target features, and its intrinsics became calls.
+#[inline(always)]
+unsafe fn hsums<const N: usize>(acc: [__m256; N], scale: f32) -> [f32; N] {
+    let mut out = [0.0f32; N];
+    for (o, a) in out.iter_mut().zip(acc) {
+        *o = scale * hsum(a);
+    }
+    out
+}
