@@ -72,10 +72,10 @@ impl<'a> CachedRows<'a> {
         &self.bytes[s * self.stride..][..self.dim * elem]
     }
 
-    /// The number of heads in `per_head` (heads x `per` values each: `dim` for queries and
-    /// accumulators, `count` for scores and weights), after checking that every row lies
-    /// inside `bytes` and that `other` holds `other_per` values for as many heads. The SIMD
-    /// kernels read through raw pointers after this check.
+    /// The number of heads in `per_head = (len, per)`: `len` values, `per` for each head
+    /// (`dim` for queries and accumulators, `count` for scores and weights). Checks that
+    /// every row lies inside `bytes` and that `other = (len, per)` holds as many heads. The
+    /// SIMD kernels read through raw pointers after this check.
     fn heads(&self, elem: usize, per_head: (usize, usize), other: (usize, usize)) -> usize {
         let end = self.count.checked_sub(1).map_or(0, |last| last * self.stride + self.dim * elem);
         assert!(self.bytes.len() >= end, "cached rows end at {end}, past the plane");
