@@ -97,9 +97,15 @@ impl PagePool {
         let mut partial = vec![Partial::default(); rows * chunks];
         let mut acc = vec![0.0f32; rows * chunks * width];
         let (parts, accs) = (SharedOut(partial.as_mut_ptr()), SharedOut(acc.as_mut_ptr()));
+        // Each row's queries times the scale, once for all its chunks instead of in every
+        // score.
+        let scaled: Vec<f32> = row_of
+            .iter()
+            .flat_map(|&(r, _, _)| q[r * width..(r + 1) * width].iter().map(|x| x * shape.scale))
+            .collect();
         parallel_for(rows * chunks, |task| {
             let (row, chunk) = (task / chunks, task % chunks);
-            let (r, si, pos) = row_of[row];
+            let (_, si, pos) = row_of[row];
             let first = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             let (lo, hi) = (first / ps, pos / ps + 1);
             let per = (hi - lo).div_ceil(chunks);
@@ -108,7 +114,7 @@ impl PagePool {
             let (part, o) = unsafe {
                 (&mut *parts.at(task), std::slice::from_raw_parts_mut(accs.at(task * width), width))
             };
-            let q = &q[r * width..(r + 1) * width];
+            let q = &scaled[row * width..(row + 1) * width];
             let query = Query { seq: spans[si].kv, layer, q, first, pos };
             pages.attend_pages(&query, pages_of_chunk, shape, part, o);
         });
@@ -140,11 +146,9 @@ impl PagePool {
         let head_bytes = self.config().encoding.format().nbytes(&[hd]).expect("small");
         let (rb, ps) = (self.row_bytes(), self.config().page_size);
         let (max, denom) = (&mut part.max, &mut part.denom);
-        // The scale goes into the queries once instead of into every score.
-        let q: Vec<f32> = query.q.iter().map(|x| x * shape.scale).collect();
         // scores[h * count + slot] for the page's `count` live slots, then the softmax
         // weights in place.
-        let mut scores = [0.0f32; MAX_HEADS * MAX_PAGE];
+        let mut scores = vec![0.0f32; n_heads * ps];
         for page in pages.clone() {
             let (krows, vrows) = self.page_rows(query.seq, query.layer, page);
             // A chunk's first page was not requested ahead: ask for all of it at once rather
@@ -177,7 +181,7 @@ impl PagePool {
                 let heads = kv * group..(kv + 1) * group;
                 let scores = &mut scores[heads.start * count..heads.end * count];
                 ahead(next.0, kv);
-                (kern.dot)(run(krows, kv), &q[heads.start * hd..heads.end * hd], scores);
+                (kern.dot)(run(krows, kv), &query.q[heads.start * hd..heads.end * hd], scores);
             }
             if let Some(cap) = shape.softcap {
                 scores.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
@@ -212,6 +216,7 @@ const MAX_HEADS: usize = 64;
 struct Query<'a> {
     seq: &'a SeqKv,
     layer: usize,
+    /// Its queries, already times the scale.
     q: &'a [f32],
     first: usize,
     pos: usize,
