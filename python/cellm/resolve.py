@@ -8,27 +8,18 @@ import json
 import os
 from pathlib import Path
 
+from cellm.cache import CONVERTER_VERSION, cache_dir
 from cellm.errors import FormatError
-
-CACHE_ENV = "CELLM_CACHE_DIR"
-# Bump when the converter's output changes, so stale cached conversions are not reused.
-CONVERTER_VERSION = 3
+from cellm.fetch import fetch, registry_names
 
 
-def cache_dir() -> Path:
-    """Where converted and fetched models live: $CELLM_CACHE_DIR or ~/.cache/cellm."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "cellm")
-
-
-def resolve_model(path: str | os.PathLike, dtype: str = "f16") -> Path:
+def resolve_model(path: str | os.PathLike[str], dtype: str = "f16") -> Path:
     """A .cellm file for `path`: the file itself, a cached conversion of a HF directory or a
     GGUF file, or a registry model (`cellm.fetch`) fetched and converted on first use."""
     p = Path(path).expanduser()
     if not p.exists():
         name = str(path)
         if os.sep not in name and "/" not in name:
-            from cellm.fetch import fetch, registry_names
-
             if name in registry_names():
                 return fetch(name)
         raise FormatError(f"{p}: no such file or directory")
