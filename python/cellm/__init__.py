@@ -9,12 +9,14 @@ from cellm.errors import (
     UnsupportedArchitecture,
 )
 from cellm.llm import LLM, GenerationResult, Timings
+from cellm.sampling import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
     "GenerationResult",
+    "SamplingParams",
     "Timings",
     "CellmError",
     "ContextOverflow",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -23,6 +23,7 @@ from cellm.tool_calls import close_call_cut_by_stop, parse_tool_calls
 BACKENDS = ("cpu",)
 KV_ENCODINGS = ("f16", "f32")
 Prompt = Union[str, Sequence[int]]
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
 @dataclass
@@ -51,6 +52,29 @@ class GenerationResult:
     stop_token_id: Optional[int] = None  # the end-of-turn/stop id that ended it, if one did
     # chat() only: the parsed tool calls ({"name", "arguments"}), removed from `text`.
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _keywords(call: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling keywords that a public method's call (its `locals()`) gives: not None."""
+    return {f: call[f] for f in _SAMPLING_FIELDS if call[f] is not None}
+
+
+def _sampling(params: Optional[SamplingParams], keywords: Mapping[str, Any]) -> SamplingParams:
+    """`params` (default: SamplingParams()) with `keywords` overriding its fields; a copy."""
+    if params is None:
+        params = SamplingParams()
+    elif not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a cellm.SamplingParams, got {type(params).__name__}")
+    return replace(params, **keywords)
+
+
+def _drain(events: Generator[str, None, GenerationResult]) -> GenerationResult:
+    while True:
+        try:
+            next(events)
+        except StopIteration as done:
+            result: GenerationResult = done.value
+            return result
 
 
 def _read_text(path: Union[str, os.PathLike]) -> str:
@@ -161,24 +185,50 @@ class LLM:
         finally:
             self._engine.free_session(session)
 
-    def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        params: Optional[SamplingParams] = None,
+        max_tokens: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        min_p: Optional[float] = None,
+        repeat_penalty: Optional[float] = None,
+        seed: Optional[int] = None,
+        stop: Union[str, Sequence[str], None] = None,
+        stop_token_ids: Optional[Sequence[int]] = None,
+        ignore_eos: Optional[bool] = None,
+        skip_special_tokens: Optional[bool] = None,
+    ) -> GenerationResult:
         """Generate a completion of `prompt` (text, or token ids used as they are).
 
-        Keywords: max_tokens=256, temperature=0.0 (greedy), top_k, top_p, min_p,
-        repeat_penalty, seed, stop (strings), stop_token_ids, ignore_eos,
-        skip_special_tokens=True (False keeps special tokens, e.g. tool-call markers)."""
-        events = self._run(prompt, **kwargs)
-        while True:
-            try:
-                next(events)
-            except StopIteration as done:
-                result: GenerationResult = done.value
-                return result
+        The settings are `SamplingParams`' fields (see it for their defaults: greedy, up to
+        256 tokens, special tokens skipped), given as keywords or as `params`; a keyword that
+        is not None overrides the same field of `params`."""
+        return _drain(self._run(prompt, _sampling(params, _keywords(locals()))))
 
-    def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[str]:
-        """Like generate(), yielding text pieces as they are decoded."""
-        result = yield from self._run(prompt, **kwargs)
-        return result
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        params: Optional[SamplingParams] = None,
+        max_tokens: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        min_p: Optional[float] = None,
+        repeat_penalty: Optional[float] = None,
+        seed: Optional[int] = None,
+        stop: Union[str, Sequence[str], None] = None,
+        stop_token_ids: Optional[Sequence[int]] = None,
+        ignore_eos: Optional[bool] = None,
+        skip_special_tokens: Optional[bool] = None,
+    ) -> Generator[str, None, GenerationResult]:
+        """Like generate(), yielding text pieces as they are decoded; the generator's return
+        value (`StopIteration.value`) is the GenerationResult."""
+        return (yield from self._run(prompt, _sampling(params, _keywords(locals()))))
 
     def chat(
         self,
@@ -187,21 +237,34 @@ class LLM:
         tools: Optional[Sequence[Mapping[str, Any]]] = None,
         chat_format: str = "auto",
         template_vars: Optional[Mapping[str, Any]] = None,
-        **kwargs: Any,
+        params: Optional[SamplingParams] = None,
+        max_tokens: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        min_p: Optional[float] = None,
+        repeat_penalty: Optional[float] = None,
+        seed: Optional[int] = None,
+        stop: Union[str, Sequence[str], None] = None,
+        stop_token_ids: Optional[Sequence[int]] = None,
+        ignore_eos: Optional[bool] = None,
+        skip_special_tokens: Optional[bool] = None,
     ) -> GenerationResult:
-        """Answer the conversation `messages` (generate() keywords apply).
+        """Answer the conversation `messages` (generate()'s settings apply).
 
         `tools` (JSON schemas) are passed to the template as its `tools` variable. The answer
         is always searched for FunctionGemma calls (``<start_function_call>call:...``; without
         that marker nothing changes): they go to `tool_calls` and leave `text`. With `tools`,
         special tokens are kept in the text unless skip_special_tokens=True is given, since
         call markers are special tokens in the vocabularies that use them."""
+        keywords = _keywords(locals())
+        if tools and (params is None or params.skip_special_tokens is None):
+            keywords.setdefault("skip_special_tokens", False)
         prompt = self.apply_chat_template(
             messages, tools=tools, chat_format=chat_format, **(template_vars or {})
         )
-        if tools:
-            kwargs.setdefault("skip_special_tokens", False)
-        result = self.generate(self.tokenizer.encode(prompt, add_special_tokens=False), **kwargs)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        result = self.generate(ids, params=params, **keywords)
         result.text, result.tool_calls = parse_tool_calls(
             close_call_cut_by_stop(result.text, self._token_text(result.stop_token_id))
         )
@@ -213,26 +276,10 @@ class LLM:
     # -- the generation loop ---------------------------------------------------------------
 
     def _run(
-        self,
-        prompt: Prompt,
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        repeat_penalty: float = 1.0,
-        seed: Optional[int] = None,
-        stop: Union[str, Sequence[str], None] = None,
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        skip_special_tokens: bool = True,
-    ) -> Iterator[str]:
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise InvalidArgument(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        sampler = make_sampler(
-            SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-        )
+        self, prompt: Prompt, params: SamplingParams
+    ) -> Generator[str, None, GenerationResult]:
+        sampler = make_sampler(params)  # validates `params` (max_tokens first)
+        p = sampler.params
         ids = self.encode(prompt)
         if not ids:
             raise InvalidArgument("the prompt is empty")
@@ -240,9 +287,10 @@ class LLM:
             raise ContextOverflow(
                 f"the prompt has {len(ids)} tokens; the context length is {self.context_length}"
             )
-        stops = set(stop_token_ids) | (set() if ignore_eos else set(self.eos_token_ids))
-        decoder = IncrementalDecoder(self.tokenizer, skip_special_tokens=skip_special_tokens)
-        matcher = StopStringMatcher([stop] if isinstance(stop, str) else list(stop or []))
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        skip = True if p.skip_special_tokens is None else p.skip_special_tokens
+        decoder = IncrementalDecoder(self.tokenizer, skip_special_tokens=skip)
+        matcher = StopStringMatcher([p.stop] if isinstance(p.stop, str) else list(p.stop or []))
         timings = Timings(prefill_tokens=len(ids))
         out: list[int] = []
         context = list(ids)  # prompt + output, grown in place for the repetition penalty
@@ -269,7 +317,7 @@ class LLM:
                 if hit:
                     finish, cut = "stop", True
                     break
-                if len(out) >= max_tokens or len(ids) + len(out) >= self.context_length:
+                if len(out) >= p.max_tokens or len(ids) + len(out) >= self.context_length:
                     break
                 logits = self._engine.step([(session, [token])])[0]
                 timings.decode_tokens += 1

@@ -36,7 +36,9 @@ def _is_int(x: Any) -> bool:
 
 @dataclass
 class SamplingParams:
-    """Sampling settings; the defaults are greedy decoding with every filter off."""
+    """How to generate: the settings `LLM.generate`, `stream` and `chat` take as keywords, or
+    as one object (`params=`). The defaults are greedy decoding with every filter off, up to
+    256 tokens, stopping at the model's end-of-turn ids."""
 
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
@@ -44,9 +46,17 @@ class SamplingParams:
     min_p: float = 0.0  # 0 = off
     repeat_penalty: float = 1.0  # 1 = off (HF repetition_penalty)
     seed: int | None = None  # None = fresh OS entropy
+    max_tokens: int = 256
+    stop: str | Sequence[str] | None = None  # strings that end the text (not included in it)
+    stop_token_ids: Sequence[int] = ()  # ids that end it, besides the end-of-turn ids
+    ignore_eos: bool = False  # True: don't stop at the model's end-of-turn ids
+    # None: True (special tokens leave the text), except in chat() with tools: False.
+    skip_special_tokens: bool | None = None
 
     def validate(self) -> SamplingParams:
         """Raise InvalidArgument for an out-of-range value; return self."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         t, k, p, m, r = self.temperature, self.top_k, self.top_p, self.min_p, self.repeat_penalty
         if not (_is_real(t) and math.isfinite(t) and t >= 0):
             raise InvalidArgument(f"temperature must be a finite number >= 0, got {t!r}")
