@@ -10,9 +10,10 @@ pub mod gemm;
 pub mod isa;
 pub mod matmul;
 pub mod ops;
+pub mod panel;
 pub mod pool;
+pub mod rows;
 
 pub use isa::Isa;
-pub use matmul::{
-    decode_row, decode_row_raw, matmul, matmul_many, matmul_many_raw, matmul_raw, WeightRows,
-};
+pub use matmul::{decode_row, decode_row_raw, matmul, matmul_many, matmul_many_raw, matmul_raw};
+pub use rows::WeightRows;

@@ -5,7 +5,7 @@
 //! `gemm`). Several products of the same activations (a layer's q/k/v, or gate/up) go to the
 //! pool as one job, with the activations quantized (or packed) once.
 
-use cellm_format::{Interleaved, Tensor, TensorFormat, INTERLEAVE};
+use cellm_format::{Interleaved, Tensor, INTERLEAVE};
 
 use crate::acts::{ActScheme, Q8Acts, Q8Row, QBLOCK};
 use crate::dot::x8::{self, QDotX8Fn};
@@ -15,6 +15,7 @@ use crate::dot::{
 use crate::gemm::{pack_tokens, FloatGemm};
 use crate::isa;
 use crate::pool::{self, SharedOut};
+use crate::rows::WeightRows;
 
 /// The int8 activations one block of tokens may take: a quarter of a 1 MiB L2, so they stay
 /// there while every row of a task passes (at 512 tokens, `ffn_down`'s 1536-column
@@ -34,22 +35,6 @@ pub fn matmul(x: &[f32], tokens: usize, w: &Tensor, out: &mut [f32]) {
 pub fn matmul_many(x: &[f32], tokens: usize, ws: &[&Tensor], outs: &mut [&mut [f32]]) {
     let rows: Vec<WeightRows> = ws.iter().map(|w| WeightRows::of(w)).collect();
     matmul_many_raw(x, tokens, &rows, outs);
-}
-
-/// A weight matrix as stored: `rows` rows of `cols` elements in `format`.
-#[derive(Clone, Copy)]
-pub struct WeightRows<'a> {
-    pub format: TensorFormat,
-    pub bytes: &'a [u8],
-    pub rows: usize,
-    pub cols: usize,
-}
-
-impl<'a> WeightRows<'a> {
-    pub fn of(w: &'a Tensor) -> Self {
-        let (rows, cols) = w.rows_cols();
-        Self { format: w.format, bytes: w.bytes(), rows, cols }
-    }
 }
 
 /// [`matmul`] on raw stored rows (`bytes` must hold exactly `rows` rows).
@@ -286,6 +271,8 @@ pub fn decode_row_raw(w: WeightRows, r: usize, out: &mut [f32]) {
 
 #[cfg(test)]
 mod tests {
+    use cellm_format::TensorFormat;
+
     use super::*;
     use crate::pool::ThreadPool;
 

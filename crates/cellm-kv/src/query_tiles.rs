@@ -17,8 +17,8 @@ use std::ops::Range;
 
 use cellm_kernels::dot::{kernels, DecodeFn};
 use cellm_kernels::gating::exp_in_place;
-use cellm_kernels::gemm::{tile_kernel, TileFn, PANEL_ROWS, PANEL_TOKENS};
 use cellm_kernels::isa;
+use cellm_kernels::panel::{tile_kernel, TileFn, PANEL_ROWS, PANEL_TOKENS};
 use cellm_kernels::pool::{parallel_for, SharedOut};
 
 use crate::attention::{AttentionShape, SeqSpan};

@@ -91,7 +91,7 @@ impl Lanes for Bf16 {
 /// eight column stores (each half of a 16-row panel column).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn widen_panel<L: Lanes>(rows: &[&[u8]], cols: usize, panel: &mut [f32]) {
-    const PANEL: usize = crate::gemm::PANEL_ROWS;
+    const PANEL: usize = crate::panel::PANEL_ROWS;
     assert!(rows.len() <= PANEL && cols.is_multiple_of(8) && panel.len() >= cols * PANEL);
     let count = rows.len();
     let mut elems: [&[L::Elem]; PANEL] = [&[]; PANEL];
