@@ -8,4 +8,6 @@ cargo test --workspace --locked
 bash tools/test_aarch64.sh
 ruff check python tests tools benches
 ruff format --check python tests tools benches
+python -m mypy  # [tool.mypy] in pyproject.toml: strict, over python/cellm
+python -m mypy.stubtest cellm._core  # python/cellm/_core.pyi against the built extension
 python -m pytest -q

@@ -1,24 +1,41 @@
-"""Type stubs for the Rust extension `cellm._core` (crates/cellm-python)."""
+"""Type stubs for the Rust extension `cellm._core` (crates/cellm-python); `python -m
+mypy.stubtest cellm._core` checks them against the built module."""
 
 import os
+from collections.abc import Sequence
+from typing import final
 
 import numpy as np
 import numpy.typing as npt
 
+__all__ = [
+    "Engine",
+    "selected_isa",
+    "available_isas",
+    "set_isa",
+    "dequantize",
+    "matmul",
+    "read_bandwidth",
+    "architectures",
+    "expected_tensors",
+    "__version__",
+]
+
 __version__: str
 
+@final
 class Engine:
     """One loaded `.cellm` model with its KV page pool and sessions."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         path: str | os.PathLike[str],
         *,
         threads: int | None = None,
         kv_encoding: str = "f16",
         context_length: int | None = None,
         kv_capacity_tokens: int | None = None,
-    ) -> None: ...
+    ) -> Engine: ...
     def header_json(self) -> str: ...
     def blob(self, name: str) -> bytes | None: ...
     @property
@@ -34,7 +51,7 @@ class Engine:
     def truncate_session(self, session: int, length: int) -> None: ...
     def session_len(self, session: int) -> int: ...
     def step(
-        self, batch: list[tuple[int, list[int]]], *, all_logits: bool = False
+        self, batch: Sequence[tuple[int, Sequence[int]]], *, all_logits: bool = False
     ) -> npt.NDArray[np.float32]: ...
 
 def selected_isa() -> str: ...
@@ -45,3 +62,5 @@ def matmul(
     format: str, data: bytes, rows: int, cols: int, x: npt.NDArray[np.float32]
 ) -> npt.NDArray[np.float32]: ...
 def read_bandwidth(mib: int = 1024, threads: int = 2, reps: int = 5) -> float: ...
+def architectures() -> list[str]: ...
+def expected_tensors(model_json: str) -> list[tuple[str, list[int], list[str]]]: ...

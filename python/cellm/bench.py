@@ -106,27 +106,28 @@ def _run_worker(engine: str, model: Path, threads: int) -> dict[str, Any]:
         # The worker's last line names what failed (an exception, or llama_cpp missing).
         last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
         raise WorkerFailed(f"{engine} on {model.name} failed: {last}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
 
 
 class WorkerFailed(CellmError):
     """A benchmark worker process exited with an error."""
 
 
-def decode_bytes(cellm_path: Path, context: int) -> float:
+def decode_bytes(cellm_path: Path, context: int) -> int:
     """Bytes one decode step reads at `context` cached tokens: every weight matrix (the
     embedding only as the tied lm_head) plus the f16 KV cache."""
     from cellm.convert import read_header
 
     h = read_header(cellm_path)
     m = h["model"]
-    weights = sum(
+    weights: int = sum(
         t["nbytes"]
         for t in h["tensors"]
         if len(t["shape"]) == 2
         and (t["name"] != "model.embed_tokens.weight" or m["tie_word_embeddings"])
     )
-    kv = context * m["num_layers"] * 2 * m["num_kv_heads"] * m["head_dim"] * 2
+    kv: int = context * m["num_layers"] * 2 * m["num_kv_heads"] * m["head_dim"] * 2
     return weights + kv
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from cellm.errors import CellmError
 
 # Exit codes: 2 for bad input (files, flags, prompts), 1 when the environment failed.
 EXIT_BAD_INPUT = 2
 EXIT_ENVIRONMENT = 1
+_N = TypeVar("_N", int, float)
 
 
 def fail(message: object) -> None:
@@ -44,10 +45,12 @@ def run(main: Callable[[], int]) -> int:
         return 130
 
 
-def bounded(kind: type, low: float | None = None, high: float | None = None, *, open_low=False):
+def bounded(
+    kind: type[_N], low: float | None = None, high: float | None = None, *, open_low: bool = False
+) -> Callable[[str], _N]:
     """An argparse `type=` that parses `kind` and checks `low <= v <= high` (or `low < v`)."""
 
-    def parse(text: str):
+    def parse(text: str) -> _N:
         try:
             v = kind(text)
         except ValueError:

@@ -117,9 +117,10 @@ def _read_tools(path: str) -> list[Any]:
     return tools
 
 
-def _prompt(llm: LLM, args, tools: Optional[list[Any]]) -> list[int]:
+def _prompt(llm: LLM, args: argparse.Namespace, tools: Optional[list[Any]]) -> list[int]:
     if args.tokens is not None:
-        return args.tokens
+        ids: list[int] = args.tokens
+        return ids
     if not (args.chat or tools is not None):
         return llm.encode(args.prompt)
     messages = [{"role": "system", "content": args.system}] if args.system else []

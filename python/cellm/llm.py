@@ -77,7 +77,7 @@ def _drain(events: Generator[str, None, GenerationResult]) -> GenerationResult:
             return result
 
 
-def _read_text(path: Union[str, os.PathLike]) -> str:
+def _read_text(path: Union[str, os.PathLike[str]]) -> str:
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
@@ -93,13 +93,13 @@ class LLM:
 
     def __init__(
         self,
-        path: Union[str, os.PathLike],
+        path: Union[str, os.PathLike[str]],
         backend: str = "cpu",
         kv_encoding: str = "f16",
         threads: Optional[int] = None,
         context_length: Optional[int] = None,
         *,
-        tokenizer: Optional[Union[str, os.PathLike]] = None,
+        tokenizer: Optional[Union[str, os.PathLike[str]]] = None,
         convert_dtype: str = "f16",
     ) -> None:
         if backend not in BACKENDS:
@@ -115,11 +115,12 @@ class LLM:
         )
         self.header: dict[str, Any] = json.loads(self._engine.header_json())
         tok = self.header["tokenizer"]
-        tok_json = (
-            _read_text(tokenizer)
-            if tokenizer is not None
-            else self._engine.blob(tok["blob"]).decode("utf-8")
-        )
+        if tokenizer is not None:
+            tok_json = _read_text(tokenizer)
+        elif (blob := self._engine.blob(tok["blob"])) is not None:
+            tok_json = blob.decode("utf-8")
+        else:
+            raise FormatError(f"{self.path} has no tokenizer blob {tok['blob']!r}")
         self.tokenizer = Tokenizer.from_json_str(
             tok_json,
             bos_token=tok.get("bos_token"),

@@ -20,13 +20,14 @@ from cellm.llm import LLM
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    out: np.ndarray = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    return out
 
 
 class LlamaCpp:
     """llama.cpp on one GGUF file, fed token ids (its own tokenizer is not used)."""
 
-    def __init__(self, gguf: os.PathLike, n_ctx: int = 2048, threads: int = 2) -> None:
+    def __init__(self, gguf: os.PathLike[str], n_ctx: int = 2048, threads: int = 2) -> None:
         from llama_cpp import Llama  # imported here: an optional dependency
 
         self.model = Llama(

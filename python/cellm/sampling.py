@@ -83,7 +83,7 @@ def apply_repeat_penalty(
         return logits
     if ids[0] < 0 or ids[-1] >= logits.size:
         raise InvalidArgument(f"context token id out of range for a vocabulary of {logits.size}")
-    out = logits.copy()
+    out: np.ndarray = logits.copy()
     s = out[ids]
     out[ids] = np.where(s < 0, s * penalty, s / penalty)
     return out
@@ -106,7 +106,8 @@ def _top_k(ids: np.ndarray, z: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarr
 
 def _softmax(z: np.ndarray) -> np.ndarray:
     e = np.exp(z - z.max())
-    return e / e.sum()
+    p: np.ndarray = e / e.sum()
+    return p
 
 
 def _top_p(ids: np.ndarray, z: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:

@@ -28,7 +28,8 @@ class IncrementalDecoder:
         self._prefix_text = ""  # decode(window[:read]), cached
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip)
+        text: str = self._tok.decode(ids, skip_special_tokens=self._skip)
+        return text
 
     def add(self, token_id: int) -> str:
         """Feed one token; return the newly completed text (often "")."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -10,7 +11,11 @@ from ..errors import InvalidArgument
 from .safetensors import to_f32
 
 # `.cellm` format name -> numpy dtype of its stored elements (bf16 kept as raw uint16 bits).
-FORMAT_DTYPE = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2")}
+FORMAT_DTYPE: dict[str, np.dtype[Any]] = {
+    "f32": np.dtype("<f4"),
+    "f16": np.dtype("<f2"),
+    "bf16": np.dtype("<u2"),
+}
 FORMATS = tuple(FORMAT_DTYPE)
 # Block formats, stored as raw bytes (hence uint8 chunks): GGUF's, kept as the source's blocks,
 # and cellm's int8/int4: name -> (elements per block, bytes per block). Layouts in

@@ -113,7 +113,7 @@ class _Cursor:
 class GGUFFile:
     """An mmap'd GGUF file. `metadata` maps keys to values; `tensors` maps names to infos."""
 
-    def __init__(self, path: Union[str, os.PathLike]) -> None:
+    def __init__(self, path: Union[str, os.PathLike[str]]) -> None:
         self.path = Path(path)
         try:
             with open(self.path, "rb") as f:

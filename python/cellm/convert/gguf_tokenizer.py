@@ -27,7 +27,7 @@ from __future__ import annotations
 import json as _json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -329,7 +329,10 @@ def _tokens(md: Mapping[str, Any]) -> list[str]:
     return [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
 
 
-def _numeric_array(md: Mapping[str, Any], key: str, n: int, kind: type) -> list | None:
+_N = TypeVar("_N", int, float)
+
+
+def _numeric_array(md: Mapping[str, Any], key: str, n: int, kind: type[_N]) -> list[_N] | None:
     """The first `n` entries of a numeric metadata array as `kind`, or None when absent."""
     value = md.get(key)
     if value is None:
@@ -648,6 +651,9 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> GGUFTokenizer:
         raise FormatError("GGUF metadata tokenizer.ggml.tokens has repeated entries")
     types = _int_array(md, "tokenizer.ggml.token_type", n, NORMAL)
 
+    bos_default: int | None
+    eos_default: int | None
+    unk_default: int | None
     if kind == "llama":
         bos_default, eos_default, unk_default = 1, 2, 0
         add_bos_default = True

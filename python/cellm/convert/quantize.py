@@ -25,7 +25,8 @@ def _f16_bytes(v: np.ndarray) -> np.ndarray:
 
 def _round_half_away(x: np.ndarray) -> np.ndarray:
     """C's roundf: halves away from zero (numpy's round goes to even)."""
-    return np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))
+    rounded: np.ndarray = np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))
+    return rounded
 
 
 def _inverse(d: np.ndarray) -> np.ndarray:
@@ -76,7 +77,9 @@ def _seq_sum(v: np.ndarray) -> np.ndarray:
     return np.cumsum(v, axis=1, dtype=np.float32)[:, -1:]
 
 
-def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int) -> tuple:
+def _make_qkx2_quants(
+    x: np.ndarray, w: np.ndarray, nmax: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ggml's make_qkx2_quants (rmin -1, rdelta 0.1, 20 steps, squared error) for each row of
     `x` (sub-blocks) with importance weights `w`: the weighted least-squares scale and min
     over 21 candidate grids. Returns (scale, -min, levels)."""

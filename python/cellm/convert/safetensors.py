@@ -14,9 +14,12 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeGuard  # typing's from Python 3.10
 
 from ..errors import FormatError
 from .jsonfiles import parse_json_object
@@ -43,7 +46,11 @@ _ITEMSIZE = {
 
 # How each readable dtype is viewed in numpy; bf16 has no numpy dtype, so it is kept as raw
 # uint16 bits and widened by `to_f32`.
-_NUMPY_DTYPE = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_NUMPY_DTYPE: dict[str, np.dtype[Any]] = {
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),
+}
 
 # The safetensors reference implementation refuses headers above 100 MB; a larger value here
 # means the first 8 bytes are not a safetensors length at all.
@@ -263,7 +270,7 @@ def _open_sharded(index: Path, directory: Path) -> Checkpoint:
     return Checkpoint(list(shards.values()), directory)
 
 
-def _is_int_list(value: Any) -> bool:
+def _is_int_list(value: Any) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     )

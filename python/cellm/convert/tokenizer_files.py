@@ -82,8 +82,8 @@ def _token_text(value: Any, key: str, path: Path) -> Optional[str]:
     """A special token as a string: tokenizer_config stores plain strings or AddedToken dicts."""
     if value is None or isinstance(value, str):
         return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
+    if isinstance(value, dict) and isinstance(content := value.get("content"), str):
+        return content
     raise FormatError(f"{path}: {key} must be a string or an object with 'content'")
 
 

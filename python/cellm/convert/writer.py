@@ -76,7 +76,7 @@ TensorLike = Union[TensorEntry, "tuple[str, np.ndarray, str]"]
 
 
 def write_cellm(
-    path: Union[str, os.PathLike],
+    path: Union[str, os.PathLike[str]],
     header: Mapping[str, Any],
     tensors: Iterable[TensorLike],
     blobs: Iterable[tuple[str, bytes]] = (),
@@ -94,7 +94,7 @@ def write_cellm(
     _check_names(entries, blob_list)
 
     tensor_table, blob_table, data_size = _layout(entries, blob_list)
-    full = {"format_version": VERSION}
+    full: dict[str, Any] = {"format_version": VERSION}
     full.update((k, v) for k, v in header.items() if k not in _WRITER_KEYS)
     full.update(tensors=tensor_table, blobs=blob_table, data_size=data_size)
     header_bytes = _encode_header(full)
@@ -205,7 +205,7 @@ def _write_tensor(f: Any, entry: TensorEntry, progress: Optional[ProgressBar]) -
         )
 
 
-def read_header(path: Union[str, os.PathLike]) -> dict[str, Any]:
+def read_header(path: Union[str, os.PathLike[str]]) -> dict[str, Any]:
     """Read and check a `.cellm` file's prefix and header (for tests and debugging).
 
     The returned dict is the JSON header; tensor offsets are relative to
@@ -215,13 +215,13 @@ def read_header(path: Union[str, os.PathLike]) -> dict[str, Any]:
     return header
 
 
-def data_offset(path: Union[str, os.PathLike]) -> int:
+def data_offset(path: Union[str, os.PathLike[str]]) -> int:
     """Absolute file offset of the data section of a `.cellm` file."""
     _, offset = _read_prefix_and_header(Path(path))
     return offset
 
 
-def read_tensor(path: Union[str, os.PathLike], name: str) -> np.ndarray:
+def read_tensor(path: Union[str, os.PathLike[str]], name: str) -> np.ndarray:
     """Load one tensor of a `.cellm` file as float32 (debugging helper, not zero-copy)."""
     path = Path(path)
     header, offset = _read_prefix_and_header(path)
