@@ -4,7 +4,8 @@ use std::arch::x86_64::*;
 
 use cellm_format::TensorFormat;
 
-use super::{cast, head_passes, CachedRows, HeadKernels};
+use super::floats::cast;
+use super::kinds::{head_passes, CachedRows, DotTileFn, HeadKernels, PanelFn};
 
 float_row_kernels!(assert!(
     crate::Isa::Avx2.supported(),
@@ -21,7 +22,7 @@ pub fn head_kernels(format: TensorFormat) -> HeadKernels {
     }
 }
 
-pub fn panel_widener(format: TensorFormat) -> super::PanelFn {
+pub fn panel_widener(format: TensorFormat) -> PanelFn {
     assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
     match format {
         TensorFormat::F32 => |rows, cols, panel| unsafe { widen_panel::<F32>(rows, cols, panel) },
@@ -285,7 +286,7 @@ unsafe fn dot_tile<L: Lanes>(rows: &[&[u8]], x: &[f32], out: &mut [f32]) {
     }
 }
 
-pub fn dot_tiles(format: TensorFormat) -> super::DotTileFn {
+pub fn dot_tiles(format: TensorFormat) -> DotTileFn {
     assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
     // SAFETY (all three): AVX2, FMA and F16C were just checked; `dot_tile` checks lengths.
     match format {

@@ -6,7 +6,7 @@
 use cellm_format::TensorFormat;
 use half::f16;
 
-use super::RowKernels;
+use super::kinds::RowKernels;
 
 /// Largest block (the K-quants' 256 elements).
 const MAX_BLOCK: usize = 256;

@@ -10,8 +10,8 @@ use cellm_format::TensorFormat;
 
 use super::bytes::{self, Avx2, Avx512Vnni, AvxVnni, ByteDot};
 use super::int_scalar::scale_min_k4;
+use super::kinds::{QDot4Fn, QDotFn};
 use super::prefetch;
-use super::{QDot4Fn, QDotFn};
 use crate::acts::Q8Row;
 use crate::Isa;
 

@@ -9,8 +9,8 @@ use cellm_format::TensorFormat;
 
 use super::bytes_neon::{self, load32, nibbles32, Dotprod, NeonDot, Widening};
 use super::int_scalar::scale_min_k4;
+use super::kinds::{QDot4Fn, QDotFn};
 use super::neon::load_f16;
-use super::{QDot4Fn, QDotFn};
 use crate::acts::Q8Row;
 use crate::Isa;
 

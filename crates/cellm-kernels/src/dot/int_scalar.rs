@@ -3,7 +3,7 @@
 
 use cellm_format::TensorFormat;
 
-use super::{QDot4Fn, QDotFn};
+use super::kinds::{QDot4Fn, QDotFn};
 use crate::acts::Q8Row;
 
 fn half(b: &[u8], i: usize) -> f32 {

@@ -7,7 +7,7 @@ use std::arch::asm;
 
 use cellm_format::TensorFormat;
 
-use super::cast;
+use super::floats::cast;
 
 float_row_kernels!(assert!(
     crate::Isa::Neon.supported(),

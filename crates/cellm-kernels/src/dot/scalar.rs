@@ -3,7 +3,7 @@
 use cellm_format::TensorFormat;
 use half::{bf16, f16};
 
-use super::cast;
+use super::floats::cast;
 
 float_row_kernels!();
 

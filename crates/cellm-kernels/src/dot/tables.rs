@@ -8,9 +8,9 @@ macro_rules! float_row_kernels {
         float_row_kernels!(());
     };
     ($ready:expr) => {
-        pub fn kernels(format: TensorFormat) -> super::RowKernels {
+        pub fn kernels(format: TensorFormat) -> super::kinds::RowKernels {
             $ready;
-            use super::RowKernels as K;
+            use super::kinds::RowKernels as K;
             match format {
                 TensorFormat::F32 => {
                     K { dot: dot_f32, decode: decode_f32, axpy: axpy_f32, qdot: None }
@@ -31,8 +31,8 @@ macro_rules! float_row_kernels {
 /// the scalar reference, and NEON (where decode tiles are one token anyway).
 macro_rules! dot_tiles_by_rows {
     () => {
-        pub fn dot_tiles(format: TensorFormat) -> super::DotTileFn {
-            use super::{float_index, FLOAT_BYTES, FLOAT_FORMATS};
+        pub fn dot_tiles(format: TensorFormat) -> super::kinds::DotTileFn {
+            use super::floats::{float_index, FLOAT_BYTES, FLOAT_FORMATS};
             fn tile<const F: usize>(rows: &[&[u8]], x: &[f32], out: &mut [f32]) {
                 let dot = kernels(FLOAT_FORMATS[F]).dot;
                 let n = rows.first().map_or(0, |r| r.len() / FLOAT_BYTES[F]);
@@ -44,7 +44,7 @@ macro_rules! dot_tiles_by_rows {
                     }
                 }
             }
-            let tiles: [super::DotTileFn; 3] = [tile::<0>, tile::<1>, tile::<2>];
+            let tiles: [super::kinds::DotTileFn; 3] = [tile::<0>, tile::<1>, tile::<2>];
             tiles[float_index(format)]
         }
     };
@@ -54,8 +54,9 @@ macro_rules! dot_tiles_by_rows {
 /// `kernels(format)`: the scalar reference, and NEON.
 macro_rules! head_kernels_by_rows {
     () => {
-        pub fn head_kernels(format: TensorFormat) -> super::HeadKernels {
-            use super::{float_index, CachedRows, HeadKernels as K, FLOAT_BYTES, FLOAT_FORMATS};
+        pub fn head_kernels(format: TensorFormat) -> super::kinds::HeadKernels {
+            use super::floats::{float_index, FLOAT_BYTES, FLOAT_FORMATS};
+            use super::kinds::{CachedRows, HeadKernels as K};
             fn dot_heads<const F: usize>(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
                 let (dot, n, count) = (kernels(FLOAT_FORMATS[F]).dot, rows.dim, rows.count);
                 let heads = rows.heads(FLOAT_BYTES[F], (q.len(), n), (scores.len(), count));
@@ -91,14 +92,14 @@ macro_rules! head_kernels_by_rows {
 macro_rules! integer_entry_points {
     ($format:path) => {
         pub fn one<const P: u8>(row: &[u8], x: Q8Row) -> f32 {
-            crate::dot::check_integer_acts(row, &[x], $format);
+            crate::dot::kinds::check_integer_acts(row, &[x], $format);
             // SAFETY: `qdot` hands these out only after checking the path's CPU features;
             // every activation load stays inside the rows checked above.
             unsafe { run::<P, 1>(row, &[x])[0] }
         }
 
         pub fn four<const P: u8>(row: &[u8], x: &[Q8Row; 4]) -> [f32; 4] {
-            crate::dot::check_integer_acts(row, x, $format);
+            crate::dot::kinds::check_integer_acts(row, x, $format);
             // SAFETY: as above.
             unsafe { run::<P, 4>(row, x) }
         }
