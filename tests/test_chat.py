@@ -221,7 +221,9 @@ def test_templateless_models_chat_in_their_familys_format():
     """A GGUF without tokenizer.chat_template (gemma-3-270m's) gets its family's builtin
     format under --chat-format auto; other families get chatml."""
     from cellm.chat import BUILTIN_TEMPLATES, resolve_template
+    from cellm.families import by_architecture
 
-    assert resolve_template("auto", None, "gemma3") == BUILTIN_TEMPLATES["gemma"]
-    assert resolve_template("auto", None, "llama") == BUILTIN_TEMPLATES["chatml"]
-    assert resolve_template("auto", "{{ 'own' }}", "gemma3") == "{{ 'own' }}"
+    gemma, llama = by_architecture("gemma3").chat_format, by_architecture("llama").chat_format
+    assert resolve_template("auto", None, gemma) == BUILTIN_TEMPLATES["gemma"]
+    assert resolve_template("auto", None, llama) == BUILTIN_TEMPLATES["chatml"]
+    assert resolve_template("auto", "{{ 'own' }}", gemma) == "{{ 'own' }}"

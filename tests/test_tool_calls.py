@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from cellm import LLM
+from cellm.families import by_architecture
 from cellm.llm import GenerationResult
 from cellm.tool_calls import (
     CALL_END,
@@ -258,8 +259,10 @@ def llm(converted):
 
 @pytest.fixture
 def templated(llm, monkeypatch):
-    """The fixture model with a template that lists the tools before the messages."""
+    """The fixture model with a template that lists the tools before the messages, in the
+    family whose tool calls are FunctionGemma's (its vocabulary has their markers)."""
     monkeypatch.setattr(llm, "chat_template", TEMPLATE_WITH_TOOLS)
+    monkeypatch.setattr(llm, "family", by_architecture("gemma3"))
     return llm
 
 
@@ -291,6 +294,17 @@ def test_chat_returns_parsed_calls_beside_the_text(templated, monkeypatch):
     assert r.text == "Checking."
     assert r.tool_calls == [{"name": "get_weather", "arguments": {"city": "Accra", "unit": "c"}}]
     assert r.finish_reason == "stop" and r.token_ids == [1, 2]
+
+
+def test_calls_are_parsed_only_in_the_familys_own_format(templated, monkeypatch):
+    """The parser is the model family's: a llama-family answer keeps FunctionGemma markup."""
+    answer = "Checking. " + seed_call("call:f{}")
+    monkeypatch.setattr(
+        templated, "generate", lambda prompt, **kw: GenerationResult(answer, [1], "stop", 3)
+    )
+    monkeypatch.setattr(templated, "family", by_architecture("llama"))
+    r = templated.chat([{"role": "user", "content": "x"}], tools=[WEATHER_TOOL])
+    assert (r.text, r.tool_calls) == (answer, [])
 
 
 def test_chat_closes_a_call_cut_by_the_end_marker_stop_token(templated, monkeypatch):

@@ -243,18 +243,13 @@ BUILTIN_TEMPLATES: dict[str, str] = {
 CHAT_FORMATS: tuple[str, ...] = ("auto", *BUILTIN_TEMPLATES)
 
 
-# When a model carries no template (GGUF files often don't), "auto" uses its family's
-# format; chatml for the rest.
-_FAMILY_FORMATS = {"gemma3": "gemma"}
-
-
-def resolve_template(chat_format: str, embedded: str | None, architecture: str = "") -> str:
+def resolve_template(chat_format: str, embedded: str | None, family_format: str = "chatml") -> str:
     """The template for a --chat-format value; "auto" = the model's own, else its family's
-    builtin, else chatml."""
+    builtin format (`family_format`; GGUF files often carry no template)."""
     if chat_format == "auto":
         if embedded:
             return embedded
-        return BUILTIN_TEMPLATES[_FAMILY_FORMATS.get(architecture, "chatml")]
+        return BUILTIN_TEMPLATES[family_format]
     try:
         return BUILTIN_TEMPLATES[chat_format]
     except KeyError:

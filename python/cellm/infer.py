@@ -12,7 +12,6 @@ from cellm.cli import Parser, bounded, int_list, run
 from cellm.errors import FormatError, InvalidArgument
 from cellm.fetch import default_model
 from cellm.llm import BACKENDS, KV_ENCODINGS, LLM, GenerationResult
-from cellm.tool_calls import close_call_cut_by_stop, parse_tool_calls
 
 
 def build_parser() -> Parser:
@@ -131,8 +130,7 @@ def _prompt(llm: LLM, args: argparse.Namespace, tools: Optional[list[Any]]) -> l
 
 
 def _print_tool_calls(llm: LLM, r: GenerationResult) -> None:
-    stop = None if r.stop_token_id is None else llm.tokenizer.id_to_token(r.stop_token_id)
-    _, calls = parse_tool_calls(close_call_cut_by_stop(r.text, stop))
+    _, calls = llm.split_tool_calls(r)
     print(json.dumps(calls, ensure_ascii=False))
 
 

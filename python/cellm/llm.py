@@ -14,11 +14,11 @@ import numpy as np
 from cellm import _core
 from cellm.chat import render_chat_template, resolve_template
 from cellm.errors import ContextOverflow, FormatError, InvalidArgument
+from cellm.families import by_architecture
 from cellm.resolve import resolve_model
 from cellm.sampling import SamplingParams, make_sampler
 from cellm.textstream import IncrementalDecoder, StopStringMatcher
 from cellm.tokenizer import Tokenizer
-from cellm.tool_calls import close_call_cut_by_stop, parse_tool_calls
 
 BACKENDS = ("cpu",)
 KV_ENCODINGS = ("f16", "f32")
@@ -114,6 +114,8 @@ class LLM:
             str(self.path), threads=threads, kv_encoding=kv_encoding, context_length=context_length
         )
         self.header: dict[str, Any] = json.loads(self._engine.header_json())
+        # Chat format and tool-call parser of the model's family.
+        self.family = by_architecture(self.header["model"]["architecture"])
         tok = self.header["tokenizer"]
         if tokenizer is not None:
             tok_json = _read_text(tokenizer)
@@ -153,7 +155,7 @@ class LLM:
         one: chatml, llama3, gemma, plain). Extra keywords (e.g. enable_thinking=False) are
         passed to the template."""
         return render_chat_template(
-            resolve_template(chat_format, self.chat_template, self.header["model"]["architecture"]),
+            resolve_template(chat_format, self.chat_template, self.family.chat_format),
             messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.tokenizer.bos_token,
@@ -254,8 +256,9 @@ class LLM:
         """Answer the conversation `messages` (generate()'s settings apply).
 
         `tools` (JSON schemas) are passed to the template as its `tools` variable. The answer
-        is always searched for FunctionGemma calls (``<start_function_call>call:...``; without
-        that marker nothing changes): they go to `tool_calls` and leave `text`. With `tools`,
+        is searched for tool calls in the model family's format (FunctionGemma's
+        ``<start_function_call>call:...`` for Gemma; without a well-formed call nothing
+        changes): they go to `tool_calls` and leave `text`. With `tools`,
         special tokens are kept in the text unless skip_special_tokens=True is given, since
         call markers are special tokens in the vocabularies that use them."""
         keywords = _keywords(locals())
@@ -266,10 +269,16 @@ class LLM:
         )
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         result = self.generate(ids, params=params, **keywords)
-        result.text, result.tool_calls = parse_tool_calls(
-            close_call_cut_by_stop(result.text, self._token_text(result.stop_token_id))
-        )
+        result.text, result.tool_calls = self.split_tool_calls(result)
         return result
+
+    def split_tool_calls(self, result: GenerationResult) -> tuple[str, list[dict[str, Any]]]:
+        """`result.text` as (text, tool calls), read in the model family's tool-call format
+        (none for families without one: the text stays as it is)."""
+        parse = self.family.tool_call_parser
+        if parse is None:
+            return result.text, []
+        return parse(result.text, self._token_text(result.stop_token_id))
 
     def _token_text(self, token_id: Optional[int]) -> Optional[str]:
         return None if token_id is None else self.tokenizer.id_to_token(token_id)

@@ -179,4 +179,19 @@ def close_call_cut_by_stop(text: str, stop_token: Optional[str]) -> str:
     return text
 
 
-__all__ = ["CALL_END", "CALL_START", "ESCAPE", "close_call_cut_by_stop", "parse_tool_calls"]
+def split_functiongemma_calls(
+    text: str, stop_token: Optional[str]
+) -> tuple[str, list[dict[str, Any]]]:
+    """The Gemma family's tool-call parser: an answer that a stop token (`stop_token`, its
+    text) ended, as ``(content, calls)``."""
+    return parse_tool_calls(close_call_cut_by_stop(text, stop_token))
+
+
+__all__ = [
+    "CALL_END",
+    "CALL_START",
+    "ESCAPE",
+    "close_call_cut_by_stop",
+    "parse_tool_calls",
+    "split_functiongemma_calls",
+]

@@ -118,6 +118,11 @@ impl TensorFormat {
     pub const INTERLEAVED: [TensorFormat; 6] =
         [Self::Q8_0X8, Self::Q4_0X8, Self::Q4_1X8, Self::Q5_0X8, Self::Q4KX8, Self::Q6KX8];
 
+    /// Every format this version reads, in the file table's order.
+    pub fn all() -> impl Iterator<Item = TensorFormat> {
+        FORMATS.iter().map(|e| e.0)
+    }
+
     /// For an interleaved format, its layout; None for the others.
     pub fn interleaved(self) -> Option<Interleaved> {
         INTERLEAVED.iter().find(|e| e.0 == self).map(|e| e.1)
@@ -214,6 +219,21 @@ impl Tensor {
         shape: Vec<usize>,
     ) -> Self {
         Self { map, start, len, name, format, shape }
+    }
+
+    /// A tensor of zeros in anonymous memory, for planning a model's layout without a file
+    /// (`cellm_models::expected_tensors`): it costs address space, and memory only where read.
+    pub fn zeros(name: &str, format: TensorFormat, shape: &[usize]) -> Result<Self> {
+        let len = format.nbytes(shape).ok_or_else(|| {
+            Error::format(format!("tensor {name}: shape {shape:?} does not fit {}", format.name()))
+        })?;
+        // An empty map is refused by the OS; one spare byte keeps the code path uniform.
+        let map = memmap2::MmapOptions::new()
+            .len(len.max(1))
+            .map_anon()
+            .and_then(|m| m.make_read_only())
+            .map_err(|e| Error::format(format!("tensor {name}: cannot map {len} bytes: {e}")))?;
+        Ok(Self::new(Arc::new(map), 0, len, name.to_string(), format, shape.to_vec()))
     }
 
     pub fn bytes(&self) -> &[u8] {

@@ -1,48 +1,13 @@
-//! Shared blocks every family is built from: weight lookup with shape checks, linear layers,
-//! RMSNorm, RoPE, the gated MLP, grouped-query attention and the language-model head.
+//! Shared blocks every family is built from: linear layers, RMSNorm, RoPE, the gated MLP,
+//! grouped-query attention and the language-model head. Tensors come through [`Weights`].
 
-use cellm_format::{CellmFile, Error, Result, Tensor};
+use cellm_format::{Error, Result, Tensor};
 use cellm_kernels::gating::Gate;
 use cellm_kernels::{decode_row, matmul, matmul_many, ops};
 use cellm_kv::{AttentionShape, PagePool};
 
+use crate::weights::{Storage, Weights};
 use crate::{Activation, ModelConfig, RopeConfig, Step};
-
-/// Fetches tensors by name and checks their shapes, so a bad file fails at load with the
-/// tensor's name rather than in the middle of a forward.
-pub struct Weights<'a> {
-    pub file: &'a CellmFile,
-}
-
-impl Weights<'_> {
-    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let t = self.file.tensor(name)?;
-        if t.shape != shape {
-            return Err(Error::format(format!(
-                "tensor {name} has shape {:?}, expected {shape:?}",
-                t.shape
-            )));
-        }
-        Ok(t)
-    }
-
-    /// A 1-D f32 vector (norm weights, biases).
-    pub fn vector(&self, name: &str, len: usize) -> Result<Tensor> {
-        let t = self.tensor(name, &[len])?;
-        t.as_f32()?;
-        Ok(t)
-    }
-
-    pub fn linear(&self, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
-        let weight = self.tensor(&format!("{prefix}.weight"), &[out, inp])?;
-        let bias = if bias { Some(self.vector(&format!("{prefix}.bias"), out)?) } else { None };
-        Ok(Linear { weight, bias })
-    }
-
-    pub fn norm(&self, name: &str, dim: usize, eps: f32) -> Result<RmsNorm> {
-        Ok(RmsNorm { weight: self.vector(name, dim)?, eps })
-    }
-}
 
 /// `y = x W^T + b`, with `W` in any stored format.
 pub struct Linear {
@@ -86,6 +51,11 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
+    /// `weight` must be an f32 vector ([`Weights::norm`] asks for one).
+    pub fn new(weight: Tensor, eps: f32) -> Self {
+        Self { weight, eps }
+    }
+
     /// Normalises each row of `x` (rows as wide as the weight) in place.
     pub fn apply(&self, x: &mut [f32]) {
         ops::rms_norm(x, self.weight.as_f32().expect("checked at load"), self.eps);
@@ -104,6 +74,14 @@ pub struct Embedding {
 }
 
 impl Embedding {
+    /// `model.embed_tokens.weight`. Families load it first, so that the converter, which
+    /// writes tensors in the order loaders ask for them, lays a file out in forward order.
+    pub fn load(w: &Weights, cfg: &ModelConfig) -> Result<Self> {
+        Ok(Self {
+            table: w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, cfg.hidden_size])?,
+        })
+    }
+
     pub fn lookup(&self, tokens: &[u32], scale: f32) -> Result<Vec<f32>> {
         let (vocab, dim) = self.table.rows_cols();
         let mut x = vec![0.0; tokens.len() * dim];
@@ -344,17 +322,13 @@ pub struct LmHead {
 
 impl LmHead {
     pub fn load(w: &Weights, norm: &str, cfg: &ModelConfig, embed: &Embedding) -> Result<Self> {
+        let norm = w.norm(norm, cfg.hidden_size, cfg.norm_eps)?;
         let weight = if cfg.tie_word_embeddings {
             embed.table.clone()
         } else {
             w.tensor("lm_head.weight", &[cfg.vocab_size, cfg.hidden_size])?
         };
-        Ok(Self {
-            norm: w.norm(norm, cfg.hidden_size, cfg.norm_eps)?,
-            weight,
-            scale: cfg.logits_scale,
-            softcap: cfg.final_logit_softcap,
-        })
+        Ok(Self { norm, weight, scale: cfg.logits_scale, softcap: cfg.final_logit_softcap })
     }
 
     /// Logits (`rows x vocab`) of the hidden rows `x`, which it normalises in place.
@@ -389,8 +363,7 @@ impl CausalConv {
         taps: usize,
         bias: bool,
     ) -> Result<Self> {
-        let weight = w.tensor(&format!("{prefix}.weight"), &[channels, taps])?;
-        weight.as_f32()?;
+        let weight = w.get(&format!("{prefix}.weight"), &[channels, taps], Storage::F32)?;
         let bias = if bias { Some(w.vector(&format!("{prefix}.bias"), channels)?) } else { None };
         Ok(Self { weight, bias, channels, taps })
     }

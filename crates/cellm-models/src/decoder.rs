@@ -7,7 +7,8 @@ use cellm_kv::{PagePool, SeqState};
 
 use cellm_format::Result;
 
-use crate::blocks::{gather_rows, Attention, Embedding, LmHead, Weights};
+use crate::blocks::{gather_rows, Attention, Embedding, LmHead};
+use crate::weights::Weights;
 use crate::{CacheLayout, CausalLm, ModelConfig, Step};
 
 /// A decoder-only language model: embed, run the layers, project to logits.
@@ -20,17 +21,16 @@ pub struct Decoder<L> {
 }
 
 impl<L: DecoderLayer + Send + Sync + 'static> Decoder<L> {
-    /// The model around `layers`: the token embedding, and the head behind the final norm
-    /// `final_norm` (tied to the embedding when the config says so).
+    /// The model around `layers`: the token embedding `embed`, and the head behind the final
+    /// norm `final_norm` (tied to the embedding when the config says so).
     pub fn assemble(
         w: &Weights,
         cfg: ModelConfig,
+        embed: Embedding,
         layers: Vec<L>,
         final_norm: &str,
         cache: CacheLayout,
     ) -> Result<Box<dyn CausalLm>> {
-        let shape = [cfg.vocab_size, cfg.hidden_size];
-        let embed = Embedding { table: w.tensor("model.embed_tokens.weight", &shape)? };
         let head = LmHead::load(w, final_norm, &cfg, &embed)?;
         Ok(Box::new(Self { cfg, embed, layers, head, cache }))
     }

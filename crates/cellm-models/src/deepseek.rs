@@ -8,14 +8,15 @@
 //! `W_UV`. The converter splits HF's `kv_b_proj` into `k_absorb` (per head `W_UK^T`) and
 //! `v_up` (per head `W_UV`), and stores interleaved rope dims in the half-split layout.
 
-use cellm_format::{CellmFile, Result, Tensor};
+use cellm_format::{Result, Tensor};
 use cellm_kernels::{matmul_raw, WeightRows};
 use cellm_kv::AttentionShape;
 use serde::Deserialize;
 
-use crate::blocks::{GatedMlp, Linear, RmsNorm, Rope, Weights};
+use crate::blocks::{Embedding, GatedMlp, Linear, RmsNorm, Rope};
 use crate::decoder::{Decoder, DecoderLayer, StepCtx};
 use crate::moe::{Moe, MoeConfig};
+use crate::weights::{Storage, Weights};
 use crate::{CacheLayout, CausalLm, ModelConfig};
 
 /// The description's `mla` section.
@@ -65,8 +66,8 @@ struct Layer {
     mlp: Mlp,
 }
 
-pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
-    let w = Weights { file };
+pub fn load(w: &Weights, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
+    let embed = Embedding::load(w, &cfg)?;
     let mla: MlaConfig = cfg.section("mla")?;
     let (h, eps) = (cfg.hidden_size, cfg.norm_eps);
     let mut layers = Vec::with_capacity(cfg.num_layers);
@@ -76,7 +77,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
         let mlp = if i < moe.first_moe_layer {
             let inter = cfg.intermediate_size;
             Mlp::Dense(Box::new(GatedMlp::load(
-                &w,
+                w,
                 &format!("{p}.mlp"),
                 h,
                 inter,
@@ -84,11 +85,11 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
                 cfg.hidden_act,
             )?))
         } else {
-            Mlp::Experts(Box::new(Moe::load(&w, &format!("{p}.mlp"), moe, h, cfg.hidden_act)?))
+            Mlp::Experts(Box::new(Moe::load(w, &format!("{p}.mlp"), moe, h, cfg.hidden_act)?))
         };
         layers.push(Layer {
             input_norm: w.norm(&format!("{p}.input_layernorm.weight"), h, eps)?,
-            attn: Mla::load(&w, &format!("{p}.self_attn"), &cfg, &mla, i)?,
+            attn: Mla::load(w, &format!("{p}.self_attn"), &cfg, &mla, i)?,
             post_attn_norm: w.norm(&format!("{p}.post_attention_layernorm.weight"), h, eps)?,
             mlp,
         });
@@ -101,7 +102,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
         state: Vec::new(),
         values_in_keys: true,
     };
-    Decoder::assemble(&w, cfg, layers, "model.norm.weight", cache)
+    Decoder::assemble(w, cfg, embed, layers, "model.norm.weight", cache)
 }
 
 impl Mla {
@@ -132,9 +133,16 @@ impl Mla {
                 cfg.attention_bias,
             )?,
             kv_norm: w.norm(&format!("{p}.kv_a_layernorm.weight"), rank, eps)?,
-            k_absorb: w
-                .tensor(&format!("{p}.kv_b_proj.k_absorb.weight"), &[heads * rank, m.nope_dim])?,
-            v_up: w.tensor(&format!("{p}.kv_b_proj.v_up.weight"), &[heads * m.v_dim, rank])?,
+            k_absorb: w.get(
+                &format!("{p}.kv_b_proj.k_absorb.weight"),
+                &[heads * rank, m.nope_dim],
+                Storage::RowSlices,
+            )?,
+            v_up: w.get(
+                &format!("{p}.kv_b_proj.v_up.weight"),
+                &[heads * m.v_dim, rank],
+                Storage::RowSlices,
+            )?,
             o: w.linear(&format!("{p}.o_proj"), h, heads * m.v_dim, cfg.attention_bias)?,
             shape: AttentionShape {
                 n_heads: heads,

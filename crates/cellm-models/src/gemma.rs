@@ -3,10 +3,11 @@
 //! gelu-tanh MLP, a sqrt(hidden) embedding scale and optional soft-capping. The `(1 + w)` of
 //! its RMSNorm is folded into the weights at conversion.
 
-use cellm_format::{CellmFile, Result};
+use cellm_format::Result;
 
-use crate::blocks::{Attention, GatedMlp, RmsNorm, Rope, Weights};
+use crate::blocks::{Attention, Embedding, GatedMlp, RmsNorm, Rope};
 use crate::decoder::{attention_cache_layout, Decoder, DecoderLayer, StepCtx};
+use crate::weights::Weights;
 use crate::{CausalLm, LayerType, ModelConfig};
 
 struct Layer {
@@ -19,8 +20,8 @@ struct Layer {
     post_mlp_norm: RmsNorm,
 }
 
-pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
-    let w = Weights { file };
+pub fn load(w: &Weights, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
+    let embed = Embedding::load(w, &cfg)?;
     let (h, eps) = (cfg.hidden_size, cfg.norm_eps);
     let rope_full = Rope::from(&cfg.rope);
     let rope_local = Rope::from(cfg.rope_local.as_ref().unwrap_or(&cfg.rope));
@@ -35,7 +36,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
                 index: i,
                 input_norm: norm("input_layernorm")?,
                 attn: Attention::load(
-                    &w,
+                    w,
                     &format!("{p}.self_attn"),
                     &cfg,
                     cfg.window(i),
@@ -43,13 +44,13 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
                 )?,
                 post_attn_norm: norm("post_attention_layernorm")?,
                 pre_mlp_norm: norm("pre_feedforward_layernorm")?,
-                mlp: GatedMlp::from_config(&w, &format!("{p}.mlp"), &cfg)?,
+                mlp: GatedMlp::from_config(w, &format!("{p}.mlp"), &cfg)?,
                 post_mlp_norm: norm("post_feedforward_layernorm")?,
             })
         })
         .collect::<Result<Vec<_>>>()?;
     let cache = attention_cache_layout(&cfg);
-    Decoder::assemble(&w, cfg, layers, "model.norm.weight", cache)
+    Decoder::assemble(w, cfg, embed, layers, "model.norm.weight", cache)
 }
 
 impl DecoderLayer for Layer {

@@ -3,12 +3,13 @@
 //! q/k norms. Every layer then runs a SwiGLU feed-forward. The final norm is called
 //! `embedding_norm`. Conv layers keep their last inputs in the session's state.
 
-use cellm_format::{CellmFile, Result};
+use cellm_format::Result;
 use cellm_kv::SeqState;
 use serde::Deserialize;
 
-use crate::blocks::{Attention, CausalConv, GatedMlp, Linear, RmsNorm, Rope, Weights};
+use crate::blocks::{Attention, CausalConv, Embedding, GatedMlp, Linear, RmsNorm, Rope};
 use crate::decoder::{hybrid_cache_layout, Decoder, DecoderLayer, Mixer, RecurrentBlock, StepCtx};
+use crate::weights::Weights;
 use crate::{CausalLm, LayerType, ModelConfig, Step};
 
 /// The description's `conv` section.
@@ -38,8 +39,8 @@ struct Layer {
 const ATTENTION_NAMES: [&str; 6] =
     ["q_proj", "k_proj", "v_proj", "out_proj", "q_layernorm", "k_layernorm"];
 
-pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
-    let w = Weights { file };
+pub fn load(w: &Weights, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
+    let embed = Embedding::load(w, &cfg)?;
     let conv_cfg: ConvConfig = cfg.section("conv")?;
     let (h, eps) = (cfg.hidden_size, cfg.norm_eps);
     let rope = Rope::from(&cfg.rope);
@@ -54,7 +55,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
                 Mixer::Recurrent(Box::new(ShortConv {
                     in_proj: w.linear(&format!("{c}.in_proj"), 3 * h, h, conv_cfg.bias)?,
                     conv: CausalConv::load(
-                        &w,
+                        w,
                         &format!("{c}.conv"),
                         h,
                         conv_cfg.taps,
@@ -68,7 +69,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
                 kv_layers += 1;
                 let prefix = format!("{p}.self_attn");
                 let rope = Some(rope.clone());
-                let attn = Attention::load_named(&w, &prefix, ATTENTION_NAMES, &cfg, None, rope)?;
+                let attn = Attention::load_named(w, &prefix, ATTENTION_NAMES, &cfg, None, rope)?;
                 Mixer::Attention(Box::new(attn), kv_layers - 1)
             }
         };
@@ -77,7 +78,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
             mixer,
             ffn_norm: w.norm(&format!("{p}.ffn_norm.weight"), h, eps)?,
             mlp: GatedMlp::load_named(
-                &w,
+                w,
                 &format!("{p}.feed_forward"),
                 ["w1", "w3", "w2"],
                 h,
@@ -88,7 +89,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
         });
     }
     let cache = hybrid_cache_layout(&cfg, layers.iter().map(|l: &Layer| &l.mixer));
-    Decoder::assemble(&w, cfg, layers, "model.embedding_norm.weight", cache)
+    Decoder::assemble(w, cfg, embed, layers, "model.embedding_norm.weight", cache)
 }
 
 impl RecurrentBlock for ShortConv {

@@ -14,11 +14,13 @@ mod llama;
 mod moe;
 mod qwen35;
 mod registry;
+mod weights;
 
 use cellm_kv::{PagePool, SeqSpan, SeqState};
 
 pub use config::{Activation, LayerType, ModelConfig, RopeConfig};
-pub use registry::{load, SUPPORTED_ARCHITECTURES};
+pub use registry::{architectures, expected_tensors, load};
+pub use weights::{Storage, TensorSpec, Weights};
 
 /// One batched forward step: the new tokens of several sessions, concatenated.
 pub struct Step<'a> {

@@ -2,10 +2,11 @@
 //! free head_dim), granite (embedding/residual/attention multipliers, logits scaling) and
 //! smollm3 (layers without RoPE). Their differences are config data, not code paths.
 
-use cellm_format::{CellmFile, Result};
+use cellm_format::Result;
 
-use crate::blocks::{Attention, GatedMlp, RmsNorm, Rope, Weights};
+use crate::blocks::{Attention, Embedding, GatedMlp, RmsNorm, Rope};
 use crate::decoder::{attention_cache_layout, Decoder, DecoderLayer, StepCtx};
+use crate::weights::Weights;
 use crate::{CausalLm, ModelConfig};
 
 struct Layer {
@@ -16,8 +17,8 @@ struct Layer {
     mlp: GatedMlp,
 }
 
-pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
-    let w = Weights { file };
+pub fn load(w: &Weights, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
+    let embed = Embedding::load(w, &cfg)?;
     let (h, eps) = (cfg.hidden_size, cfg.norm_eps);
     let rope = Rope::from(&cfg.rope);
     let layers = (0..cfg.num_layers)
@@ -27,7 +28,7 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
                 index: i,
                 input_norm: w.norm(&format!("{p}.input_layernorm.weight"), h, eps)?,
                 attn: Attention::load(
-                    &w,
+                    w,
                     &format!("{p}.self_attn"),
                     &cfg,
                     cfg.window(i),
@@ -35,12 +36,12 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
                     cfg.layer_uses_rope(i).then(|| rope.clone()),
                 )?,
                 post_attn_norm: w.norm(&format!("{p}.post_attention_layernorm.weight"), h, eps)?,
-                mlp: GatedMlp::from_config(&w, &format!("{p}.mlp"), &cfg)?,
+                mlp: GatedMlp::from_config(w, &format!("{p}.mlp"), &cfg)?,
             })
         })
         .collect::<Result<Vec<_>>>()?;
     let cache = attention_cache_layout(&cfg);
-    Decoder::assemble(&w, cfg, layers, "model.norm.weight", cache)
+    Decoder::assemble(w, cfg, embed, layers, "model.norm.weight", cache)
 }
 
 impl DecoderLayer for Layer {

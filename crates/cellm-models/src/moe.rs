@@ -7,7 +7,8 @@ use cellm_format::{Result, Tensor};
 use cellm_kernels::{matmul, ops};
 use serde::Deserialize;
 
-use crate::blocks::{gather_rows, GatedMlp, Weights};
+use crate::blocks::{gather_rows, GatedMlp};
+use crate::weights::{Storage, Weights};
 use crate::Activation;
 
 /// The description's `moe` section.
@@ -43,7 +44,7 @@ impl Moe {
         hidden: usize,
         act: Activation,
     ) -> Result<Self> {
-        let router = w.tensor(&format!("{p}.gate.weight"), &[cfg.experts, hidden])?;
+        let router = w.get(&format!("{p}.gate.weight"), &[cfg.experts, hidden], Storage::F32)?;
         let correction =
             w.vector(&format!("{p}.gate.e_score_correction_bias"), cfg.experts)?.as_f32()?.to_vec();
         let inter = cfg.expert_intermediate_size;

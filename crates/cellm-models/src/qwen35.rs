@@ -4,15 +4,16 @@
 //! `(1 + w)` of its RMSNorms is folded into the weights at conversion (not the gated norm's,
 //! which is a plain `w`).
 
-use cellm_format::{CellmFile, Result, Tensor};
+use cellm_format::{Result, Tensor};
 use cellm_kernels::gating::Gate;
 use cellm_kernels::ops;
 use cellm_kv::SeqState;
 use serde::Deserialize;
 
-use crate::blocks::{Attention, CausalConv, GatedMlp, Linear, RmsNorm, Rope, Weights};
+use crate::blocks::{Attention, CausalConv, Embedding, GatedMlp, Linear, RmsNorm, Rope};
 use crate::decoder::{hybrid_cache_layout, Decoder, DecoderLayer, Mixer, RecurrentBlock, StepCtx};
 use crate::delta_rule::{self, HeadInputs};
+use crate::weights::Weights;
 use crate::{CausalLm, LayerType, ModelConfig, Step};
 
 /// The description's `linear_attention` section.
@@ -50,8 +51,8 @@ struct Layer {
     mlp: GatedMlp,
 }
 
-pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
-    let w = Weights { file };
+pub fn load(w: &Weights, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
+    let embed = Embedding::load(w, &cfg)?;
     let (h, eps) = (cfg.hidden_size, cfg.norm_eps);
     let rope = Rope::from(&cfg.rope);
     let mut kv_layers = 0;
@@ -61,14 +62,14 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
         let p = format!("model.layers.{i}");
         let mixer = match cfg.layer_type(i) {
             LayerType::LinearAttention => {
-                let net = DeltaNet::load(&w, &format!("{p}.linear_attn"), &cfg, buffers)?;
+                let net = DeltaNet::load(w, &format!("{p}.linear_attn"), &cfg, buffers)?;
                 buffers += 2;
                 Mixer::Recurrent(Box::new(net))
             }
             _ => {
                 kv_layers += 1;
                 let rope = Some(rope.clone());
-                let attn = Attention::load(&w, &format!("{p}.self_attn"), &cfg, None, rope)?;
+                let attn = Attention::load(w, &format!("{p}.self_attn"), &cfg, None, rope)?;
                 Mixer::Attention(Box::new(attn), kv_layers - 1)
             }
         };
@@ -76,11 +77,11 @@ pub fn load(file: &CellmFile, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
             input_norm: w.norm(&format!("{p}.input_layernorm.weight"), h, eps)?,
             mixer,
             post_attn_norm: w.norm(&format!("{p}.post_attention_layernorm.weight"), h, eps)?,
-            mlp: GatedMlp::from_config(&w, &format!("{p}.mlp"), &cfg)?,
+            mlp: GatedMlp::from_config(w, &format!("{p}.mlp"), &cfg)?,
         });
     }
     let cache = hybrid_cache_layout(&cfg, layers.iter().map(|l: &Layer| &l.mixer));
-    Decoder::assemble(&w, cfg, layers, "model.norm.weight", cache)
+    Decoder::assemble(w, cfg, embed, layers, "model.norm.weight", cache)
 }
 
 impl DeltaNet {

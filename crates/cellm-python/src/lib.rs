@@ -3,6 +3,7 @@
 mod engine;
 mod errors;
 mod kernels;
+mod models;
 
 use pyo3::prelude::*;
 
@@ -17,6 +18,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::matmul, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::read_bandwidth, m)?)?;
+    m.add_function(wrap_pyfunction!(models::architectures, m)?)?;
+    m.add_function(wrap_pyfunction!(models::expected_tensors, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

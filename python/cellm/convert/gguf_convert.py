@@ -1,4 +1,4 @@
-"""GGUF file -> `.cellm` v2 file (docs/format.md) for the llama, qwen2 and gemma3 architectures.
+"""GGUF file -> `.cellm` v2 file (docs/format.md) for the GGUF architectures the families declare.
 
 The GGUF metadata is translated into the HF config keys it was made from, so the model
 description comes from the same `normalise_config` as the HF path. Tensors keep their stored
@@ -11,56 +11,27 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
 
 from ..errors import FormatError, UnsupportedArchitecture
+from ..families import by_gguf_architecture
+from ..families.base import GGUFArch
 from .dtypes import BLOCK_FORMATS, CHUNK_BYTES, storage_dtype
 from .dtypes import convert as convert_float
 from .gguf import GGUFFile, GGUFTensor
 from .hf_config import normalise_config
-from .interleave import interleaved
-from .progress import ProgressBar
+from .progress import conversion_bar
 from .quantize import Quantization, plan_quantization, quantize_rows
 from .safetensors import to_f32
 from .tokenizer_files import TOKENIZER_BLOB
-from .weights import expected_tensors, stored_as_f32
+from .weights import expected_tensors
 from .writer import TensorEntry, write_cellm
 
-__all__ = ["convert_gguf", "GGUF_ARCHITECTURES", "gguf_to_hf_config", "hf_tensor_name"]
+__all__ = ["convert_gguf", "gguf_to_hf_config", "hf_tensor_name"]
 
-# Same rule as convert_hf: a progress bar on a terminal only for models at least this large.
-_AUTO_PROGRESS_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class GGUFArch:
-    model_type: str  # the HF model_type, i.e. the hf_config family
-    # llama.cpp's convert_hf_to_gguf.py `LlamaModel.permute`s the rows of q and k (weights and
-    # biases) from HF's half-split rotary layout to interleaved pairs; Qwen2Model does not.
-    permuted_qk: bool
-    # Layer tensor names that differ from the llama table below.
-    layer_names: Mapping[str, str] = field(default_factory=dict)
-
-
-# The one `general.architecture` -> conversion table.
-GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
-    "llama": GGUFArch("llama", permuted_qk=True),
-    "qwen2": GGUFArch("qwen2", permuted_qk=False),
-    # llama.cpp's Gemma3Model stores norms with Gemma's `1 + w` already added, as cellm does.
-    "gemma3": GGUFArch(
-        "gemma3_text",
-        permuted_qk=False,
-        layer_names={
-            "post_attention_norm": "post_attention_layernorm",
-            "ffn_norm": "pre_feedforward_layernorm",
-            "post_ffw_norm": "post_feedforward_layernorm",
-        },
-    ),
-}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -123,12 +94,7 @@ def convert_gguf(
     try:
         md = gg.metadata
         arch_name = md.get("general.architecture")
-        arch = GGUF_ARCHITECTURES.get(arch_name) if isinstance(arch_name, str) else None
-        if arch is None:
-            raise UnsupportedArchitecture(
-                f"{src}: GGUF architecture {arch_name!r} is not supported "
-                f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
-            )
+        arch = by_gguf_architecture(arch_name, str(src))
         config = gguf_to_hf_config(md, gg.tensors, arch_name, arch, str(src))
         model = normalise_config(config, None, str(src))
         if _ROPE_FREQS in gg.tensors:
@@ -157,15 +123,9 @@ def convert_gguf(
             },
         }
         total = sum(e.nbytes for e in entries)
-        bar = None
-        if progress or (progress is None and total >= _AUTO_PROGRESS_BYTES):
-            bar = ProgressBar(total, f"converting {src.name}", force=bool(progress))
-        try:
+        with conversion_bar(total, f"converting {src.name}", progress) as bar:
             blobs = [(TOKENIZER_BLOB, tok.json.encode("utf-8"))]
             return write_cellm(output_path, header, entries, blobs, bar)
-        finally:
-            if bar is not None:
-                bar.close()
     finally:
         _close_quietly(gg)
 
@@ -234,8 +194,9 @@ def gguf_to_hf_config(
     if rope_dim is not None and head_dim and rope_dim != head_dim:
         # normalise_config rejects partial rotary embeddings with a clear message.
         config["partial_rotary_factor"] = rope_dim / head_dim
-    if arch.model_type == "gemma3_text":
-        config.update(_gemma3_keys(get, config))
+    if arch.config_keys is not None:
+        # The family's keys may depend on the head width the metadata implies.
+        config.update(arch.config_keys(get, {**config, "head_dim": head_dim}))
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):
         config["rope_scaling"] = {
@@ -247,26 +208,6 @@ def gguf_to_hf_config(
         }
         config["rope_scaling"] = {k: v for k, v in config["rope_scaling"].items() if v is not None}
     return {k: v for k, v in config.items() if v is not None}
-
-
-def _gemma3_keys(get: Any, config: Mapping[str, Any]) -> dict[str, Any]:
-    """What llama.cpp's gemma3 loader reads or hard-codes: the window and its layer pattern
-    (every 6th layer full unless `attention.sliding_window_pattern` says otherwise), local
-    layers' RoPE base (10000), attention scaled by 1/sqrt(head_dim), optional soft-caps."""
-    pattern = get("attention.sliding_window_pattern")
-    layer_types = None
-    if isinstance(pattern, list):  # one flag per layer, true = sliding
-        layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
-    return {
-        "sliding_window": get("attention.sliding_window"),
-        "sliding_window_pattern": pattern if isinstance(pattern, int) else None,
-        "layer_types": layer_types,
-        "rope_local_base_freq": 10000.0,
-        "query_pre_attn_scalar": config.get("head_dim")
-        or _maybe_div(config["hidden_size"], config["num_attention_heads"]),
-        "attn_logit_softcapping": get("attn_logit_softcapping"),
-        "final_logit_softcapping": get("final_logit_softcapping"),
-    }
 
 
 def _with_freq_factors(rope: dict[str, Any], factors: np.ndarray) -> dict[str, Any]:
@@ -318,10 +259,12 @@ def _plan(
     """One entry per tensor the engine reads, in its order, checked against the GGUF file."""
     by_hf = {hf_tensor_name(name, arch): name for name in gg.tensors}
     plan = expected_tensors(model)
-    for hf, _ in plan:
-        if hf not in by_hf:
-            raise FormatError(f"{gg.path} is missing tensor {_gguf_name(hf, arch)} ({hf})")
-    wanted = {hf for hf, _ in plan}
+    for tensor in plan:
+        if tensor.name not in by_hf:
+            raise FormatError(
+                f"{gg.path} is missing tensor {_gguf_name(tensor.name, arch)} ({tensor.name})"
+            )
+    wanted = {tensor.name for tensor in plan}
     extra = sorted(
         n for n in gg.tensors if n != _ROPE_FREQS and hf_tensor_name(n, arch) not in wanted
     )
@@ -332,13 +275,14 @@ def _plan(
             f"{', '.join(extra[:3])}{more}"
         )
     entries = []
-    for hf, shape in plan:
+    for tensor in plan:
+        hf = tensor.name
         name = by_hf[hf]
         t = gg.tensors[name]
-        if t.shape != shape:
+        if t.shape != tensor.shape:
             raise FormatError(
-                f"{gg.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)} "
-                "from the GGUF metadata"
+                f"{gg.path}: tensor {name} has shape {list(t.shape)}, expected "
+                f"{list(tensor.shape)} from the GGUF metadata"
             )
         heads = None
         if arch.permuted_qk and hf.endswith(("q_proj.weight", "q_proj.bias")):
@@ -346,11 +290,13 @@ def _plan(
         elif arch.permuted_qk and hf.endswith(("k_proj.weight", "k_proj.bias")):
             heads = model["num_kv_heads"]
         entry = _entry(gg, t, hf, heads)
-        if quantization is not None and len(t.shape) == 2 and not stored_as_f32(hf, t.shape):
+        fmt = entry.format
+        if quantization is not None and len(t.shape) == 2:
             fmt = quantization.format_for(hf, t.shape[1], t.format)
-            if fmt != t.format:
-                entry = _requantized(entry, fmt)
-        entries.append(interleaved(entry))
+        fmt = tensor.stored_format(fmt)
+        if fmt != entry.format:
+            entry = _requantized(entry, fmt)
+        entries.append(tensor.finished(entry))
     return entries
 
 

@@ -73,3 +73,16 @@ def _isatty(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+# Conversions get a bar by themselves only from this size: small ones take well under a second.
+AUTO_PROGRESS_BYTES = 64 << 20
+
+
+def conversion_bar(total: int, label: str, progress: Optional[bool]) -> ProgressBar:
+    """The bar of a conversion writing `total` bytes: `progress` True always draws it on
+    stderr, False never, None on a terminal for large models."""
+    wanted = progress or (progress is None and total >= AUTO_PROGRESS_BYTES)
+    bar = ProgressBar(total, label, force=bool(progress))
+    bar.enabled = bar.enabled and bool(wanted)
+    return bar

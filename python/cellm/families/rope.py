@@ -1,4 +1,5 @@
-"""RoPE inverse frequencies, computed as HF transformers' `modeling_rope_utils.py` does.
+"""RoPE from a HF config: the rope parameters in either spelling, and the inverse frequencies
+computed as HF transformers' `modeling_rope_utils.py` does.
 
 The engine applies `inv_freq` as given, so every scaling rule is resolved here at conversion.
 HF works in float32 torch tensors with Python scalars cast to float32; the numpy below keeps
@@ -14,6 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from ..errors import FormatError, UnsupportedArchitecture
+from .base import ModelType
 
 F32 = np.float32
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -168,3 +172,79 @@ def compute_inv_freq(
         )
         return inv, attention
     raise ValueError(rope_type)
+
+
+def rope_parameters(
+    config: Mapping[str, Any], model_type: ModelType, source: str
+) -> dict[str, Any]:
+    """The standardised rope dict, accepting both HF spellings.
+
+    transformers 5 writes `rope_parameters` (with `rope_theta` inside); older configs have a
+    top-level `rope_theta` plus an optional `rope_scaling` whose type key is `type` or
+    `rope_type`. Like transformers 5, a non-empty `rope_scaling` wins over `rope_parameters`.
+    """
+    raw = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(raw, dict):
+        raise FormatError(f"{source}: rope parameters must be an object, got {raw!r}")
+    params = dict(raw)
+    # transformers 5 may nest one dict per layer type; this is the full-attention one (a
+    # family with sliding layers reads theirs itself).
+    if "full_attention" in params or "sliding_attention" in params:
+        nested = params.get("full_attention")
+        if not isinstance(nested, dict):
+            raise FormatError(f"{source}: rope parameters lack a 'full_attention' entry")
+        params = dict(nested)
+
+    params.setdefault("rope_type", params.get("type", "default"))
+    defaults = model_type.defaults
+    if params.get("rope_theta") is None:
+        theta = config.get("rope_theta")
+        params["rope_theta"] = defaults["rope_theta"] if theta is None else theta
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        # HF gives a top-level original_max_position_embeddings priority (Phi3 convention).
+        if config.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        else:
+            params.setdefault(
+                "original_max_position_embeddings",
+                config.get("max_position_embeddings") or defaults["max_position_embeddings"],
+            )
+    return params
+
+
+def rope_description(
+    config: Mapping[str, Any], model_type: ModelType, head_dim: int, max_pos: int, source: str
+) -> dict[str, Any]:
+    """The model description's `rope` section: type, base and the inverse frequencies of the
+    rotated part of each head."""
+    params = rope_parameters(config, model_type, source)
+    rope_type = params["rope_type"]
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedArchitecture(
+            f"{source}: rope_type {rope_type!r} is not supported (supported: "
+            f"{', '.join(ROPE_TYPES)})"
+        )
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial is None:
+        partial = model_type.defaults.get("partial_rotary_factor", 1.0)
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise FormatError(f"{source}: partial_rotary_factor must be in (0, 1], got {partial!r}")
+    # HF rotates the first int(head_dim * factor) dims of each head.
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise UnsupportedArchitecture(
+            f"{source}: a rotary dimension of {rotary_dim} (head_dim {head_dim} x "
+            f"partial_rotary_factor {partial}) is not supported (it must be even)"
+        )
+    try:
+        inv_freq, attention_factor = compute_inv_freq(rope_type, params, rotary_dim, max_pos)
+    except KeyError as e:
+        raise FormatError(f"{source}: {rope_type} rope parameters lack {e.args[0]!r}") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise FormatError(f"{source}: invalid {rope_type} rope parameters ({e})") from None
+    return {
+        "type": rope_type,
+        "theta": float(params["rope_theta"]),
+        "inv_freq": [float(x) for x in inv_freq],
+        "attention_factor": float(attention_factor),
+    }

@@ -1,0 +1,129 @@
+"""HF checkpoint directory -> `.cellm` file: config normalised, tensors planned by the engine's
+declaration, each one rewritten by its family where needed, converted or quantized, written."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+
+from ..errors import FormatError
+from ..families.base import Transform
+from .dtypes import BLOCK_FORMATS, check_format, convert_chunks, float32_chunks
+from .hf_config import family_of, load_config, normalise_config
+from .progress import conversion_bar
+from .quantize import Quantization, plan_quantization, quantize_rows
+from .safetensors import Checkpoint, open_checkpoint
+from .tokenizer_files import TOKENIZER_BLOB, load_tokenizer_files
+from .weights import PlannedTensor, plan_tensors
+from .writer import TensorEntry, write_cellm
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def convert_hf(
+    input_dir: Union[str, os.PathLike],
+    output_path: Union[str, os.PathLike],
+    dtype: str = "f16",
+    progress: Optional[bool] = None,
+    quantize: Optional[str] = None,
+    group_size: Optional[int] = None,
+    embedding: Optional[str] = None,
+) -> Path:
+    """Convert a HuggingFace checkpoint directory to a `.cellm` file and return its path.
+
+    `dtype` (f32, f16, bf16) applies to tensors of two or more dimensions; 1-D tensors (norms,
+    biases) are always stored as f32. `quantize` stores every matrix whose rows split into its
+    units in that format instead: `int8` (per row), `int4` / `int4-affine` (groups of
+    `group_size` 32, 64 or 128; default 64), or a GGUF block format (q8_0, q4_0, q4_1, q5_0,
+    q4_k).
+    `embedding` (a scheme, or f16/f32/bf16) overrides it for the token embedding. `progress`:
+    None shows a bar on a terminal for large models, True always shows it on stderr, False
+    never.
+    """
+    check_format(dtype)
+    quantization = plan_quantization(quantize, group_size, embedding)
+    src = Path(input_dir)
+    if not src.exists():
+        raise FormatError(f"{src}: no such file or directory")
+    if not src.is_dir():
+        raise FormatError(f"{src} is not a directory (expected a HuggingFace checkpoint)")
+    config = load_config(src)
+    config_source = str(src / "config.json")
+    # Refuse unsupported architectures before touching the (possibly huge) weights.
+    family = family_of(config, config_source)
+
+    with open_checkpoint(src) as checkpoint:
+        embed_dtype = checkpoint.info(EMBEDDING).dtype if EMBEDDING in checkpoint else "F32"
+        model = normalise_config(config, checkpoint, config_source, embed_dtype)
+        family.settle_from_weights(model, checkpoint)
+        entries = []
+        for tensor in plan_tensors(model, family, checkpoint):
+            source = family.tensor_source(model, tensor.name)
+            transform = family.tensor_transform(model, tensor.name)
+            entry = _entry(checkpoint, tensor, dtype, quantization, transform, source)
+            entries.append(tensor.finished(entry))
+        tok = load_tokenizer_files(src, config)
+        header = {
+            "model": model,
+            "hf_config": config,
+            "tokenizer": tok.tokenizer,
+            "generation": tok.generation,
+            "source": {
+                "kind": "hf",
+                "dtype": dtype,
+                **(quantization.source_record() if quantization else {}),
+            },
+        }
+        total = sum(e.nbytes for e in entries)
+        with conversion_bar(total, f"converting {src.name}", progress) as bar:
+            blobs = [(TOKENIZER_BLOB, tok.tokenizer_json)]
+            return write_cellm(output_path, header, entries, blobs, bar)
+
+
+def _entry(
+    checkpoint: Checkpoint,
+    tensor: PlannedTensor,
+    dtype: str,
+    quantization: Optional[Quantization],
+    transform: Optional[Transform],
+    source: Optional[tuple[str, tuple[int, ...]]],
+) -> TensorEntry:
+    """`tensor` as stored: made from checkpoint tensor `source` (default: itself), rewritten
+    by `transform` (whole, in float32), then converted or quantized to a format the engine
+    accepts for it."""
+    name, shape = tensor.name, tensor.shape
+    source_name = source[0] if source else name
+    src_dtype = checkpoint.info(source_name).dtype
+
+    def f32_chunks() -> Iterator[np.ndarray]:
+        if transform is None:
+            yield from float32_chunks(checkpoint.view(source_name), src_dtype)
+        else:
+            whole = np.concatenate(list(float32_chunks(checkpoint.view(source_name), src_dtype)))
+            yield np.ascontiguousarray(transform(whole).reshape(shape), dtype=np.float32)
+
+    fmt = dtype
+    if quantization is not None and len(shape) == 2:
+        fmt = quantization.format_for(name, shape[1], dtype)
+    fmt = tensor.stored_format(fmt)
+    if fmt in BLOCK_FORMATS:
+
+        def blocks() -> Iterator[np.ndarray]:
+            for chunk in f32_chunks():
+                yield quantize_rows(chunk, fmt)
+
+        return TensorEntry(name, fmt, shape, blocks)
+    if transform is not None:
+        return TensorEntry(
+            name,
+            fmt,
+            shape,
+            lambda: (piece for c in f32_chunks() for piece in convert_chunks(c, "F32", fmt)),
+        )
+    return TensorEntry(
+        name, fmt, shape, lambda: convert_chunks(checkpoint.view(source_name), src_dtype, fmt)
+    )
