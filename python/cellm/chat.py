@@ -60,10 +60,10 @@ def _strftime_now(format: str) -> str:
 
 class _TemplateDict:
     # A bare callable instead of the dict type, so templates cannot reach type attributes.
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict(*args, **kwargs)
 
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict.fromkeys(*args, **kwargs)
 
 
@@ -102,7 +102,7 @@ class _GenerationTag(jinja2.ext.Extension):
 
     @staticmethod
     def _render_body(caller: Any) -> str:
-        return caller()
+        return str(caller())
 
 
 def _make_env() -> ImmutableSandboxedEnvironment:

@@ -92,7 +92,7 @@ class _CallParser:
     def _bare(self) -> Any:
         m = _BARE.match(self.text, self.pos)
         word = m.group().strip() if m else ""
-        if not word:
+        if m is None or not word:
             raise _Malformed(f"missing value at {self.pos}")
         self.pos = m.end()
         return _convert_bare(word)

@@ -17,7 +17,7 @@ from .writer import read_header
 __all__ = ["convert", "convert_gguf", "convert_hf", "is_gguf", "read_header"]
 
 
-def is_gguf(path: Union[str, os.PathLike]) -> bool:
+def is_gguf(path: Union[str, os.PathLike[str]]) -> bool:
     """Whether `path` is a file that starts with the GGUF magic."""
     try:
         with open(path, "rb") as f:
@@ -27,8 +27,8 @@ def is_gguf(path: Union[str, os.PathLike]) -> bool:
 
 
 def convert(
-    input_path: Union[str, os.PathLike],
-    output_path: Union[str, os.PathLike],
+    input_path: Union[str, os.PathLike[str]],
+    output_path: Union[str, os.PathLike[str]],
     dtype: Optional[str] = None,
     progress: Optional[bool] = None,
     quantize: Optional[str] = None,
@@ -43,14 +43,15 @@ def convert(
     src = Path(input_path)
     if not src.exists():
         raise FormatError(f"{src}: no such file or directory")
-    options = {"quantize": quantize, "group_size": group_size, "embedding": embedding}
     if src.is_dir():
-        return convert_hf(src, output_path, dtype or "f16", progress=progress, **options)
+        return convert_hf(
+            src, output_path, dtype or "f16", progress, quantize, group_size, embedding
+        )
     if src.suffix.lower() == ".gguf" or is_gguf(src):
         if dtype is not None:
             raise InvalidArgument(
                 "--dtype applies to HuggingFace checkpoints only; GGUF tensors keep their "
                 "formats (or take --quantize)"
             )
-        return convert_gguf(src, output_path, progress=progress, **options)
+        return convert_gguf(src, output_path, progress, quantize, group_size, embedding)
     raise FormatError(f"{src} is neither a HuggingFace checkpoint directory nor a GGUF file")

@@ -73,8 +73,8 @@ def hf_tensor_name(name: str, arch: Optional[GGUFArch] = None) -> Optional[str]:
 
 
 def convert_gguf(
-    input_path: Union[str, os.PathLike],
-    output_path: Union[str, os.PathLike],
+    input_path: Union[str, os.PathLike[str]],
+    output_path: Union[str, os.PathLike[str]],
     progress: Optional[bool] = None,
     quantize: Optional[str] = None,
     group_size: Optional[int] = None,
@@ -95,7 +95,7 @@ def convert_gguf(
         md = gg.metadata
         arch_name = md.get("general.architecture")
         arch = by_gguf_architecture(arch_name, str(src))
-        config = gguf_to_hf_config(md, gg.tensors, arch_name, arch, str(src))
+        config = gguf_to_hf_config(md, gg.tensors, str(arch_name), arch, str(src))
         model = normalise_config(config, None, str(src))
         if _ROPE_FREQS in gg.tensors:
             model["rope"] = _with_freq_factors(model["rope"], _float_vector(gg, _ROPE_FREQS))
@@ -342,7 +342,8 @@ def unpermute_rows(rows: int, heads: int) -> np.ndarray:
     if rows % (2 * heads):
         raise FormatError(f"{rows} q/k rows do not split into {heads} heads of rotary pairs")
     half = rows // heads // 2
-    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)
+    order: np.ndarray = np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)
+    return order
 
 
 def _entry(gg: GGUFFile, t: GGUFTensor, hf: str, heads: Optional[int]) -> TensorEntry:

@@ -25,8 +25,8 @@ EMBEDDING = "model.embed_tokens.weight"
 
 
 def convert_hf(
-    input_dir: Union[str, os.PathLike],
-    output_path: Union[str, os.PathLike],
+    input_dir: Union[str, os.PathLike[str]],
+    output_path: Union[str, os.PathLike[str]],
     dtype: str = "f16",
     progress: Optional[bool] = None,
     quantize: Optional[str] = None,

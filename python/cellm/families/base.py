@@ -52,7 +52,7 @@ class ConfigReader:
             raise FormatError(
                 f"{self.source}: {key} must be an integer >= {minimum}, got {value!r}"
             )
-        return value
+        return int(value)
 
     def get_float(self, key: str, default: Any = None) -> float:
         value = self.get(key, default)
@@ -120,7 +120,8 @@ class GGUFArch:
 class Checkpoint(Protocol):
     """The part of a checkpoint a family's rules may read."""
 
-    source: str
+    @property
+    def source(self) -> object: ...
 
     def __contains__(self, name: object) -> bool: ...
     def info(self, name: str) -> Any: ...

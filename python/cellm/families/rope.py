@@ -25,12 +25,14 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 def _pow32(base: float, exps: np.ndarray) -> np.ndarray:
     # HF casts the Python-float base to float32 before the pow.
-    return (np.float64(F32(base)) ** exps.astype(np.float64)).astype(np.float32)
+    powers: np.ndarray = np.float64(F32(base)) ** exps.astype(np.float64)
+    return powers.astype(np.float32)
 
 
 def _recip(x: np.ndarray) -> np.ndarray:
     # torch implements `scalar / tensor` as `tensor.reciprocal() * scalar`.
-    return F32(1.0) / x
+    recip: np.ndarray = F32(1.0) / x
+    return recip
 
 
 def default_inv_freq(base: float, dim: int) -> np.ndarray:
@@ -46,7 +48,9 @@ def linear_inv_freq(base: float, dim: int, factor: float) -> np.ndarray:
 def dynamic_base(base: float, dim: int, factor: float, max_position_embeddings: int) -> float:
     """Dynamic NTK's base at `seq_len = max_position_embeddings` (the conversion-time length)."""
     seq_len = max_position_embeddings
-    return base * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+    return float(
+        base * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+    )
 
 
 def llama3_inv_freq(
@@ -116,10 +120,11 @@ def yarn_inv_freq(
 
     ramp = (np.arange(dim // 2, dtype=np.float32) - F32(low)) / F32(high - low)
     extrapolation_factor = F32(1.0) - np.clip(ramp, F32(0.0), F32(1.0))
-    return (
+    blended: np.ndarray = (
         inv_freq_interpolation * (F32(1.0) - extrapolation_factor)
         + inv_freq_extrapolation * extrapolation_factor
-    ).astype(np.float32)
+    )
+    return blended.astype(np.float32)
 
 
 def compute_inv_freq(
