@@ -50,3 +50,28 @@ def converted(tmp_path_factory):
         return cache[(name, dtype)]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def gguf_dir(tmp_path_factory) -> Path:
+    """Where `from_gguf` writes the fixtures' GGUF files (`<name>[-<variant>].gguf`)."""
+    return tmp_path_factory.mktemp("gguf")
+
+
+@pytest.fixture(scope="session")
+def from_gguf(gguf_dir):
+    """`from_gguf(name, **variant)` -> .cellm converted from the fixture's GGUF (cached)."""
+    from cellm.convert import convert_gguf
+    from gguf_helpers import hf_fixture_to_gguf
+
+    cache: dict = {}
+
+    def get(name: str, **variant) -> Path:
+        key = (name, tuple(sorted(variant.items())))
+        if key not in cache:
+            tag = "-".join([name] + [k for k, v in sorted(variant.items()) if v])
+            gguf = hf_fixture_to_gguf(name, gguf_dir / f"{tag}.gguf", **variant)
+            cache[key] = convert_gguf(gguf, gguf_dir / f"{tag}.cellm")
+        return cache[key]
+
+    return get

@@ -13,7 +13,7 @@ q_a_layernorm -> q_b_proj) and carries HF's own logits. The direct path (q_lora_
 The transcription is the expanded (non-absorbed) attention exactly as HF computes it; cellm runs
 the absorbed form with a compressed latent cache, so agreement also checks that rewrite.
 
-Weights are read with the minimal safetensors reader of tests/test_convert.py, not cellm's.
+Weights are read with the minimal safetensors reader of tests/convert_helpers.py, not cellm's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import pytest
 from cellm import LLM
 from cellm.convert import convert_hf
 from conftest import FIXTURES, Reference
-from test_convert import load_safetensors, save_safetensors
+from convert_helpers import load_safetensors, save_safetensors
 
 FIXTURE = FIXTURES / "deepseek_v3"
 Weights = dict[str, np.ndarray]
