@@ -12,9 +12,9 @@
 //! multiplies, and the last token group multiplies only the tokens it has.
 
 use crate::cache::prefetch_line;
-use crate::dot::{kernels, panel_widener, DecodeFn, PanelFn};
+use crate::dot::{DecodeFn, PanelFn, PathKernels};
 use crate::isa::Isa;
-use crate::panel::{tile_kernel, TileFn, PANEL_ROWS, PANEL_TOKENS};
+use crate::panel::{TileFn, PANEL_ROWS, PANEL_TOKENS};
 use crate::pool::{parallel_for, SharedOut};
 use crate::rows::WeightRows;
 
@@ -65,11 +65,12 @@ pub struct FloatGemm<'a> {
 
 impl<'a> FloatGemm<'a> {
     pub fn new(w: WeightRows<'a>, isa: Isa) -> Self {
+        let path = PathKernels::of(isa);
         Self {
             w,
-            tile: tile_kernel(isa),
-            decode: kernels(w.format, isa).decode,
-            widen: panel_widener(w.format, isa),
+            tile: path.tile_kernel(),
+            decode: path.row_kernels(w.format).decode,
+            widen: path.panel_widener(w.format),
         }
     }
 
@@ -222,7 +223,7 @@ mod tests {
                 (0..rows * cols).map(|i| ((i * 104729) % 211) as f32 / 100.0 - 1.05).collect();
             let bytes = crate::dot::encode(format, &vals);
             let stride = bytes.len() / rows;
-            let dot = kernels(format, Isa::Scalar).dot;
+            let dot = PathKernels::of(Isa::Scalar).row_kernels(format).dot;
             for path in Isa::available() {
                 let gemm = FloatGemm::new(WeightRows { format, bytes: &bytes, rows, cols }, path);
                 let mut got = vec![f32::NAN; tokens * rows];

@@ -9,9 +9,7 @@ use cellm_format::{Interleaved, Tensor, INTERLEAVE};
 
 use crate::acts::{ActScheme, Q8Acts, Q8Row, QBLOCK};
 use crate::dot::x8::{self, QDotX8Fn};
-use crate::dot::{
-    dot_tiles, group_kernel, kernels, DotTileFn, QDot4Fn, QDotFn, TILE_ROWS, TILE_TOKENS,
-};
+use crate::dot::{DotTileFn, PathKernels, QDot4Fn, QDotFn, TILE_ROWS, TILE_TOKENS};
 use crate::gemm::{pack_tokens, FloatGemm};
 use crate::isa;
 use crate::pool::{self, SharedOut};
@@ -91,7 +89,7 @@ fn act_scheme(w: WeightRows) -> Option<ActScheme> {
     if let Some(Interleaved { base, .. }) = w.format.interleaved() {
         return Some(ActScheme::for_format(base));
     }
-    let integer = kernels(w.format, isa::selected()).qdot.is_some()
+    let integer = PathKernels::selected().row_kernels(w.format).qdot.is_some()
         && w.cols.is_multiple_of(w.format.block_len().max(QBLOCK));
     integer.then(|| ActScheme::for_format(w.format))
 }
@@ -121,17 +119,18 @@ impl<'a> Product<'a> {
         out: *mut f32,
         acts_for: &impl Fn(ActScheme) -> &'a Q8Acts,
     ) -> Self {
+        let path = PathKernels::selected();
         let kernel = match act_scheme(w) {
             Some(scheme) if w.format.interleaved().is_some() => {
                 let acts = acts_for(scheme);
-                let kern = group_kernel(w.format, isa::selected()).expect("interleaved kernel");
+                let kern = path.group_kernel(w.format).expect("interleaved kernel");
                 Kernel::Groups(kern, (0..tokens).map(|t| acts.row(t)).collect())
             }
             Some(scheme) => {
-                let qdot = kernels(w.format, isa::selected()).qdot.expect("integer kernel");
+                let qdot = path.row_kernels(w.format).qdot.expect("integer kernel");
                 Kernel::Integer(qdot, acts_for(scheme))
             }
-            None => Kernel::Float(dot_tiles(w.format, isa::selected()), x, packed),
+            None => Kernel::Float(path.dot_tiles(w.format), x, packed),
         };
         Self { w, tokens, out: SharedOut(out), kernel }
     }
@@ -263,10 +262,13 @@ pub fn decode_row_raw(w: WeightRows, r: usize, out: &mut [f32]) {
             r % INTERLEAVE,
             &mut row,
         );
-        return (kernels(base, isa::selected()).decode)(&row, out);
+        return (PathKernels::selected().row_kernels(base).decode)(&row, out);
     }
     let stride = w.bytes.len() / w.rows;
-    (kernels(w.format, isa::selected()).decode)(&w.bytes[r * stride..(r + 1) * stride], out);
+    (PathKernels::selected().row_kernels(w.format).decode)(
+        &w.bytes[r * stride..(r + 1) * stride],
+        out,
+    );
 }
 
 #[cfg(test)]

@@ -1,9 +1,8 @@
 //! The float GEMM's register tile: a widened panel of PANEL_ROWS stored rows times a packed
 //! group of PANEL_TOKENS tokens, accumulated in registers. `gemm` runs it over weight panels
 //! and attention's query tiles (`cellm-kv`) over blocks of cached keys and values; it lives
-//! apart from both so the row kernels (`dot`) can name the panel's shape without a cycle.
-
-use crate::isa::Isa;
+//! apart from both so the row kernels (`dot`) can name the panel's shape, and the path tables
+//! (`dot::paths`) its kernels, without a cycle.
 
 /// Rows and tokens of one register tile.
 pub const PANEL_ROWS: usize = 16;
@@ -20,19 +19,8 @@ pub type TileFn = fn(
     tile: &mut [[f32; PANEL_ROWS]; PANEL_TOKENS],
 );
 
-/// The register tile of an ISA path (attention's query tiles use it too).
-pub fn tile_kernel(isa: Isa) -> TileFn {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        isa if isa.has_avx2() => avx2::tile,
-        #[cfg(target_arch = "aarch64")]
-        isa if isa.has_neon() => neon::tile,
-        _ => tile_scalar,
-    }
-}
-
 /// The register tile, one product at a time: the reference for the SIMD tile.
-fn tile_scalar(
+pub(crate) fn tile_scalar(
     panel: &[f32],
     x: &[f32],
     cols: usize,
@@ -48,7 +36,7 @@ fn tile_scalar(
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{PANEL_ROWS, PANEL_TOKENS};
@@ -109,7 +97,7 @@ mod avx2 {
 /// The NEON tile: 16 rows x 6 tokens in 24 of the 32 vector registers, each panel column's
 /// four row vectors times the six activations by lane (`fmla` by element).
 #[cfg(target_arch = "aarch64")]
-mod neon {
+pub(crate) mod neon {
     use std::arch::aarch64::*;
 
     use super::{PANEL_ROWS, PANEL_TOKENS};

@@ -1,9 +1,8 @@
 //! Causal attention over paged keys and values.
 
 use cellm_kernels::cache::prefetch_all;
-use cellm_kernels::dot::{head_kernels, CachedRows};
+use cellm_kernels::dot::{CachedRows, PathKernels};
 use cellm_kernels::gating::exp_in_place;
-use cellm_kernels::isa;
 use cellm_kernels::pool::{current_threads, parallel_for, SharedOut};
 
 use crate::pool::{PagePool, SeqKv};
@@ -142,7 +141,7 @@ impl PagePool {
     ) {
         let (hd, n_heads) = (shape.head_dim, shape.n_heads);
         let group = n_heads / shape.n_kv_heads;
-        let kern = head_kernels(self.config().encoding.format(), isa::selected());
+        let kern = PathKernels::selected().head_kernels(self.config().encoding.format());
         let head_bytes = self.config().encoding.format().nbytes(&[hd]).expect("small");
         let (rb, ps) = (self.row_bytes(), self.config().page_size);
         let (max, denom) = (&mut part.max, &mut part.denom);

@@ -15,10 +15,9 @@
 
 use std::ops::Range;
 
-use cellm_kernels::dot::{kernels, DecodeFn};
+use cellm_kernels::dot::{DecodeFn, PathKernels};
 use cellm_kernels::gating::exp_in_place;
-use cellm_kernels::isa;
-use cellm_kernels::panel::{tile_kernel, TileFn, PANEL_ROWS, PANEL_TOKENS};
+use cellm_kernels::panel::{TileFn, PANEL_ROWS, PANEL_TOKENS};
 use cellm_kernels::pool::{parallel_for, SharedOut};
 
 use crate::attention::{AttentionShape, SeqSpan};
@@ -51,10 +50,10 @@ impl PagePool {
         out: &mut [f32],
         shape: &AttentionShape,
     ) {
-        let isa = isa::selected();
+        let path = PathKernels::selected();
         let kern = Kernels {
-            tile: tile_kernel(isa),
-            decode: kernels(self.config().encoding.format(), isa).decode,
+            tile: path.tile_kernel(),
+            decode: path.row_kernels(self.config().encoding.format()).decode,
         };
         // (span, tile) pairs, the longest contexts first so the last tasks are short ones.
         let mut tiles: Vec<(usize, Range<usize>)> = spans

@@ -233,8 +233,20 @@ block_kernels! {
 
 #[cfg(test)]
 mod tests {
-    use super::super::noise;
+    use super::super::kinds::{QDot4Fn, QDotFn};
+    use super::super::{noise, paths, PathKernels};
     use super::*;
+    use crate::Isa;
+
+    /// The scalar integer kernel of a block format: the reference for every path's.
+    fn scalar_qdot(format: TensorFormat) -> QDotFn {
+        PathKernels::of(Isa::Scalar).row_kernels(format).qdot.unwrap().0
+    }
+
+    /// Every path's integer kernels of a block format (see `paths::to_test`).
+    fn integer_kernels_to_test(format: TensorFormat) -> Vec<(&'static str, (QDotFn, QDot4Fn))> {
+        paths::to_test(|k| k.row_kernels(format).qdot.unwrap())
+    }
 
     /// Random blocks with finite scales (f16 d and dmin set to small normal values, i8_row's
     /// f32 row scale too).
@@ -293,7 +305,6 @@ mod tests {
     #[test]
     fn adversarial_blocks_match_scalar() {
         use crate::acts::{ActScheme, Q8Acts};
-        use crate::Isa;
         for format in TensorFormat::BLOCKS {
             let n = 2 * format.block_len().max(256);
             let blocks = n / format.block_len();
@@ -309,10 +320,10 @@ mod tests {
                 let mut w = vec![0.0; n];
                 (kernels(format).unwrap().decode)(row, &mut w);
                 let mag: f32 = w.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
-                let scalar = super::super::kernels(format, Isa::Scalar).qdot.unwrap().0;
+                let scalar = scalar_qdot(format);
                 let want = scalar(row, acts.row(0));
                 assert!(want.is_finite(), "{format:?}");
-                for (path, (one, _)) in super::super::integer_kernels_to_test(format) {
+                for (path, (one, _)) in integer_kernels_to_test(format) {
                     let got = one(row, acts.row(0));
                     assert!(
                         (got - want).abs() <= 1e-5 * mag + f32::MIN_POSITIVE,
@@ -347,8 +358,6 @@ mod tests {
     #[test]
     fn integer_kernels_match_references() {
         use crate::acts::Q8Acts;
-
-        use crate::Isa;
         for format in TensorFormat::BLOCKS {
             let n = 2 * format.block_len().max(256);
             let row = random_row(format, n / format.block_len(), 7 + format.block_bytes() as u64);
@@ -365,8 +374,7 @@ mod tests {
             let float_ref: f32 = w.iter().zip(&xq).map(|(a, b)| a * b).sum();
             let mag: f32 = w.iter().zip(&xq).map(|(a, b)| (a * b).abs()).sum();
             let scheme = crate::acts::ActScheme::for_format(format);
-            let scalar =
-                super::super::kernels(format, Isa::Scalar).qdot.unwrap().0(&row, acts.row(0));
+            let scalar = scalar_qdot(format)(&row, acts.row(0));
             assert!(
                 (scalar - float_ref).abs() <= 1e-5 * mag,
                 "{format:?}: {scalar} vs {float_ref}"
@@ -382,7 +390,7 @@ mod tests {
                 })
                 .collect();
             let rows = [scaled[0].row(0), scaled[1].row(0), scaled[2].row(0), scaled[3].row(0)];
-            for (path, (one, four)) in super::super::integer_kernels_to_test(format) {
+            for (path, (one, four)) in integer_kernels_to_test(format) {
                 let got = one(&row, acts.row(0));
                 assert!((got - scalar).abs() <= 1e-5 * mag, "{format:?} {path}: {got} vs {scalar}");
                 let many = four(&row, &rows);

@@ -120,13 +120,3 @@ pub(super) const AVX_VNNI: u8 = 1;
 pub(super) const AVX512_VNNI: u8 = 2;
 #[cfg(test)]
 pub(super) const EMULATED_VNNI: u8 = 3;
-
-/// The const-generic path of a SIMD ISA.
-pub(super) fn path(isa: crate::Isa) -> u8 {
-    assert!(isa.has_avx2() && isa.supported(), "{} kernels requested on this CPU", isa.name());
-    match isa {
-        crate::Isa::AvxVnni => AVX_VNNI,
-        crate::Isa::Avx512Vnni => AVX512_VNNI,
-        _ => AVX2,
-    }
-}

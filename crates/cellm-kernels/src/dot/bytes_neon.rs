@@ -56,15 +56,6 @@ impl NeonDot for Widening {
 pub(super) const NEON: u8 = 0;
 pub(super) const NEON_DOTPROD: u8 = 1;
 
-/// The const-generic path of an aarch64 SIMD ISA.
-pub(super) fn path(isa: crate::Isa) -> u8 {
-    assert!(isa.has_neon() && isa.supported(), "{} kernels requested on this CPU", isa.name());
-    match isa {
-        crate::Isa::NeonDotprod => NEON_DOTPROD,
-        _ => NEON,
-    }
-}
-
 /// Four activation bytes (one i32) in every lane.
 #[inline(always)]
 pub(super) unsafe fn broadcast4(p: *const i8) -> int8x16_t {

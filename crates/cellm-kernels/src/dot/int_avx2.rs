@@ -13,7 +13,6 @@ use super::int_scalar::scale_min_k4;
 use super::kinds::{QDot4Fn, QDotFn};
 use super::prefetch;
 use crate::acts::Q8Row;
-use crate::Isa;
 
 #[inline(always)]
 unsafe fn hsum(v: __m256) -> f32 {
@@ -398,21 +397,6 @@ macro_rules! safe_entry {
 
         integer_entries_table!($($name => $format),*);
     };
-}
-
-/// The VNNI paths' kernels on AVX2, with `vpdpbusd` emulated (tests).
-#[cfg(test)]
-pub fn qdot_emulated_vnni(format: TensorFormat) -> Option<(QDotFn, QDot4Fn)> {
-    assert!(Isa::Avx2.supported());
-    entries::<{ bytes::EMULATED_VNNI }>(format)
-}
-
-pub fn qdot(format: TensorFormat, isa: Isa) -> Option<(QDotFn, QDot4Fn)> {
-    match bytes::path(isa) {
-        bytes::AVX2 => entries::<{ bytes::AVX2 }>(format),
-        bytes::AVX_VNNI => entries::<{ bytes::AVX_VNNI }>(format),
-        _ => entries::<{ bytes::AVX512_VNNI }>(format),
-    }
 }
 
 with_integer_kernels!(safe_entry);

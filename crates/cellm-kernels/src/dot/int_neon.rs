@@ -12,7 +12,6 @@ use super::int_scalar::scale_min_k4;
 use super::kinds::{QDot4Fn, QDotFn};
 use super::neon::load_f16;
 use crate::acts::Q8Row;
-use crate::Isa;
 
 #[inline(always)]
 unsafe fn xblock(x: &Q8Row, b: usize) -> [int8x16_t; 2] {
@@ -289,13 +288,6 @@ macro_rules! safe_entry {
 
         integer_entries_table!($($name => $format),*);
     };
-}
-
-pub fn qdot(format: TensorFormat, isa: Isa) -> Option<(QDotFn, QDot4Fn)> {
-    match bytes_neon::path(isa) {
-        bytes_neon::NEON_DOTPROD => entries::<{ bytes_neon::NEON_DOTPROD }>(format),
-        _ => entries::<{ bytes_neon::NEON }>(format),
-    }
 }
 
 with_integer_kernels!(safe_entry);

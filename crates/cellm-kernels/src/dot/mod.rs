@@ -1,5 +1,7 @@
 //! Row kernels: dot product of one stored weight row with f32 activations, and decoding a
 //! stored row to f32. One table per (format, ISA); every SIMD entry has a scalar twin.
+//! [`PathKernels::of`] picks an ISA path's tables (`paths.rs`); the path modules take what
+//! their kernels look like from `kinds.rs`, so this module only declares and re-exports.
 
 #[macro_use]
 mod tables;
@@ -20,6 +22,7 @@ mod int_scalar;
 mod kinds;
 #[cfg(target_arch = "aarch64")]
 mod neon;
+mod paths;
 #[cfg(target_arch = "x86_64")]
 mod prefetch;
 mod scalar;
@@ -29,115 +32,13 @@ mod x8_avx2;
 #[cfg(target_arch = "aarch64")]
 mod x8_neon;
 
-use cellm_format::TensorFormat;
-
 #[cfg(test)]
 pub(crate) use floats::encode;
 pub use kinds::{
     head_passes, AxpyFn, AxpyHeadsFn, CachedRows, DecodeFn, DotFn, DotHeadsFn, DotTileFn,
     HeadKernels, PanelFn, QDot4Fn, QDotFn, RowKernels, TILE_ROWS, TILE_TOKENS,
 };
-
-use crate::isa::Isa;
-
-/// The SIMD panel widener of a float format (None on the scalar and NEON paths: `gemm` widens
-/// row by row there).
-#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-pub fn panel_widener(format: TensorFormat, isa: Isa) -> Option<PanelFn> {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        isa if isa.has_avx2() => Some(avx2::panel_widener(format)),
-        _ => None,
-    }
-}
-
-/// The head-group kernels of a float (cache) format on an ISA path.
-pub fn head_kernels(format: TensorFormat, isa: Isa) -> HeadKernels {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        isa if isa.has_avx2() => avx2::head_kernels(format),
-        #[cfg(target_arch = "aarch64")]
-        isa if isa.has_neon() => neon::head_kernels(format),
-        _ => scalar::head_kernels(format),
-    }
-}
-
-/// The float matmul's tile kernel of a float format on an ISA path.
-pub fn dot_tiles(format: TensorFormat, isa: Isa) -> DotTileFn {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        isa if isa.has_avx2() => avx2::dot_tiles(format),
-        #[cfg(target_arch = "aarch64")]
-        isa if isa.has_neon() => neon::dot_tiles(format),
-        _ => scalar::dot_tiles(format),
-    }
-}
-
-/// The kernel table for a format on an ISA path. Interleaved formats have no row kernels:
-/// see [`group_kernel`] and `matmul::decode_row_raw`.
-pub fn kernels(format: TensorFormat, isa: Isa) -> RowKernels {
-    assert!(format.interleaved().is_none(), "{format:?} is read by group kernels, not by rows");
-    // Block formats decode with the scalar reference and multiply with integer kernels.
-    if let Some(k) = blocks::kernels(format) {
-        let qdot = match isa {
-            #[cfg(target_arch = "x86_64")]
-            isa if isa.has_avx2() => int_avx2::qdot(format, isa),
-            #[cfg(target_arch = "aarch64")]
-            isa if isa.has_neon() => int_neon::qdot(format, isa),
-            _ => int_scalar::qdot(format),
-        };
-        return RowKernels { qdot, ..k };
-    }
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        isa if isa.has_avx2() => avx2::kernels(format),
-        #[cfg(target_arch = "aarch64")]
-        isa if isa.has_neon() => neon::kernels(format),
-        _ => scalar::kernels(format),
-    }
-}
-
-/// The group kernel of an interleaved format on an ISA path (None for other formats).
-pub fn group_kernel(format: TensorFormat, isa: Isa) -> Option<x8::QDotX8Fn> {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        isa if isa.has_avx2() => x8_avx2::qdot(format, isa),
-        #[cfg(target_arch = "aarch64")]
-        isa if isa.has_neon() => x8_neon::qdot(format, isa),
-        _ => x8::scalar(format),
-    }
-}
-
-/// Every group kernel of an interleaved format this CPU can run, by path name, plus the VNNI
-/// kernel code on AVX2 with `vpdpbusd` emulated: what the kernel tests check.
-#[cfg(test)]
-#[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
-fn group_kernels_to_test(format: TensorFormat) -> Vec<(&'static str, x8::QDotX8Fn)> {
-    let mut out: Vec<_> = Isa::available()
-        .into_iter()
-        .map(|i| (i.name(), group_kernel(format, i).unwrap()))
-        .collect();
-    #[cfg(target_arch = "x86_64")]
-    if Isa::Avx2.supported() {
-        out.push(("emulated vnni", x8_avx2::qdot_emulated_vnni(format).unwrap()));
-    }
-    out
-}
-
-/// As [`group_kernels_to_test`] for the integer row kernels of a block format.
-#[cfg(test)]
-#[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
-fn integer_kernels_to_test(format: TensorFormat) -> Vec<(&'static str, (QDotFn, QDot4Fn))> {
-    let mut out: Vec<_> = Isa::available()
-        .into_iter()
-        .map(|i| (i.name(), kernels(format, i).qdot.unwrap()))
-        .collect();
-    #[cfg(target_arch = "x86_64")]
-    if Isa::Avx2.supported() {
-        out.push(("emulated vnni", int_avx2::qdot_emulated_vnni(format).unwrap()));
-    }
-    out
-}
+pub use paths::PathKernels;
 
 /// Deterministic pseudo-random bytes for the kernel tests.
 #[cfg(test)]
@@ -155,7 +56,10 @@ fn noise(n: usize, seed: u64) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
+    use cellm_format::TensorFormat;
+
     use super::*;
+    use crate::isa::Isa;
 
     fn aligned(bytes: &[u8]) -> Vec<u32> {
         let mut words = vec![0u32; bytes.len().div_ceil(4)];
@@ -173,6 +77,10 @@ mod tests {
     fn as_bytes(words: &[u32], len: usize) -> &[u8] {
         // SAFETY: reading initialised u32 storage as bytes.
         unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), len) }
+    }
+
+    fn scalar_rows(format: TensorFormat) -> RowKernels {
+        PathKernels::of(Isa::Scalar).row_kernels(format)
     }
 
     fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
@@ -194,7 +102,8 @@ mod tests {
     fn head_kernels_match_per_row_calls() {
         for isa in Isa::available() {
             for format in [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16] {
-                let (rows, heads) = (kernels(format, Isa::Scalar), head_kernels(format, isa));
+                let (rows, heads) =
+                    (scalar_rows(format), PathKernels::of(isa).head_kernels(format));
                 let elem = format.nbytes(&[1]).unwrap();
                 for (n, group, count) in
                     [(64, 1, 16), (64, 3, 7), (60, 7, 5), (256, 4, 1), (12, 5, 9)]
@@ -237,7 +146,7 @@ mod tests {
     fn tiles_match_row_kernels() {
         for isa in Isa::available() {
             for format in [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16] {
-                let (rows_k, tile) = (kernels(format, Isa::Scalar), dot_tiles(format, isa));
+                let (rows_k, tile) = (scalar_rows(format), PathKernels::of(isa).dot_tiles(format));
                 for n in [8, 29, 64, 200] {
                     let stored: Vec<Vec<u32>> = (0..TILE_ROWS)
                         .map(|r| aligned(&encode(format, &pseudo_random(n, 40 + r as u32))))
@@ -274,8 +183,8 @@ mod tests {
         let formats = [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16];
         for isa in Isa::available() {
             for format in formats {
-                let reference = kernels(format, Isa::Scalar);
-                let k = kernels(format, isa);
+                let reference = scalar_rows(format);
+                let k = PathKernels::of(isa).row_kernels(format);
                 for (n, seed) in [(1, 1), (7, 2), (8, 3), (31, 4), (64, 5), (333, 6), (1024, 7)] {
                     for scale in [0.0f32, 1.0e-6, 1.0, 3.0e4] {
                         let w: Vec<f32> =

@@ -93,8 +93,8 @@ macro_rules! integer_entry_points {
     ($format:path) => {
         pub fn one<const P: u8>(row: &[u8], x: Q8Row) -> f32 {
             crate::dot::kinds::check_integer_acts(row, &[x], $format);
-            // SAFETY: `qdot` hands these out only after checking the path's CPU features;
-            // every activation load stays inside the rows checked above.
+            // SAFETY: only the path tables hand these out, and `PathKernels::of` checks the
+            // path's CPU features; every activation load stays inside the rows checked above.
             unsafe { run::<P, 1>(row, &[x])[0] }
         }
 
@@ -131,7 +131,7 @@ macro_rules! with_integer_kernels {
 /// `P`, from the entry modules `integer_entry_points!` filled.
 macro_rules! integer_entries_table {
     ($($name:ident => $format:path),*) => {
-        fn entries<const P: u8>(format: TensorFormat) -> Option<(QDotFn, QDot4Fn)> {
+        pub(super) fn entries<const P: u8>(format: TensorFormat) -> Option<(QDotFn, QDot4Fn)> {
             match format {
                 $($format => Some(($name::one::<P>, $name::four::<P>)),)*
                 _ => None,

@@ -110,12 +110,17 @@ pub fn scalar(format: TensorFormat) -> Option<QDotX8Fn> {
         reference::<4>,
         reference::<5>,
     ];
-    TensorFormat::INTERLEAVED.iter().position(|&f| f == format).map(|i| REFS[i])
+    by_format(&REFS, format)
+}
+
+/// The kernel of `format` in a path's kernels in `TensorFormat::INTERLEAVED` order.
+pub(super) fn by_format(kernels: &[QDotX8Fn; 6], format: TensorFormat) -> Option<QDotX8Fn> {
+    TensorFormat::INTERLEAVED.iter().position(|&f| f == format).map(|i| kernels[i])
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::noise;
+    use super::super::{noise, paths, PathKernels};
     use super::*;
     use crate::acts::{ActScheme, Q8Acts};
     use crate::{decode_row_raw, isa, matmul_raw, Isa, WeightRows};
@@ -163,7 +168,7 @@ mod tests {
             assert_eq!(row, data[lane * row.len()..(lane + 1) * row.len()]);
         }
         let (one, _) = int_scalar::qdot(base).unwrap();
-        for (path, kern) in super::super::group_kernels_to_test(format) {
+        for (path, kern) in paths::to_test(|k| k.group_kernel(format).unwrap()) {
             for tokens in 1..=MAX_TOKENS {
                 let x: Vec<Q8Row> = acts[..tokens].iter().map(|a| a.row(0)).collect();
                 let mut out = vec![[0.0; INTERLEAVE]; tokens];
@@ -173,7 +178,7 @@ mod tests {
                         let src = &data[lane * row.len()..(lane + 1) * row.len()];
                         let want = one(src, *xt);
                         let mut w = vec![0.0; cols];
-                        (super::super::kernels(base, Isa::Scalar).decode)(src, &mut w);
+                        (PathKernels::of(Isa::Scalar).row_kernels(base).decode)(src, &mut w);
                         let mag: f32 = w
                             .iter()
                             .zip(xt.qs)

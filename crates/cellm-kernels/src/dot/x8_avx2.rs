@@ -10,9 +10,8 @@ use cellm_format::{TensorFormat, INTERLEAVE};
 
 use super::bytes::{self, Avx2, Avx512Vnni, AvxVnni, ByteDot};
 use super::prefetch;
-use super::x8::{check_group_args, QDotX8Fn};
+use super::x8::{self, check_group_args, QDotX8Fn};
 use crate::acts::Q8Row;
-use crate::Isa;
 
 /// Activation bytes `4v..4v + 4` of block `b`, in every 32-bit lane.
 #[inline(always)]
@@ -427,8 +426,8 @@ unsafe fn run<const P: u8, const N: usize, const F: usize>(
 fn entry<const P: u8, const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLEAVE]]) {
     // AVX2's q6_k kernel takes its offset off with the activations' sums of 16.
     check_group_args(TensorFormat::INTERLEAVED[F], group, x, out.len(), F == 5);
-    // SAFETY: `qdot` hands this out only after checking the path's CPU features; loads stay
-    // inside the group and the activation rows checked above.
+    // SAFETY: only the path tables hand this out, and `PathKernels::of` checks the path's CPU
+    // features; loads stay inside the group and the activation rows checked above.
     unsafe {
         match x.len() {
             1 => run::<P, 1, F>(group, x, out),
@@ -445,19 +444,8 @@ const fn entries<const P: u8>() -> [QDotX8Fn; 6] {
     [entry::<P, 0>, entry::<P, 1>, entry::<P, 2>, entry::<P, 3>, entry::<P, 4>, entry::<P, 5>]
 }
 
-/// The VNNI paths' kernels on AVX2, with `vpdpbusd` emulated (tests).
-#[cfg(test)]
-pub fn qdot_emulated_vnni(format: TensorFormat) -> Option<QDotX8Fn> {
-    assert!(Isa::Avx2.supported());
-    let table = entries::<{ bytes::EMULATED_VNNI }>();
-    TensorFormat::INTERLEAVED.iter().position(|&f| f == format).map(|i| table[i])
-}
-
-pub fn qdot(format: TensorFormat, isa: Isa) -> Option<QDotX8Fn> {
-    let table = match bytes::path(isa) {
-        bytes::AVX2 => entries::<{ bytes::AVX2 }>(),
-        bytes::AVX_VNNI => entries::<{ bytes::AVX_VNNI }>(),
-        _ => entries::<{ bytes::AVX512_VNNI }>(),
-    };
-    TensorFormat::INTERLEAVED.iter().position(|&f| f == format).map(|i| table[i])
+/// The group kernel of `format` on path `P`. Only the path tables (`paths`) hand it out, after
+/// checking the CPU.
+pub(super) fn qdot<const P: u8>(format: TensorFormat) -> Option<QDotX8Fn> {
+    x8::by_format(&entries::<P>(), format)
 }

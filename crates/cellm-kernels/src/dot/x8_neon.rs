@@ -10,9 +10,8 @@ use cellm_format::{TensorFormat, INTERLEAVE};
 
 use super::bytes_neon::{self, broadcast4, Dotprod, NeonDot, Widening};
 use super::neon::widen_f16x8;
-use super::x8::{check_group_args, QDotX8Fn};
+use super::x8::{self, check_group_args, QDotX8Fn};
 use crate::acts::Q8Row;
-use crate::Isa;
 
 /// Eight rows' values: rows 0..4, then rows 4..8.
 type Ints = [int32x4_t; 2];
@@ -334,8 +333,9 @@ fn entry<const P: u8, const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32
     check_group_args(TensorFormat::INTERLEAVED[F], group, x, out.len(), false);
     macro_rules! go {
         ($n:literal) => {
-            // SAFETY: `qdot` hands this out only after checking the path's CPU features;
-            // loads stay inside the group and the activation rows checked above.
+            // SAFETY: only the path tables hand this out, and `PathKernels::of` checks the
+            // path's CPU features; loads stay inside the group and the activation rows checked
+            // above.
             unsafe {
                 match P {
                     bytes_neon::NEON_DOTPROD => run_dotprod::<$n, F>(group, x, out),
@@ -358,10 +358,8 @@ const fn entries<const P: u8>() -> [QDotX8Fn; 6] {
     [entry::<P, 0>, entry::<P, 1>, entry::<P, 2>, entry::<P, 3>, entry::<P, 4>, entry::<P, 5>]
 }
 
-pub fn qdot(format: TensorFormat, isa: Isa) -> Option<QDotX8Fn> {
-    let table = match bytes_neon::path(isa) {
-        bytes_neon::NEON_DOTPROD => entries::<{ bytes_neon::NEON_DOTPROD }>(),
-        _ => entries::<{ bytes_neon::NEON }>(),
-    };
-    TensorFormat::INTERLEAVED.iter().position(|&f| f == format).map(|i| table[i])
+/// The group kernel of `format` on path `P`. Only the path tables (`paths`) hand it out, after
+/// checking the CPU.
+pub(super) fn qdot<const P: u8>(format: TensorFormat) -> Option<QDotX8Fn> {
+    x8::by_format(&entries::<P>(), format)
 }
