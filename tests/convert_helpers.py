@@ -91,14 +91,14 @@ def copy_fixture(model: str, tmp_path: Path) -> Path:
 def edit_json(path: Path, **changes: Any) -> None:
     doc = json.loads(path.read_text())
     for key, value in changes.items():
-        if value is _DELETE:
+        if value is DELETE:
             doc.pop(key, None)
         else:
             doc[key] = value
     path.write_text(json.dumps(doc, indent=2))
 
 
-_DELETE = object()
+DELETE = object()
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

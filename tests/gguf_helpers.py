@@ -24,7 +24,7 @@ from conftest import FIXTURES, ROOT
 # -- a minimal GGUF v3 writer -------------------------------------------------------------
 
 GGML_F32, GGML_F16, GGML_Q8_0, GGML_Q2_K = 0, 1, 8, 10
-_BLOCK = {GGML_F32: (1, 4), GGML_F16: (1, 2), GGML_Q8_0: (32, 34), GGML_Q2_K: (256, 84)}
+BLOCK_SIZES = {GGML_F32: (1, 4), GGML_F16: (1, 2), GGML_Q8_0: (32, 34), GGML_Q2_K: (256, 84)}
 T_U32, T_I32, T_F32, T_BOOL, T_STRING, T_ARRAY = 4, 5, 6, 7, 8, 9
 
 
@@ -61,7 +61,7 @@ def write_gguf(path: Path, metadata: dict, tensors: list, alignment: int = 32) -
         out += _gguf_str(key) + struct.pack("<I", vtype) + raw
     offset, datas = 0, []
     for name, gtype, shape, data in tensors:
-        block, block_bytes = _BLOCK[gtype]
+        block, block_bytes = BLOCK_SIZES[gtype]
         assert len(data) == math.prod(shape) // block * block_bytes, name
         out += _gguf_str(name) + struct.pack("<I", len(shape))
         out += b"".join(struct.pack("<Q", d) for d in reversed(shape))  # innermost first
@@ -273,7 +273,7 @@ def _gguf_tensor_name(hf: str, names: dict = _HF_TO_GGUF) -> str:
     return f"blk.{layer}.{names[module]}.{kind}"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def run_convert_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "cellm.convert", *args], capture_output=True, text=True, cwd=ROOT
     )

@@ -21,7 +21,7 @@ from cellm.convert.hf_config import normalise_config
 from cellm.convert.writer import read_tensor
 from cellm.errors import FormatError, UnsupportedArchitecture
 from convert_helpers import (
-    _DELETE,
+    DELETE,
     DTYPES,
     FIXTURES,
     ITEMSIZE,
@@ -219,7 +219,7 @@ def test_chat_template_from_tokenizer_config(tmp_path: Path) -> None:
     header = read_header(convert_hf(src, tmp_path / "b.cellm"))
     assert header["tokenizer"]["chat_template"] == "D"
 
-    edit_json(src / "tokenizer_config.json", chat_template=_DELETE)
+    edit_json(src / "tokenizer_config.json", chat_template=DELETE)
     (src / "generation_config.json").unlink()
     (src / "tokenizer_config.json").unlink()
     header = read_header(convert_hf(src, tmp_path / "c.cellm"))

@@ -16,7 +16,7 @@ import pytest
 
 from cellm.convert import convert_hf, read_header
 from cellm.errors import UnsupportedArchitecture
-from convert_helpers import _DELETE, FIXTURES, copy_fixture, edit_json
+from convert_helpers import DELETE, FIXTURES, copy_fixture, edit_json
 
 
 def hf_llama3_inv_freq(theta, dim, factor, low_ff, high_ff, old_len) -> np.ndarray:
@@ -81,7 +81,7 @@ def _rope_of(tmp_path: Path, name: str, **config_changes: Any) -> dict[str, Any]
 def test_linear_dynamic_and_legacy_default_rope(tmp_path: Path) -> None:
     theta, dim = 10000.0, 16
     plain = 1.0 / (theta ** (np.arange(0, dim, 2) / dim))
-    legacy = _rope_of(tmp_path, "a", rope_parameters=_DELETE, rope_theta=theta)
+    legacy = _rope_of(tmp_path, "a", rope_parameters=DELETE, rope_theta=theta)
     assert legacy["type"] == "default" and legacy["theta"] == theta
     np.testing.assert_allclose(legacy["inv_freq"], plain, rtol=1e-6)
 
@@ -138,6 +138,6 @@ def test_unsupported_rope_type(tmp_path: Path) -> None:
 
 def test_smollm3_rope_layers_from_interval(tmp_path: Path) -> None:
     src = copy_fixture("smollm3", tmp_path)
-    edit_json(src / "config.json", no_rope_layers=_DELETE, no_rope_layer_interval=2)
+    edit_json(src / "config.json", no_rope_layers=DELETE, no_rope_layer_interval=2)
     header = read_header(convert_hf(src, tmp_path / "m.cellm"))
     assert header["model"]["rope_layers"] == [True, False, True, False]

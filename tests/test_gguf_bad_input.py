@@ -11,11 +11,11 @@ import pytest
 
 from cellm.convert import convert_gguf
 from cellm.errors import FormatError, UnsupportedArchitecture
-from gguf_helpers import _BLOCK, GGML_F32, GGML_Q2_K, _cli, write_gguf
+from gguf_helpers import BLOCK_SIZES, GGML_F32, GGML_Q2_K, run_convert_cli, write_gguf
 
 
 def _tiny_gguf(path: Path, arch: str = "llama", gtype: int = GGML_F32) -> Path:
-    block, block_bytes = _BLOCK[gtype]
+    block, block_bytes = BLOCK_SIZES[gtype]
     shape = (4, max(block, 8))
     md = {"general.architecture": arch, f"{arch}.embedding_length": 8}
     data = bytes(shape[0] * shape[1] // block * block_bytes)
@@ -48,7 +48,7 @@ def test_bad_gguf_raises_and_cli_exits_2(case, tmp_path):
     path, exc, words = _bad_inputs(tmp_path)[case]
     with pytest.raises(exc, match=words):
         convert_gguf(path, tmp_path / "out.cellm")
-    proc = _cli("--input", str(path), "--output", str(tmp_path / "out.cellm"))
+    proc = run_convert_cli("--input", str(path), "--output", str(tmp_path / "out.cellm"))
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0]

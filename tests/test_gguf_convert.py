@@ -27,7 +27,7 @@ from cellm.convert.safetensors import open_checkpoint
 from cellm.convert.writer import data_offset, read_tensor
 from cellm.errors import FormatError, InvalidArgument
 from conftest import FIXTURES, Reference
-from gguf_helpers import _cli, llama_cpp_permute, quantize_q8_0
+from gguf_helpers import llama_cpp_permute, quantize_q8_0, run_convert_cli
 
 ATOL = 1e-3
 
@@ -207,7 +207,9 @@ def test_resolve_converts_gguf_once(from_gguf, gguf_dir, tmp_path, monkeypatch):
 
 def test_cli_converts_gguf(from_gguf, gguf_dir, tmp_path):
     from_gguf("qwen2")
-    proc = _cli("--input", str(gguf_dir / "qwen2.gguf"), "--output", str(tmp_path / "q.cellm"))
+    proc = run_convert_cli(
+        "--input", str(gguf_dir / "qwen2.gguf"), "--output", str(tmp_path / "q.cellm")
+    )
     assert proc.returncode == 0, proc.stderr
     assert "from GGUF" in proc.stdout
     assert read_header(tmp_path / "q.cellm")["model"]["model_type"] == "qwen2"
