@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use cellm_kernels::pool::{stream_read, ThreadPool};
-use cellm_kv::{AttentionShape, KvConfig, KvEncoding, PagePool, SeqSpan};
+use cellm_kv::{AttentionCall, AttentionShape, KvConfig, KvEncoding, PagePool, SeqSpan};
 
 const HEADS: usize = 9;
 const KV_HEADS: usize = 3;
@@ -91,7 +91,9 @@ fn time_steps(context: usize, layers: usize, threads: usize, page_size: usize, h
         workers.install(|| {
             for layer in 0..layers {
                 let spans = [SeqSpan { kv: &seq, start: context, len: 1, row0: 0 }];
-                pool.attention(layer, &spans, &q, &k, &v, &mut out, &shape);
+                let call =
+                    AttentionCall { layer, spans: &spans, q: &q, k: &k, v: &v, shape: &shape };
+                call.run(&mut pool, &mut out);
             }
         });
         best = best.min(start.elapsed().as_secs_f64());

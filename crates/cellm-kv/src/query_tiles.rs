@@ -1,6 +1,6 @@
 //! Attention for runs of consecutive query rows of one session (prefill), in register tiles.
 //!
-//! The row path (`attention.rs`) reads and widens every cached key and value once per query
+//! The row path (`query_rows.rs`) reads and widens every cached key and value once per query
 //! row and multiplies them one row at a time. Here a task takes up to QUERY_ROWS consecutive
 //! rows of a session and one kv head: the tile's rows times the query heads sharing that kv
 //! head form `m` query vectors that meet each cached block together. A block of KEY_BLOCK
@@ -20,7 +20,7 @@ use cellm_kernels::gating::exp_in_place;
 use cellm_kernels::panel::{TileFn, PANEL_ROWS, PANEL_TOKENS};
 use cellm_kernels::pool::{parallel_for, SharedOut};
 
-use crate::attention::{AttentionShape, SeqSpan};
+use crate::call::{AttentionCall, AttentionShape, SeqSpan};
 use crate::pool::PagePool;
 
 /// Consecutive query positions per task: their query vectors share each widened block.
@@ -28,33 +28,29 @@ const QUERY_ROWS: usize = 16;
 /// Cached positions widened per step (a multiple of PANEL_ROWS); with a 64-wide head a
 /// block's keys and values take 32 KiB.
 const KEY_BLOCK: usize = 64;
-/// Spans with fewer new rows take the row path, which also splits a long context over
-/// threads (a lone decode token would otherwise be a single task per kv head).
-pub(crate) const MIN_TILED_ROWS: usize = 8;
+/// Writes into `out` the attention of every row of `call`'s spans, whose keys and values
+/// `pool` already holds. Rows of `q`/`out` are `n_heads * head_dim` wide.
+pub(crate) fn attend(pool: &PagePool, call: &AttentionCall, out: &mut [f32]) {
+    let path = PathKernels::selected();
+    let format = pool.config().encoding.format();
+    let tiles =
+        Tiles { pool, call, tile: path.tile_kernel(), decode: path.row_kernels(format).decode };
+    tiles.run(out);
+}
 
-/// The kernels a task calls, chosen once per call.
-#[derive(Clone, Copy)]
-struct Kernels {
+/// One call's tile tasks: what every task reads, with the kernels chosen once for all.
+struct Tiles<'a> {
+    pool: &'a PagePool,
+    call: &'a AttentionCall<'a>,
     tile: TileFn,
     decode: DecodeFn,
 }
 
-impl PagePool {
-    /// Writes into `out` the attention of every row of `spans` (already stored in the cache
-    /// for `layer`). Rows of `q`/`out` are `n_heads * head_dim` wide, as in `attention`.
-    pub(crate) fn attend_query_tiles(
-        &self,
-        layer: usize,
-        spans: &[SeqSpan],
-        q: &[f32],
-        out: &mut [f32],
-        shape: &AttentionShape,
-    ) {
-        let path = PathKernels::selected();
-        let kern = Kernels {
-            tile: path.tile_kernel(),
-            decode: path.row_kernels(self.config().encoding.format()).decode,
-        };
+impl Tiles<'_> {
+    /// One task per (tile of up to QUERY_ROWS rows, kv head), each writing its rows' outputs
+    /// for that kv head's group of query heads.
+    fn run(&self, out: &mut [f32]) {
+        let (spans, shape) = (self.call.spans, self.call.shape);
         // (span, tile) pairs, the longest contexts first so the last tasks are short ones.
         let mut tiles: Vec<(usize, Range<usize>)> = spans
             .iter()
@@ -69,12 +65,12 @@ impl PagePool {
         let out_len = out.len();
         parallel_for(tiles.len() * kv_heads, |task| {
             let (si, rows) = &tiles[task / kv_heads];
-            let tile = QueryTile { span: &spans[*si], rows: rows.clone(), layer };
+            let tile = QueryTile { span: &spans[*si], rows: rows.clone() };
             let kv_head = task % kv_heads;
             let width = shape.n_heads * shape.head_dim;
             let group = shape.n_heads / kv_heads;
-            let mut acc = TileState::new(&tile, kv_head, q, shape);
-            self.accumulate(&tile, kv_head, shape, kern, &mut acc);
+            let mut acc = TileState::new(&tile, kv_head, self.call.q, shape);
+            self.accumulate(&tile, kv_head, &mut acc);
             for m in 0..acc.count {
                 let (i, h) = (m / group, kv_head * group + m % group);
                 let at = (tile.span.row0 + tile.rows.start + i) * width + h * shape.head_dim;
@@ -89,45 +85,31 @@ impl PagePool {
 
     /// Runs every cached block the tile's rows can see through the scores, the online
     /// softmax and the weighted values.
-    fn accumulate(
-        &self,
-        tile: &QueryTile,
-        kv_head: usize,
-        shape: &AttentionShape,
-        kern: Kernels,
-        acc: &mut TileState,
-    ) {
-        let hd = shape.head_dim;
-        let mut block = Block::new(hd);
-        let seen = tile.first_key(shape.window)..tile.position(tile.rows.len() - 1) + 1;
+    fn accumulate(&self, tile: &QueryTile, kv_head: usize, acc: &mut TileState) {
+        let shape = self.call.shape;
+        let mut block = Block::new(shape.head_dim);
+        let seen = tile.first_key(shape)..tile.position(tile.rows.len() - 1) + 1;
         // Blocks end at the last row's position, so only the diagonal tile is partly masked.
         let mut end = seen.end;
         while end > seen.start {
             let keys = end.saturating_sub(KEY_BLOCK).max(seen.start)..end;
-            self.widen_block(tile, kv_head, keys.clone(), hd, kern.decode, &mut block);
-            acc.add_block(&block, keys.clone(), tile, shape, kern.tile);
+            self.widen_block(tile, kv_head, keys.clone(), &mut block);
+            acc.add_block(&block, keys.clone(), tile, shape, self.tile);
             end = keys.start;
         }
     }
 
     /// Widens the cached keys and values of `keys` for `kv_head` into `block`.
-    fn widen_block(
-        &self,
-        tile: &QueryTile,
-        kv_head: usize,
-        keys: Range<usize>,
-        hd: usize,
-        decode: DecodeFn,
-        block: &mut Block,
-    ) {
-        let (rb, ps) = (self.row_bytes(), self.config().page_size);
-        let head_bytes = self.config().encoding.format().nbytes(&[hd]).expect("small");
+    fn widen_block(&self, tile: &QueryTile, kv_head: usize, keys: Range<usize>, block: &mut Block) {
+        let (hd, decode) = (self.call.shape.head_dim, self.decode);
+        let (rb, ps) = (self.pool.row_bytes(), self.pool.config().page_size);
+        let head_bytes = self.pool.config().encoding.format().nbytes(&[hd]).expect("small");
         let mut row = vec![0.0f32; hd];
         block.keys = keys.len();
         // Keys past the block's end keep their last values: their scores are masked and
         // their weights are zero, but they must be finite, so the buffers start zeroed.
         for (j, pos) in keys.enumerate() {
-            let (krows, vrows) = self.page_rows(tile.span.kv, tile.layer, pos / ps);
+            let (krows, vrows) = self.pool.page_rows(tile.span.kv, self.call.layer, pos / ps);
             let at = (pos % ps) * rb + kv_head * head_bytes;
             (decode)(&krows[at..at + head_bytes], &mut row);
             let (b, r) = (j / PANEL_ROWS, j % PANEL_ROWS);
@@ -148,7 +130,6 @@ impl PagePool {
 struct QueryTile<'a> {
     span: &'a SeqSpan<'a>,
     rows: Range<usize>,
-    layer: usize,
 }
 
 impl QueryTile<'_> {
@@ -158,13 +139,9 @@ impl QueryTile<'_> {
     }
 
     /// The first key the first row (the one reaching furthest back) can see.
-    fn first_key(&self, window: Option<usize>) -> usize {
-        window_start(self.position(0), window)
+    fn first_key(&self, shape: &AttentionShape) -> usize {
+        shape.first_visible(self.position(0))
     }
-}
-
-fn window_start(pos: usize, window: Option<usize>) -> usize {
-    window.map_or(0, |w| (pos + 1).saturating_sub(w))
 }
 
 type OutTile = [[f32; PANEL_ROWS]; PANEL_TOKENS];
@@ -290,7 +267,7 @@ impl TileState {
             let visible = if m < self.count {
                 let pos = tile.position(m / self.group);
                 let clip = |p: usize| p.clamp(keys.start, keys.end) - keys.start;
-                let (lo, hi) = (clip(window_start(pos, shape.window)), clip(pos + 1));
+                let (lo, hi) = (clip(shape.first_visible(pos)), clip(pos + 1));
                 lo..hi.max(lo)
             } else {
                 0..0
@@ -340,7 +317,7 @@ impl TileState {
 
 #[cfg(test)]
 mod tests {
-    use crate::{AttentionShape, KvConfig, KvEncoding, PagePool, SeqSpan};
+    use crate::{AttentionCall, AttentionShape, KvConfig, KvEncoding, PagePool, SeqSpan};
 
     /// Exact in f16 (multiples of 1/32 below 2), so both cache encodings hold the same values;
     /// hashed, so no two stretches of the cache repeat each other (split contexts' chunks
@@ -444,7 +421,15 @@ mod tests {
                         v.extend_from_slice(&data[*s][2][pos.start * kw..pos.end * kw]);
                     }
                     let mut out = vec![f32::NAN; q.len()];
-                    pool.attention(0, &spans, &q, &k, &v, &mut out, &shape);
+                    let call = AttentionCall {
+                        layer: 0,
+                        spans: &spans,
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        shape: &shape,
+                    };
+                    call.run(&mut pool, &mut out);
                     for (s, pos) in parts {
                         let row0 = spans
                             .iter()

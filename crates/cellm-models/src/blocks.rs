@@ -237,7 +237,15 @@ impl Attention {
             rope.apply(&mut k, positions, hd);
         }
         let mut ctx = vec![0.0; q.len()];
-        kv.attention(layer, step.spans, &q, &k, &v, &mut ctx, &self.shape);
+        cellm_kv::AttentionCall {
+            layer,
+            spans: step.spans,
+            q: &q,
+            k: &k,
+            v: &v,
+            shape: &self.shape,
+        }
+        .run(kv, &mut ctx);
         if let Some(gate) = gate {
             ctx.iter_mut().zip(gate).for_each(|(c, g)| *c *= 1.0 / (1.0 + (-g).exp()));
         }

@@ -209,7 +209,15 @@ impl Mla {
         // Per head, the attention-weighted sum of [c | k_rot] rows.
         let mut attended = vec![0.0f32; queries.len()];
         let shape = &self.shape;
-        ctx.kv.attention(self.kv_layer, step.spans, &queries, &keys, &[], &mut attended, shape);
+        cellm_kv::AttentionCall {
+            layer: self.kv_layer,
+            spans: step.spans,
+            q: &queries,
+            k: &keys,
+            v: &[],
+            shape,
+        }
+        .run(ctx.kv, &mut attended);
         // Back from latent space, per head: o_h = W_UV_h ctx_h[..rank].
         let v_dim = m.v_dim;
         let mut heads_out = vec![0.0f32; tokens * heads * v_dim];

@@ -1,0 +1,207 @@
+//! Attention one query row at a time: decode tokens, and the spans of a batch too short for
+//! query tiles. A task takes one row and a chunk of its context's pages, over all heads; a
+//! lone token still spreads its context over every thread, and the chunks' partial softmaxes
+//! merge at the end.
+
+use cellm_kernels::cache::prefetch_all;
+use cellm_kernels::dot::{CachedRows, HeadKernels, PathKernels};
+use cellm_kernels::gating::exp_in_place;
+use cellm_kernels::pool::{current_threads, parallel_for, SharedOut};
+
+use crate::call::{AttentionCall, AttentionShape};
+use crate::pool::{PagePool, SeqKv};
+
+/// Writes into `out` the attention of `row_of`'s rows, each `(row of q and out, span,
+/// position)`, whose keys and values `pool` already holds.
+pub(crate) fn attend(
+    pool: &PagePool,
+    call: &AttentionCall,
+    mut row_of: Vec<(usize, usize, usize)>,
+    out: &mut [f32],
+) {
+    row_of.sort_unstable();
+    let (shape, hd) = (call.shape, call.shape.head_dim);
+    let ps = pool.config().page_size;
+    assert!(
+        shape.n_heads <= MAX_HEADS && ps <= MAX_PAGE,
+        "attention: {} heads or pages of {ps} are more than a task holds ({MAX_HEADS}, {MAX_PAGE})",
+        shape.n_heads
+    );
+    // Tasks are (token, chunk of pages) over all heads: cached rows hold every kv head side
+    // by side, so a chunk's pages stream from memory once, in order. A lone decode token
+    // still splits its context over every thread (each chunk keeps its own softmax
+    // maximum; chunks merge below).
+    let rows = row_of.len();
+    let longest = row_of.iter().map(|&(_, _, pos)| pos / ps + 1).max().unwrap_or(1);
+    let chunks = (2 * current_threads()).div_ceil(rows).clamp(1, longest);
+    let width = shape.n_heads * hd;
+    let mut partial = vec![Partial::default(); rows * chunks];
+    let mut acc = vec![0.0f32; rows * chunks * width];
+    let (parts, accs) = (SharedOut(partial.as_mut_ptr()), SharedOut(acc.as_mut_ptr()));
+    // Each row's queries times the scale, once for all its chunks instead of in every
+    // score.
+    let scaled: Vec<f32> = row_of
+        .iter()
+        .flat_map(|&(r, _, _)| call.q[r * width..(r + 1) * width].iter().map(|x| x * shape.scale))
+        .collect();
+    let kern = PathKernels::selected().head_kernels(pool.config().encoding.format());
+    let tasks = RowTasks { pool, shape, kern };
+    parallel_for(rows * chunks, |task| {
+        let (row, chunk) = (task / chunks, task % chunks);
+        let (_, si, pos) = row_of[row];
+        let first = shape.first_visible(pos);
+        let (lo, hi) = (first / ps, pos / ps + 1);
+        let per = (hi - lo).div_ceil(chunks);
+        let pages_of_chunk = (lo + chunk * per).min(hi)..(lo + (chunk + 1) * per).min(hi);
+        // SAFETY: task `task` alone writes its partial record and accumulator slice.
+        let (part, o) = unsafe {
+            (&mut *parts.at(task), std::slice::from_raw_parts_mut(accs.at(task * width), width))
+        };
+        let q = &scaled[row * width..(row + 1) * width];
+        let query = Query { seq: call.spans[si].kv, layer: call.layer, q, first, pos };
+        tasks.attend_pages(&query, pages_of_chunk, part, o);
+    });
+    for (row, &(r, _, _)) in row_of.iter().enumerate() {
+        merge(
+            &partial[row * chunks..(row + 1) * chunks],
+            &acc[row * chunks * width..(row + 1) * chunks * width],
+            hd,
+            &mut out[r * width..(r + 1) * width],
+        );
+    }
+}
+
+/// What every task of one call reads, with the page kernels chosen once for all.
+struct RowTasks<'a> {
+    pool: &'a PagePool,
+    shape: &'a AttentionShape,
+    kern: HeadKernels,
+}
+
+impl RowTasks<'_> {
+    /// Unnormalised softmax-weighted sums of values over the pages `pages` (clipped to the
+    /// query's window) for every head of one query row, a page at a time with a running
+    /// maximum per head; `part` gets each head's maximum and denominator. A page's rows of one
+    /// kv head go through the page kernels once for all the query heads sharing it.
+    fn attend_pages(
+        &self,
+        query: &Query,
+        pages: std::ops::Range<usize>,
+        part: &mut Partial,
+        out: &mut [f32],
+    ) {
+        let (shape, kern, pool) = (self.shape, self.kern, self.pool);
+        let (hd, n_heads) = (shape.head_dim, shape.n_heads);
+        let group = n_heads / shape.n_kv_heads;
+        let head_bytes = pool.config().encoding.format().nbytes(&[hd]).expect("small");
+        let (rb, ps) = (pool.row_bytes(), pool.config().page_size);
+        let (max, denom) = (&mut part.max, &mut part.denom);
+        // scores[h * count + slot] for the page's `count` live slots, then the softmax
+        // weights in place.
+        let mut scores = vec![0.0f32; n_heads * ps];
+        for page in pages.clone() {
+            let (krows, vrows) = pool.page_rows(query.seq, query.layer, page);
+            // A chunk's first page was not requested ahead: ask for all of it at once rather
+            // than meet its misses one kv head's strided rows at a time.
+            if page == pages.start {
+                prefetch_all(krows);
+                prefetch_all(vrows);
+            }
+            // The next page comes from memory while this one multiplies, a share of each of
+            // its planes before each kernel call: the hardware prefetcher does not follow a
+            // session's pages, which lie anywhere in the pool, and one burst of requests for
+            // a whole page stalls more than it saves.
+            let next = match page + 1 < pages.end {
+                true => pool.page_rows(query.seq, query.layer, page + 1),
+                false => (&[][..], &[][..]),
+            };
+            let ahead = |plane: &[u8], kv: usize| {
+                let share = plane.len() / shape.n_kv_heads;
+                prefetch_all(&plane[kv * share..(kv + 1) * share]);
+            };
+            let slots = page * ps..(page * ps + ps).min(query.pos + 1);
+            let slots = slots.start.max(query.first) - page * ps..slots.end - page * ps;
+            let count = slots.len();
+            let scores = &mut scores[..n_heads * count];
+            let run = |plane, kv: usize| {
+                CachedRows { bytes: plane, stride: rb, count, dim: hd }
+                    .offset_by(slots.start * rb + kv * head_bytes)
+            };
+            for kv in 0..shape.n_kv_heads {
+                let heads = kv * group..(kv + 1) * group;
+                let scores = &mut scores[heads.start * count..heads.end * count];
+                ahead(next.0, kv);
+                (kern.dot)(run(krows, kv), &query.q[heads.start * hd..heads.end * hd], scores);
+            }
+            if let Some(cap) = shape.softcap {
+                scores.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
+            }
+            for (h, weights) in scores.chunks_exact_mut(count).enumerate() {
+                let page_max = weights.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                if page_max > max[h] {
+                    let rescale = (max[h] - page_max).exp();
+                    out[h * hd..(h + 1) * hd].iter_mut().for_each(|o| *o *= rescale);
+                    denom[h] *= rescale;
+                    max[h] = page_max;
+                }
+                weights.iter_mut().for_each(|s| *s -= max[h]);
+                exp_in_place(weights);
+                denom[h] += weights.iter().sum::<f32>();
+            }
+            for kv in 0..shape.n_kv_heads {
+                let heads = kv * group..(kv + 1) * group;
+                let weights = &scores[heads.start * count..heads.end * count];
+                ahead(next.1, kv);
+                (kern.axpy)(weights, run(vrows, kv), &mut out[heads.start * hd..heads.end * hd]);
+            }
+        }
+    }
+}
+
+/// The largest page and head count one attention task handles on its stack.
+const MAX_PAGE: usize = 64;
+const MAX_HEADS: usize = 64;
+
+/// One query row (all its heads) and its view of its session's cache.
+struct Query<'a> {
+    seq: &'a SeqKv,
+    layer: usize,
+    /// Its queries, already times the scale.
+    q: &'a [f32],
+    first: usize,
+    pos: usize,
+}
+
+/// A chunk's running softmax state per query head.
+#[derive(Clone, Copy)]
+struct Partial {
+    max: [f32; MAX_HEADS],
+    denom: [f32; MAX_HEADS],
+}
+
+impl Default for Partial {
+    fn default() -> Self {
+        Self { max: [f32::NEG_INFINITY; MAX_HEADS], denom: [0.0; MAX_HEADS] }
+    }
+}
+
+/// Combines the chunks of one token into normalised outputs: each chunk's sums are
+/// rescaled to the overall maximum.
+fn merge(parts: &[Partial], accs: &[f32], hd: usize, out: &mut [f32]) {
+    let width = out.len();
+    for (h, oh) in out.chunks_exact_mut(hd).enumerate() {
+        let top = parts.iter().map(|p| p.max[h]).fold(f32::NEG_INFINITY, f32::max);
+        oh.fill(0.0);
+        let mut denom = 0.0;
+        for (p, acc) in parts.iter().zip(accs.chunks_exact(width)) {
+            if p.denom[h] == 0.0 {
+                continue; // a chunk with no positions in the window
+            }
+            let scale = (p.max[h] - top).exp();
+            denom += p.denom[h] * scale;
+            oh.iter_mut().zip(&acc[h * hd..(h + 1) * hd]).for_each(|(o, a)| *o += scale * a);
+        }
+        let inv = 1.0 / denom;
+        oh.iter_mut().for_each(|o| *o *= inv);
+    }
+}
