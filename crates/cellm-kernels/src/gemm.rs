@@ -1,4 +1,4 @@
-//! Float weights times a batch of tokens (prefill), as a GEMM in register tiles.
+//! Float weights times a batch of tokens (prefill), as a GEMM in register tiles (`panel`).
 //!
 //! The activations are packed once per product: in blocks of BLOCK_COLS columns, and within
 //! a block six tokens side by side per column. Each task widens 16 stored rows at a time to

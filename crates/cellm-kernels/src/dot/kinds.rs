@@ -1,7 +1,7 @@
 //! What a path's kernels look like: their signatures, the per-format tables they come in
 //! (`RowKernels`, `HeadKernels`) and the run of cached rows attention hands them. The path
-//! modules import these from here, not from their parent, so none of them depends on the
-//! module that picks between them.
+//! modules import these from here, not from `mod.rs`, so none of them depends on the modules
+//! that pick between them (`paths.rs`) or re-export them.
 
 use cellm_format::TensorFormat;
 

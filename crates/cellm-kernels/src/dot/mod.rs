@@ -1,7 +1,8 @@
 //! Row kernels: dot product of one stored weight row with f32 activations, and decoding a
 //! stored row to f32. One table per (format, ISA); every SIMD entry has a scalar twin.
 //! [`PathKernels::of`] picks an ISA path's tables (`paths.rs`); the path modules take what
-//! their kernels look like from `kinds.rs`, so this module only declares and re-exports.
+//! their kernels look like from `kinds.rs`. This module only declares and re-exports (and
+//! holds the tests that compare every path with the scalar one).
 
 #[macro_use]
 mod tables;
