@@ -1,4 +1,4 @@
-"""`python -m cellm.infer`: stream a completion to stdout, timings to stderr."""
+"""`cellm infer` (`python -m cellm.infer`): stream a completion to stdout, timings to stderr."""
 
 from __future__ import annotations
 
@@ -12,39 +12,18 @@ from cellm.cli import Parser, bounded, int_list, run
 from cellm.errors import FormatError, InvalidArgument
 from cellm.fetch import default_model
 from cellm.llm import BACKENDS, KV_ENCODINGS, LLM, GenerationResult
+from cellm.sampling import SamplingParams
 
 
 def build_parser() -> Parser:
-    p = Parser(prog="python -m cellm.infer", description="Generate text with a cellm model.")
-    p.add_argument(
-        "--model",
-        help=".cellm or .gguf file, HuggingFace checkpoint dir, or a registry name "
-        "(`python -m cellm.fetch --list`); default: the registry's default model",
-    )
-    p.add_argument("--tokenizer", help="tokenizer.json to use instead of the embedded one")
+    p = Parser(prog="cellm infer", description="Generate text with a cellm model.")
+    add_model_arguments(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--tokens", type=int_list, help="prompt as token ids: 1,2,3")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument(
-        "--chat-format",
-        choices=CHAT_FORMATS,
-        default="auto",
-        help="auto = the model's own template",
-    )
-    p.add_argument("--system", help="system message (with --chat)")
-    p.add_argument(
-        "--no-think",
-        action="store_true",
-        help="ask thinking models to answer directly (enable_thinking=False)",
-    )
-    p.add_argument("--gen", type=bounded(int, 1), default=128, help="tokens to generate")
-    p.add_argument("--temperature", type=bounded(float, 0.0), default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=bounded(int, 0), default=0, help="0 = off")
-    p.add_argument("--top-p", type=bounded(float, 0.0, 1.0, open_low=True), default=1.0)
-    p.add_argument("--min-p", type=bounded(float, 0.0, 1.0), default=0.0)
-    p.add_argument("--repeat-penalty", type=bounded(float, 0.0, open_low=True), default=1.0)
-    p.add_argument("--seed", type=bounded(int, 0), default=None)
+    add_chat_arguments(p)
+    add_sampling_arguments(p)
     p.add_argument(
         "--stop-tokens",
         type=_token_list,
@@ -58,6 +37,17 @@ def build_parser() -> Parser:
         help="JSON list of tool schemas for the chat template (implies --chat); "
         "the parsed tool calls are printed as one JSON line after the text",
     )
+    return p
+
+
+def add_model_arguments(p: Parser) -> None:
+    """Which model, and how to load it (shared with `cellm chat`)."""
+    p.add_argument(
+        "--model",
+        help=".cellm or .gguf file, HuggingFace checkpoint dir or Hub id (org/name), or a "
+        "registry name (`cellm fetch --list`); default: the registry's default model",
+    )
+    p.add_argument("--tokenizer", help="tokenizer.json to use instead of the embedded one")
     p.add_argument("--backend", choices=BACKENDS, default="cpu")
     p.add_argument("--kv-encoding", choices=KV_ENCODINGS, default="f16")
     p.add_argument("--threads", type=bounded(int, 1), default=None, help="default: physical cores")
@@ -67,7 +57,54 @@ def build_parser() -> Parser:
         default=None,
         help="default: the model's trained context",
     )
-    return p
+
+
+def add_chat_arguments(p: Parser) -> None:
+    p.add_argument(
+        "--chat-format",
+        choices=CHAT_FORMATS,
+        default="auto",
+        help="auto = the model's own template",
+    )
+    p.add_argument("--system", help="system message")
+    p.add_argument(
+        "--no-think",
+        action="store_true",
+        help="ask thinking models to answer directly (enable_thinking=False)",
+    )
+
+
+def add_sampling_arguments(p: Parser) -> None:
+    p.add_argument("--gen", type=bounded(int, 1), default=128, help="tokens to generate")
+    p.add_argument("--temperature", type=bounded(float, 0.0), default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=bounded(int, 0), default=0, help="0 = off")
+    p.add_argument("--top-p", type=bounded(float, 0.0, 1.0, open_low=True), default=1.0)
+    p.add_argument("--min-p", type=bounded(float, 0.0, 1.0), default=0.0)
+    p.add_argument("--repeat-penalty", type=bounded(float, 0.0, open_low=True), default=1.0)
+    p.add_argument("--seed", type=bounded(int, 0), default=None)
+
+
+def load_model(args: argparse.Namespace) -> LLM:
+    return LLM(
+        args.model or default_model(),
+        backend=args.backend,
+        kv_encoding=args.kv_encoding,
+        threads=args.threads,
+        context_length=args.context_length,
+        tokenizer=args.tokenizer,
+    )
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.gen,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+    )
 
 
 def _token_list(text: str) -> list[str]:
@@ -152,23 +189,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def body() -> int:
         tools = _read_tools(args.tools) if args.tools is not None else None
-        llm = LLM(
-            args.model or default_model(),
-            backend=args.backend,
-            kv_encoding=args.kv_encoding,
-            threads=args.threads,
-            context_length=args.context_length,
-            tokenizer=args.tokenizer,
-        )
+        llm = load_model(args)
         events = llm.stream(
             _prompt(llm, args, tools),
-            max_tokens=args.gen,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            repeat_penalty=args.repeat_penalty,
-            seed=args.seed,
+            params=sampling_params(args),
             stop_token_ids=_stop_token_ids(llm, args.stop_tokens),
             # Tool-call markers are special tokens: keep them so the calls can be seen/parsed.
             skip_special_tokens=tools is None,

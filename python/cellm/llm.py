@@ -272,6 +272,19 @@ class LLM:
         result.text, result.tool_calls = self.split_tool_calls(result)
         return result
 
+    def conversation(
+        self,
+        system: Optional[str] = None,
+        *,
+        chat_format: str = "auto",
+        params: Optional[SamplingParams] = None,
+        template_vars: Optional[Mapping[str, Any]] = None,
+    ) -> Conversation:
+        """A multi-turn chat that keeps its KV cache between turns (`Conversation.send`)."""
+        return Conversation(
+            self, system, chat_format=chat_format, params=params, template_vars=template_vars
+        )
+
     def split_tool_calls(self, result: GenerationResult) -> tuple[str, list[dict[str, Any]]]:
         """`result.text` as (text, tool calls), read in the model family's tool-call format
         (none for families without one: the text stays as it is)."""
@@ -286,8 +299,10 @@ class LLM:
     # -- the generation loop ---------------------------------------------------------------
 
     def _run(
-        self, prompt: Prompt, params: SamplingParams
+        self, prompt: Prompt, params: SamplingParams, kv: Optional[KvSession] = None
     ) -> Generator[str, None, GenerationResult]:
+        """The generation loop. With `kv`, the prompt continues that session: only the ids
+        after what its cache already holds are prefilled, and it stays open afterwards."""
         sampler = make_sampler(params)  # validates `params` (max_tokens first)
         p = sampler.params
         ids = self.encode(prompt)
@@ -301,16 +316,17 @@ class LLM:
         skip = True if p.skip_special_tokens is None else p.skip_special_tokens
         decoder = IncrementalDecoder(self.tokenizer, skip_special_tokens=skip)
         matcher = StopStringMatcher([p.stop] if isinstance(p.stop, str) else list(p.stop or []))
-        timings = Timings(prefill_tokens=len(ids))
         out: list[int] = []
         context = list(ids)  # prompt + output, grown in place for the repetition penalty
         text: list[str] = []
         finish, cut = "length", False  # cut: a stop string ended the text mid-stream
         stop_token_id: Optional[int] = None
-        session = self._engine.create_session()
+        session = kv if kv is not None else KvSession(self._engine)
         try:
+            new = session.reuse(ids)
+            timings = Timings(prefill_tokens=len(new))
             t0 = time.perf_counter()
-            logits = self._engine.step([(session, ids)])[0]
+            logits = session.step(new)
             timings.prefill_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             while True:
@@ -329,11 +345,12 @@ class LLM:
                     break
                 if len(out) >= p.max_tokens or len(ids) + len(out) >= self.context_length:
                     break
-                logits = self._engine.step([(session, [token])])[0]
+                logits = session.step([token])
                 timings.decode_tokens += 1
             timings.decode_s = time.perf_counter() - t0
         finally:
-            self._engine.free_session(session)
+            if kv is None:
+                session.close()
         if not cut:  # text held back (partial UTF-8, a possible stop prefix) is real text
             tail, _ = matcher.feed(decoder.flush())
             tail += matcher.flush()
@@ -341,3 +358,95 @@ class LLM:
                 text.append(tail)
                 yield tail
         return GenerationResult("".join(text), out, finish, len(ids), timings, stop_token_id)
+
+
+class KvSession:
+    """An engine session and the token ids its cache holds, so that a later prompt which
+    starts with them prefills only the rest."""
+
+    def __init__(self, engine: _core.Engine) -> None:
+        self._engine = engine
+        self.id: Optional[int] = engine.create_session()
+        self.ids: list[int] = []
+
+    def reuse(self, ids: list[int]) -> list[int]:
+        """Keeps the longest cached prefix of `ids` (all but its last id, which must be
+        stepped for its logits) and returns the ids still to prefill."""
+        keep = 0
+        limit = min(len(self.ids), len(ids) - 1)
+        while keep < limit and self.ids[keep] == ids[keep]:
+            keep += 1
+        if keep < len(self.ids):
+            try:
+                self._engine.truncate_session(self._live(), keep)
+            except InvalidArgument:  # recurrent or sliding state cannot rewind: start over
+                self._engine.truncate_session(self._live(), 0)
+                keep = 0
+            del self.ids[keep:]
+        return ids[keep:]
+
+    def step(self, ids: list[int]) -> np.ndarray:
+        """Next-token logits after feeding `ids` to the session."""
+        logits: np.ndarray = self._engine.step([(self._live(), ids)])[0]
+        self.ids.extend(ids)
+        return logits
+
+    def close(self) -> None:
+        if self.id is not None:
+            self._engine.free_session(self.id)
+            self.id = None
+
+    def _live(self) -> int:
+        if self.id is None:
+            raise InvalidArgument("this session was closed")
+        return self.id
+
+
+class Conversation:
+    """A multi-turn chat that keeps its KV session between turns: each turn renders the whole
+    conversation but prefills only what follows the tokens already cached (the new user
+    message and the template's markers), as an interactive chat should."""
+
+    def __init__(
+        self,
+        llm: LLM,
+        system: Optional[str] = None,
+        *,
+        chat_format: str = "auto",
+        params: Optional[SamplingParams] = None,
+        template_vars: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        self.llm, self.chat_format = llm, chat_format
+        self.template_vars = dict(template_vars or {})
+        self.params = params if params is not None else SamplingParams()
+        self.system = system
+        self.messages: list[dict[str, str]] = []
+        self._kv = KvSession(llm._engine)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the turns (the system message stays) and the cached tokens."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self._kv.close()
+        self._kv = KvSession(self.llm._engine)
+
+    def send(self, text: str) -> Generator[str, None, GenerationResult]:
+        """Adds the user message `text` and streams the answer, which joins the conversation
+        (the generator's return value is its GenerationResult). A turn that fails (for
+        example past the context length) leaves the conversation as it was."""
+        messages = [*self.messages, {"role": "user", "content": text}]
+        prompt = self.llm.apply_chat_template(
+            messages, chat_format=self.chat_format, **self.template_vars
+        )
+        ids = self.llm.tokenizer.encode(prompt, add_special_tokens=False)
+        result = yield from self.llm._run(ids, self.params, self._kv)
+        self.messages = [*messages, {"role": "assistant", "content": result.text}]
+        return result
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens of this conversation held in the KV cache."""
+        return len(self._kv.ids)
+
+    def close(self) -> None:
+        self._kv.close()
