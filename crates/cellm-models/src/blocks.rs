@@ -9,6 +9,19 @@ use cellm_kv::{AttentionShape, PagePool};
 use crate::weights::{Storage, Weights};
 use crate::{Activation, ModelConfig, RopeConfig, Step};
 
+/// Shorthands for the blocks every family loads.
+impl Weights<'_> {
+    pub fn linear(&self, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
+        let weight = self.tensor(&format!("{prefix}.weight"), &[out, inp])?;
+        let bias = if bias { Some(self.vector(&format!("{prefix}.bias"), out)?) } else { None };
+        Ok(Linear { weight, bias })
+    }
+
+    pub fn norm(&self, name: &str, dim: usize, eps: f32) -> Result<RmsNorm> {
+        Ok(RmsNorm::new(self.vector(name, dim)?, eps))
+    }
+}
+
 /// `y = x W^T + b`, with `W` in any stored format.
 pub struct Linear {
     pub weight: Tensor,

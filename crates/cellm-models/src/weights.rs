@@ -2,12 +2,11 @@
 //! ask [`Weights`] for each tensor by name, shape and [`Storage`]; loading from a file checks
 //! the answer, and planning records the question. The converter plans (through
 //! [`crate::expected_tensors`]) instead of keeping its own table of names and shapes.
+//! (`blocks` adds the shorthands that build its blocks, `Weights::linear` and `norm`.)
 
 use std::cell::RefCell;
 
 use cellm_format::{CellmFile, Error, Result, Tensor, TensorFormat};
-
-use crate::blocks::{Linear, RmsNorm};
 
 /// The formats a tensor may be stored in, by how the model reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,14 +101,36 @@ impl<'a> Weights<'a> {
     pub fn vector(&self, name: &str, len: usize) -> Result<Tensor> {
         self.get(name, &[len], Storage::F32)
     }
+}
 
-    pub fn linear(&self, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
-        let weight = self.tensor(&format!("{prefix}.weight"), &[out, inp])?;
-        let bias = if bias { Some(self.vector(&format!("{prefix}.bias"), out)?) } else { None };
-        Ok(Linear { weight, bias })
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn planning_records_each_request_and_hands_out_zeros() {
+        let w = Weights::planner();
+        let linear = w.linear("proj", 8, 4, true).unwrap();
+        assert_eq!(linear.weight.as_f32().unwrap(), &[0.0; 32]);
+        w.get("conv.weight", &[4, 3], Storage::F32).unwrap();
+        let asked: Vec<_> =
+            w.into_specs().into_iter().map(|s| (s.name, s.shape, s.storage)).collect();
+        assert_eq!(
+            asked,
+            [
+                ("proj.weight".to_string(), vec![8, 4], Storage::Matrix),
+                ("proj.bias".to_string(), vec![8], Storage::F32),
+                ("conv.weight".to_string(), vec![4, 3], Storage::F32),
+            ]
+        );
     }
 
-    pub fn norm(&self, name: &str, dim: usize, eps: f32) -> Result<RmsNorm> {
-        Ok(RmsNorm::new(self.vector(name, dim)?, eps))
+    #[test]
+    fn storage_kinds_allow_their_formats() {
+        assert_eq!(Storage::F32.formats(), [TensorFormat::F32]);
+        let rows = Storage::RowSlices.formats();
+        assert!(rows.contains(&TensorFormat::Q4_0) && !rows.contains(&TensorFormat::Q4_0X8));
+        assert_eq!(Storage::Matrix.formats().len(), TensorFormat::all().count());
+        assert_eq!(Storage::Matrix.formats()[0], TensorFormat::F32);
     }
 }
