@@ -75,3 +75,12 @@ def from_gguf(gguf_dir):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def network_cache(tmp_path_factory) -> str:
+    """One model cache for the network tests of a run (the user's, when CELLM_CACHE_DIR is set),
+    so each registry model is downloaded once."""
+    import os
+
+    return os.environ.get("CELLM_CACHE_DIR") or str(tmp_path_factory.mktemp("cellm-cache"))

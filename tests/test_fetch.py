@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,7 +31,7 @@ def test_registry_entries():
     from cellm import fetch
 
     entries, default = fetch.load_registry()
-    assert default == "smollm2-135m-instruct" and default in entries
+    assert default == "qwen2.5-coder-0.5b-instruct" and default in entries
     assert {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m"} <= set(entries)
     for e in entries.values():
         assert e.architecture and e.license and e.file.endswith(".gguf")
@@ -40,11 +41,24 @@ def test_registry_entries():
     assert len(entries["qwen2.5-coder-0.5b-instruct"].parts) == 6
 
 
-def test_registry_single_source():
+def test_registry_is_the_packages_own_data_file():
+    """One registry, shipped inside the package (so installed wheels have it): no other copy
+    or link to it in the tree."""
+    import cellm
     from cellm import fetch
 
-    link = ROOT / "models" / "registry.toml"
-    assert link.resolve() == fetch.REGISTRY_PATH.resolve()
+    assert fetch.REGISTRY_PATH.parent == Path(cellm.__file__).parent
+    copies = [p for p in ROOT.rglob("registry.toml") if "target" not in p.parts]
+    assert copies == [fetch.REGISTRY_PATH] or not fetch.REGISTRY_PATH.is_relative_to(ROOT)
+
+
+def test_registry_says_which_models_are_base_models():
+    from cellm.fetch import load_registry
+
+    entries, default = load_registry()
+    assert {e.kind for e in entries.values()} <= {"base", "instruct"}
+    assert entries["gemma-3-270m"].kind == "base"
+    assert entries[default].kind == "instruct"
 
 
 def test_registry_names_resolve_and_unknown_names_fail(tmp_path, monkeypatch):
@@ -324,11 +338,6 @@ def test_cache_module_runs_as_a_script(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "total: 0.0 MiB in 0 item(s)"
-
-
-@pytest.fixture(scope="session")
-def network_cache(tmp_path_factory) -> str:
-    return os.environ.get("CELLM_CACHE_DIR") or str(tmp_path_factory.mktemp("cellm-cache"))
 
 
 @pytest.mark.network

@@ -44,6 +44,7 @@ from cellm.errors import FormatError, InvalidArgument
 
 REGISTRY_PATH = Path(__file__).with_name("registry.toml")
 _REQUIRED = ("name", "architecture", "license", "file", "size", "sha256", "parts")
+MODEL_KINDS = ("instruct", "base")
 _COPY_CHUNK = 1 << 20
 LOCK_FILE = ".lock"
 
@@ -66,6 +67,9 @@ class ModelEntry:
     parts: tuple[Part, ...]
     description: str = ""
     hf_repo: Optional[str] = None
+    # "instruct" (a chat model with a template) or "base" (a plain text model: completions,
+    # no chat).
+    kind: str = "instruct"
 
     @property
     def directory(self) -> Path:
@@ -117,6 +121,10 @@ def _entry(raw: Mapping[str, Any], path: Path) -> ModelEntry:
     sha = entry.sha256
     if not isinstance(entry.size, int) or entry.size <= 0 or not _is_sha256(sha):
         raise FormatError(f"{path}: model {entry.name!r} needs a positive size and a sha256")
+    if entry.kind not in MODEL_KINDS:
+        raise FormatError(
+            f"{path}: model {entry.name!r} has kind {entry.kind!r} (expected base or instruct)"
+        )
     return entry
 
 
@@ -132,6 +140,12 @@ def default_model() -> str:
 
 def registry_names() -> list[str]:
     return list(load_registry()[0])
+
+
+def registry_entry_for(model: Path) -> Optional[ModelEntry]:
+    """The registry entry whose cached `.cellm` file `model` is (any converter version)."""
+    folder = model.resolve().parent
+    return next((e for e in load_registry()[0].values() if e.directory.resolve() == folder), None)
 
 
 def lookup(name: str) -> ModelEntry:
@@ -365,7 +379,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for e in entries.values():
                 mark = " (default)" if e.name == default else ""
                 state = "cached" if e.cellm_path.is_file() else f"{e.size / (1 << 20):,.0f} MiB"
-                print(f"{e.name}{mark}: {e.architecture}, {e.license}, {state}")
+                print(f"{e.name}{mark}: {e.kind}, {e.architecture}, {e.license}, {state}")
             return 0
         name = args.name or default
         path = fetch_gguf(name) if args.gguf_only else fetch(name, keep_gguf=args.keep_gguf)

@@ -15,6 +15,7 @@ from cellm import _core
 from cellm.chat import render_chat_template, resolve_template
 from cellm.errors import ContextOverflow, FormatError, InvalidArgument
 from cellm.families import by_architecture
+from cellm.fetch import registry_entry_for
 from cellm.resolve import resolve_model
 from cellm.sampling import SamplingParams, make_sampler
 from cellm.textstream import IncrementalDecoder, StopStringMatcher
@@ -116,6 +117,9 @@ class LLM:
         self.header: dict[str, Any] = json.loads(self._engine.header_json())
         # Chat format and tool-call parser of the model's family.
         self.family = by_architecture(self.header["model"]["architecture"])
+        entry = registry_entry_for(self.path)
+        # A registry model known to be a base model (no chat template, no chat training).
+        self.is_base_model = entry is not None and entry.kind == "base"
         tok = self.header["tokenizer"]
         if tokenizer is not None:
             tok_json = _read_text(tokenizer)
@@ -154,6 +158,11 @@ class LLM:
         """The prompt text for `messages`, rendered with the model's template (or a builtin
         one: chatml, llama3, gemma, plain). Extra keywords (e.g. enable_thinking=False) are
         passed to the template."""
+        if chat_format == "auto" and not self.chat_template and self.is_base_model:
+            raise InvalidArgument(
+                f"{self.path.parent.name} is a base model with no chat template: give it text to "
+                "continue (no --chat), or force a format with --chat-format / chat_format="
+            )
         return render_chat_template(
             resolve_template(chat_format, self.chat_template, self.family.chat_format),
             messages,
