@@ -4,7 +4,7 @@ over between turns, so each answer starts after prefilling only the new message.
 from __future__ import annotations
 
 import sys
-from typing import Optional, TextIO
+from typing import Callable, Optional, TextIO
 
 from cellm.cli import Parser, run
 from cellm.errors import ContextOverflow
@@ -33,13 +33,26 @@ def build_parser() -> Parser:
     return p
 
 
-def chat_loop(conversation: Conversation, lines: TextIO, out: TextIO, prompt: str) -> None:
-    """Reads user messages from `lines` until end of input or /exit; streams each answer."""
+def read_piped() -> Optional[str]:
+    return sys.stdin.readline() or None
+
+
+def read_typed() -> Optional[str]:
+    """A line typed at the terminal, with line editing and history (readline)."""
+    try:
+        return input("> ") + "\n"
+    except EOFError:
+        print(file=sys.stderr)
+        return None
+
+
+def chat_loop(
+    conversation: Conversation, read_line: Callable[[], Optional[str]], out: TextIO
+) -> None:
+    """Reads user messages until end of input or /exit; streams each answer to `out`."""
     while True:
-        if prompt:
-            print(prompt, end="", file=sys.stderr, flush=True)
-        line = lines.readline()
-        if not line:  # end of input
+        line = read_line()
+        if line is None:  # end of input
             return
         text = line.strip()
         if not text:
@@ -76,11 +89,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             params=sampling_params(args),
             template_vars=extra,
         )
-        interactive = sys.stdin.isatty()
-        if interactive:
+        read_line = read_piped
+        if sys.stdin.isatty():
+            import readline  # noqa: F401  (gives input() line editing and history)
+
+            read_line = read_typed
             print(f"cellm chat: {llm.path.name} ({HELP})", file=sys.stderr)
         try:
-            chat_loop(conversation, sys.stdin, sys.stdout, "> " if interactive else "")
+            chat_loop(conversation, read_line, sys.stdout)
         except KeyboardInterrupt:  # Ctrl-C at the prompt quits
             print(file=sys.stderr)
         finally:
