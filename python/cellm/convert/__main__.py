@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-i",
         required=True,
         metavar="HF_DIR|M.gguf",
-        help="HF checkpoint directory or GGUF file (llama, qwen2)",
+        help="HF checkpoint directory or GGUF file",
     )
     p.add_argument("--output", "-o", required=True, metavar="M.cellm", help="file to write")
     p.add_argument(
