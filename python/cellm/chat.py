@@ -7,14 +7,18 @@ so that a model's embedded template renders byte-for-byte as it does under trans
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, Optional
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+import jinja2.nodes as nodes
+import jinja2.visitor
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 from cellm.errors import CellmError, InvalidArgument, TemplateError
 
@@ -22,6 +26,15 @@ from cellm.errors import CellmError, InvalidArgument, TemplateError
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Variables the renderer sets itself; `extra` must not silently replace them.
 _RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+# Templates come from strangers: one render may take this long, produce this many characters
+# (text, or any string, list or integer's size along the way), and run this many loop
+# iterations (every `for` step and every `range()` item counts), whatever the template does.
+TEMPLATE_TIME_LIMIT_S = 10.0
+TEMPLATE_MAX_CHARS = 8 * 1024 * 1024
+TEMPLATE_MAX_LOOP_STEPS = 1_000_000
+# Integers a template computes (`10 ** 10 ** 9` would take minutes) are capped in bits.
+_MAX_INT_BITS = 1 << 16
 
 
 def _raise_exception(message: str) -> None:
@@ -52,6 +65,144 @@ def _json_default(x: Any) -> Any:
     if isinstance(x, Iterator):
         return list(x)
     raise TypeError(f"Object of type {type(x).__name__} is not JSON serializable")
+
+
+class _Budget:
+    """What one render may still spend: loop iterations and time."""
+
+    def __init__(self) -> None:
+        self.steps = TEMPLATE_MAX_LOOP_STEPS
+        self.deadline = time.monotonic() + TEMPLATE_TIME_LIMIT_S
+
+    def charge(self, steps: int) -> None:
+        self.steps -= steps
+        if self.steps < 0:
+            raise TemplateError(
+                f"chat template stopped: it ran more than {TEMPLATE_MAX_LOOP_STEPS:,} loop "
+                "iterations"
+            )
+        self.check_time()
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise TemplateError(
+                f"chat template stopped: rendering took more than {TEMPLATE_TIME_LIMIT_S:g} s"
+            )
+
+
+# The budget of the render in progress (None outside render_chat_template: no limits).
+_BUDGET: ContextVar[Optional[_Budget]] = ContextVar("cellm_template_budget", default=None)
+
+
+def _charge(steps: int) -> None:
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.charge(steps)
+
+
+def _range(*args: int) -> range:
+    # jinja's sandboxed range (at most 100,000 items), charged in full to the render's budget.
+    rng = safe_range(*args)
+    _charge(len(rng))
+    return rng
+
+
+@jinja2.pass_context  # never evaluated at compile time
+def _counted(context: Any, iterable: Iterable[Any]) -> Iterator[Any]:
+    """Every `for` loop iterates through this: each step is charged to the budget."""
+    for item in iterable:
+        _charge(1)
+        yield item
+
+
+def _sized(value: Any) -> Any:
+    """`value` unless it is a string, list or integer past the limits (checked after every
+    filter, call, `~`, `+` and `%`, so repeated doubling stops at twice the limit)."""
+    if isinstance(value, (str, list, tuple, dict)) and len(value) > TEMPLATE_MAX_CHARS:
+        raise TemplateError(
+            f"chat template stopped: it built {_describe(value, len(value))} (the limit is "
+            f"{TEMPLATE_MAX_CHARS:,})"
+        )
+    if isinstance(value, int) and value.bit_length() > _MAX_INT_BITS:
+        raise TemplateError(
+            f"chat template stopped: it built an integer of over {_MAX_INT_BITS:,} bits"
+        )
+    return value
+
+
+def _describe(value: Any, size: int) -> str:
+    if isinstance(value, str):
+        return f"a string of {size:,} characters"
+    return f"a {type(value).__name__} of {size:,} items"
+
+
+def _check_operands(operator: str, left: Any, right: Any) -> None:
+    """Refuse `seq * n` and `a ** b` whose results would be past the limits, before
+    computing them."""
+    if operator == "*":
+        seq, n = (right, left) if isinstance(left, int) else (left, right)
+        if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+            if len(seq) * n > TEMPLATE_MAX_CHARS:
+                raise TemplateError(
+                    f"chat template stopped: it would build {_describe(seq, len(seq) * n)} "
+                    f"(the limit is {TEMPLATE_MAX_CHARS:,})"
+                )
+    elif operator == "**" and isinstance(left, int) and isinstance(right, int):
+        if right > 0 and abs(left) > 1 and abs(left).bit_length() * right > _MAX_INT_BITS:
+            raise TemplateError(
+                f"chat template stopped: {left} ** {right} has over {_MAX_INT_BITS:,} bits"
+            )
+
+
+class _Guard(jinja2.visitor.NodeTransformer):
+    """Rewrites a parsed template so that every loop charges the budget and every filter,
+    call and concatenation checks the size of what it built."""
+
+    def visit_For(self, node: nodes.For) -> nodes.Node:
+        self.generic_visit(node)
+        node.iter = _filter(node.iter, "cellm_counted")
+        return node
+
+    def visit_CallBlock(self, node: nodes.CallBlock) -> nodes.Node:
+        # `node.call` must stay a Call: guard its arguments, not its result.
+        call = node.call
+        self.generic_visit(call)
+        node.call = None  # type: ignore[assignment]  # generic_visit skips None
+        self.generic_visit(node)
+        node.call = call
+        return node
+
+    def visit_Filter(self, node: nodes.Filter) -> nodes.Node:
+        self.generic_visit(node)
+        # A filter block's filter (node None) applies to the block's text: not an expression.
+        return node if node.node is None else _filter(node, "cellm_sized")
+
+    def visit_Call(self, node: nodes.Call) -> nodes.Node:
+        self.generic_visit(node)
+        return _filter(node, "cellm_sized")
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
+        self.generic_visit(node)
+        return _filter(node, "cellm_sized")
+
+
+def _filter(node: nodes.Node, name: str) -> nodes.Filter:
+    return nodes.Filter(node, name, [], [], None, None, lineno=node.lineno)
+
+
+class _Environment(ImmutableSandboxedEnvironment):
+    """The sandbox, with the template's operators and loops under the render's limits."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _check_operands(operator, left, right)
+        return _sized(super().call_binop(context, operator, left, right))
+
+    def _parse(self, source: str, name: Optional[str], filename: Optional[str]) -> nodes.Template:
+        template = super()._parse(source, name, filename)
+        guarded: nodes.Template = _Guard().visit(template)
+        return guarded
 
 
 def _strftime_now(format: str) -> str:
@@ -105,8 +256,8 @@ class _GenerationTag(jinja2.ext.Extension):
         return str(caller())
 
 
-def _make_env() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+def _make_env() -> _Environment:
+    env = _Environment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
@@ -116,6 +267,9 @@ def _make_env() -> ImmutableSandboxedEnvironment:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
+    env.globals["range"] = _range
+    env.filters["cellm_counted"] = _counted
+    env.filters["cellm_sized"] = _sized
     return env
 
 
@@ -128,6 +282,8 @@ def _compile(template: str) -> jinja2.Template:
         return _ENV.from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise TemplateError(f"chat template does not compile: {e} (line {e.lineno})") from e
+    except (RecursionError, MemoryError) as e:  # e.g. brackets nested thousands deep
+        raise TemplateError(f"chat template does not compile: {type(e).__name__}") from None
 
 
 def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -168,8 +324,12 @@ def render_chat_template(
     """Render `messages` with a jinja chat template exactly as transformers would.
 
     `extra` holds further template variables (e.g. ``enable_thinking``). Raises TemplateError
-    when the template does not compile, fails, or calls ``raise_exception(msg)`` (message = msg).
+    when the template does not compile, fails, calls ``raise_exception(msg)`` (message = msg),
+    or passes the limits on time, output size and loop iterations (TEMPLATE_TIME_LIMIT_S,
+    TEMPLATE_MAX_CHARS, TEMPLATE_MAX_LOOP_STEPS).
     """
+    if not isinstance(template, str):
+        raise TemplateError(f"the chat template must be a string, got {type(template).__name__}")
     compiled = _compile(template)
     context: dict[str, Any] = {}
     # transformers passes only the special tokens that are set: an unset bos_token is undefined
@@ -189,12 +349,31 @@ def render_chat_template(
         documents=_check_dict_list("documents", documents),
         add_generation_prompt=add_generation_prompt,
     )
+    budget = _Budget()
+    token = _BUDGET.set(budget)
     try:
-        return compiled.render(**context)
+        return _render(compiled, context, budget)
     except CellmError:
         raise
     except Exception as e:  # anything an untrusted template does wrong is a template error
         raise TemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from e
+    finally:
+        _BUDGET.reset(token)
+
+
+def _render(compiled: jinja2.Template, context: dict[str, Any], budget: _Budget) -> str:
+    """The template's text, checked for size and time after every piece it yields."""
+    pieces: list[str] = []
+    size = 0
+    for piece in compiled.generate(**context):
+        size += len(piece)
+        if size > TEMPLATE_MAX_CHARS:
+            raise TemplateError(
+                f"chat template stopped: its output passed {TEMPLATE_MAX_CHARS:,} characters"
+            )
+        budget.check_time()
+        pieces.append(piece)
+    return "".join(pieces)
 
 
 # Builtin formats for --chat-format. Written on one line each so trim/lstrip_blocks can't bite.
