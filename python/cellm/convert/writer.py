@@ -7,10 +7,16 @@ padding up to `data_offset = align_up(16 + header_len, 64)`, then every tensor a
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
+import re
+import signal
+import stat
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -101,7 +107,26 @@ def write_cellm(
     data_offset = align_up(PREFIX_LEN + len(header_bytes))
 
     _check_output(path)
+    _remove_stale_temporaries(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with _sigterm_raises():
+        _write(path, tmp, header_bytes, data_offset, entries, tensor_table, blob_list, blob_table,
+               progress)  # fmt: skip
+    return path
+
+
+def _write(
+    path: Path,
+    tmp: Path,
+    header_bytes: bytes,
+    data_offset: int,
+    entries: Sequence[TensorEntry],
+    tensor_table: Sequence[Mapping[str, Any]],
+    blob_list: Sequence[tuple[str, bytes]],
+    blob_table: Sequence[Mapping[str, Any]],
+    progress: Optional[ProgressBar],
+) -> None:
+    """Write the file as `tmp`, then rename it to `path`; `tmp` never outlives a failure."""
     try:
         with open(tmp, "wb") as f:
             f.write(MAGIC + bytes([VERSION, 0, 0]) + struct.pack("<Q", len(header_bytes)))
@@ -120,10 +145,71 @@ def write_cellm(
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        # Never leave a half-written file behind, whatever interrupted us (including Ctrl-C).
+        # Never leave a half-written file behind, whatever interrupted us (Ctrl-C, SIGTERM).
         tmp.unlink(missing_ok=True)
         raise
-    return path
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while writing (raised so that the temporary file is removed)."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While writing, SIGTERM raises (so the `except` above removes the temporary file) and
+    then terminates the process as SIGTERM would have. Only where SIGTERM has its default
+    action and in the main thread (a handler the program set is left alone)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)  # the default action: the process ends here
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Delete `.NAME.tmp-PID` files that earlier writes of `path` left behind when they were
+    killed (SIGKILL, a power cut): those whose process is gone. A live process's file is its
+    write in progress and stays."""
+    try:
+        candidates = list(path.parent.glob(f".{glob.escape(path.name)}.tmp-*"))
+    except OSError:
+        return
+    for candidate in candidates:
+        m = _TEMPORARY.match(candidate.name)
+        if m is None or m.group("name") != path.name or _alive(int(m.group("pid"))):
+            continue
+        with contextlib.suppress(OSError):
+            if candidate.is_file() and not candidate.is_symlink():
+                candidate.unlink()
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # our own earlier, interrupted write
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # another user's process, or a number we cannot check: keep the file
+    return True
 
 
 def _check_names(entries: Sequence[TensorEntry], blobs: Sequence[tuple[str, bytes]]) -> None:
@@ -179,10 +265,63 @@ def _encode_header(header: Mapping[str, Any]) -> bytes:
 
 
 def _check_output(path: Path) -> None:
-    if path.is_dir():
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:
+        raise InvalidArgument(f"{path}: cannot use it as the output: {e.strerror or e}") from None
+    if mode is not None and stat.S_ISDIR(mode):
         raise InvalidArgument(f"{path} is a directory; expected an output file path")
+    if mode is not None and not stat.S_ISREG(mode):
+        # Replacing a device node or a named pipe with a regular file destroys it.
+        raise InvalidArgument(
+            f"{path} exists and is not a regular file ({_kind(mode)}); refusing to replace it"
+        )
     if not path.parent.is_dir():
         raise InvalidArgument(f"{path.parent}: output directory does not exist")
+
+
+def _kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a file"
+
+
+def check_output_is_not_input(output: Union[str, os.PathLike[str]], source: Path) -> None:
+    """Refuse an output that would replace the conversion's input: the GGUF file itself, or
+    any file of the HF checkpoint directory `source` (model.safetensors, config.json...; an
+    earlier .cellm output there is fine). Paths are compared resolved and by inode (hard
+    links, the Hub cache's symlinks). Also refuses outputs that are not regular files."""
+    out = Path(output)
+    _check_output(out)
+    if not out.exists():
+        return
+    inputs = [p for p in source.iterdir() if p.is_file()] if source.is_dir() else [source]
+    out_resolved = out.resolve()
+    for p in inputs:
+        same = p.resolve() == out_resolved
+        with contextlib.suppress(OSError):
+            same = same or os.path.samefile(p, out)
+        if same and not (source.is_dir() and _is_cellm(p)):
+            raise InvalidArgument(
+                f"output {out} is the conversion's input {p}: writing it would destroy the "
+                "input; choose another output path"
+            )
+
+
+def _is_cellm(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
 
 
 def _write_tensor(f: Any, entry: TensorEntry, progress: Optional[ProgressBar]) -> None:
