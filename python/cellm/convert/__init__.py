@@ -43,6 +43,8 @@ def convert(
     src = Path(input_path)
     if not src.exists():
         raise FormatError(f"{src}: no such file or directory")
+    if not src.is_dir() and not src.is_file():  # a named pipe or device: open() could block
+        raise FormatError(f"{src} is not a regular file or a directory")
     if src.is_dir():
         return convert_hf(
             src, output_path, dtype or "f16", progress, quantize, group_size, embedding

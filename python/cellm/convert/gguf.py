@@ -7,8 +7,10 @@ Tensor dims are stored innermost first; `GGUFTensor.shape` is the row-major (PyT
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,11 @@ from ..errors import FormatError, UnsupportedArchitecture
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+# Metadata arrays nest arrays at most this deep (real files: 1; llama.cpp's own limit is 1 too
+# for most keys); deeper is a corrupted or hostile file, not a recursion to follow.
+MAX_ARRAY_DEPTH = 4
+# ggml tensors have at most 4 dimensions (GGML_MAX_DIMS).
+MAX_DIMS = 4
 
 # Metadata value types: id -> struct code (scalars); 8 = string, 9 = array.
 _SCALARS = {
@@ -94,20 +101,44 @@ class _Cursor:
         except UnicodeDecodeError:
             raise FormatError(f"{self.path}: a GGUF string is not UTF-8") from None
 
-    def value(self, vtype: int) -> Any:
+    def count(self, n: int, item_bytes: int, what: str) -> int:
+        """`n`, checked against the bytes left: each of the `n` items takes `item_bytes` or
+        more, so a count the file cannot hold is refused at once, not read item by item."""
+        left = len(self.buf) - self.pos
+        if n * item_bytes > left:
+            raise FormatError(
+                f"{self.path}: {what} claims {n:,} items, but only {left:,} bytes follow "
+                "(truncated or corrupted GGUF file)"
+            )
+        return n
+
+    def value(self, vtype: int, key: str, depth: int = 0) -> Any:
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
-            item, count = self.scalar("I"), self.scalar("Q")
+            if depth >= MAX_ARRAY_DEPTH:
+                raise FormatError(
+                    f"{self.path}: GGUF metadata {key} nests arrays more than "
+                    f"{MAX_ARRAY_DEPTH} deep"
+                )
+            item = self.scalar("I")
+            count = self.scalar("Q")
             if item in _NUMPY:
                 dt = np.dtype(_NUMPY[item])
+                self.count(count, dt.itemsize, f"GGUF metadata array {key}")
                 # A copy: views would pin the mmap open (close() raises BufferError).
                 arr = np.frombuffer(self.take(count * dt.itemsize), dtype=dt)
                 return arr.astype(bool) if item == 7 else arr.copy()
-            return [self.value(item) for _ in range(count)]
-        raise FormatError(f"{self.path}: unknown GGUF metadata value type {vtype}")
+            if item not in (_STRING, _ARRAY):
+                raise FormatError(
+                    f"{self.path}: GGUF metadata {key} has unknown array item type {item}"
+                )
+            # Strings take 8 bytes or more (their length), arrays 12 (item type and count).
+            self.count(count, 8 if item == _STRING else 12, f"GGUF metadata array {key}")
+            return [self.value(item, key, depth + 1) for _ in range(count)]
+        raise FormatError(f"{self.path}: GGUF metadata {key} has unknown value type {vtype}")
 
 
 class GGUFFile:
@@ -115,13 +146,34 @@ class GGUFFile:
 
     def __init__(self, path: Union[str, os.PathLike[str]]) -> None:
         self.path = Path(path)
+        self._map = self._open()
         try:
-            with open(self.path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._parse()
+        except BaseException:
+            try:
+                self.close()
+            except BufferError:  # a view in the traceback: the map closes when it goes
+                pass
+            raise
+
+    def _open(self) -> mmap.mmap:
+        # Non-blocking, and checked before mapping: a named pipe must not hang the open().
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
             raise FormatError(f"{self.path}: no such file or directory") from None
+        except OSError as e:
+            raise FormatError(f"{self.path}: cannot read: {e.strerror or e}") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise FormatError(f"{self.path} is not a regular file")
+            return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         except ValueError:  # mmap of an empty file
             raise FormatError(f"{self.path}: empty file, not GGUF") from None
+        finally:
+            os.close(fd)
+
+    def _parse(self) -> None:
         cur = _Cursor(self._map, self.path)
         if len(self._map) < 4 or bytes(cur.take(4)) != MAGIC:
             raise FormatError(f"{self.path}: not a GGUF file (bad magic)")
@@ -129,28 +181,61 @@ class GGUFFile:
         if self.version not in (2, 3):
             raise FormatError(f"{self.path}: GGUF version {self.version} is not supported (2, 3)")
         n_tensors, n_kv = cur.scalar("Q"), cur.scalar("Q")
+        # A key/value takes 13 bytes or more, a tensor info 24.
+        cur.count(n_kv, 13, "the GGUF metadata count")
+        cur.count(n_tensors, 24, "the GGUF tensor count")
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()
-            self.metadata[key] = cur.value(cur.scalar("I"))
+            self.metadata[key] = cur.value(cur.scalar("I"), key)
         infos = [self._tensor_info(cur) for _ in range(n_tensors)]
-        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        if align <= 0 or align & (align - 1):
-            raise FormatError(f"{self.path}: general.alignment {align} is not a power of two")
+        align = self._alignment()
         data_start = -(-cur.pos // align) * align
         self.tensors: dict[str, GGUFTensor] = {}
         for name, gtype, shape, rel in infos:
+            if name in self.tensors:
+                raise FormatError(f"{self.path}: tensor {name} is listed twice")
             self.tensors[name] = t = self._check_tensor(name, gtype, shape, data_start + rel, align)
             if t.offset + t.nbytes > len(self._map):
                 raise FormatError(
                     f"{self.path} is truncated: tensor {name} needs bytes "
                     f"{t.offset}..{t.offset + t.nbytes} but the file has {len(self._map)}"
                 )
+        self._check_overlaps()
 
-    @staticmethod
-    def _tensor_info(cur: _Cursor) -> tuple[str, int, tuple[int, ...], int]:
+    def _alignment(self) -> int:
+        align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if (
+            isinstance(align, bool)
+            or not isinstance(align, (int, np.integer))
+            or align <= 0
+            or align & (align - 1)
+        ):
+            raise FormatError(
+                f"{self.path}: general.alignment must be a positive power of two, got {align!r}"
+            )
+        return int(align)
+
+    def _check_overlaps(self) -> None:
+        # Two tensors sharing bytes means a corrupted (or hostile) table: one would silently
+        # read the other's data.
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values())
+        spans = [s for s in spans if s[1] > s[0]]
+        for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+            if start_b < end_a:
+                raise FormatError(
+                    f"{self.path}: the data of tensors {a} and {b} overlap (bytes "
+                    f"{start_b}..{end_a})"
+                )
+
+    def _tensor_info(self, cur: _Cursor) -> tuple[str, int, tuple[int, ...], int]:
         name = cur.string()
-        dims = [cur.scalar("Q") for _ in range(cur.scalar("I"))]
+        n_dims = cur.scalar("I")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise FormatError(
+                f"{self.path}: tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS})"
+            )
+        dims = [cur.scalar("Q") for _ in range(n_dims)]
         gtype, offset = cur.scalar("I"), cur.scalar("Q")
         return name, gtype, tuple(reversed(dims)), offset
 
@@ -168,8 +253,11 @@ class GGUFFile:
                 f"{self.path}: tensor {name} rows of {shape} don't fit {block}-blocks"
             )
         if offset % align:
-            raise FormatError(f"{self.path}: tensor {name} is not aligned")
-        nbytes = int(np.prod(shape, dtype=np.int64)) // block * block_bytes
+            raise FormatError(
+                f"{self.path}: tensor {name} is not aligned (offset {offset}, alignment {align})"
+            )
+        # Python integers: a product of hostile dims must not wrap around in int64.
+        nbytes = math.prod(shape) // block * block_bytes
         return GGUFTensor(name, gtype, shape, offset, nbytes)
 
     def data(self, name: str) -> memoryview:
@@ -178,7 +266,7 @@ class GGUFFile:
         return memoryview(self._map)[t.offset : t.offset + t.nbytes]
 
     def close(self) -> None:
-        self._map.close()
+        self._map.close()  # raises BufferError while numpy views of the map are alive
 
     def __enter__(self) -> GGUFFile:
         return self

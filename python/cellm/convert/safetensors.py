@@ -8,8 +8,9 @@ page, and a multi-GB checkpoint never has to fit in memory.
 
 from __future__ import annotations
 
-import json
 import math
+import os
+import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from typing_extensions import TypeGuard  # typing's from Python 3.10
 
 from ..errors import FormatError
-from .jsonfiles import parse_json_object
+from .jsonfiles import parse_json_object, read_json
 
 # Bytes per element of every dtype the safetensors spec defines: needed to validate sizes even
 # for tensors we never read (an int64 buffer in a checkpoint must not make the file "invalid").
@@ -89,8 +90,13 @@ class SafetensorsFile:
     def _parse(self) -> None:
         path = self.path
         try:
-            size = path.stat().st_size
-            with open(path, "rb") as f:
+            # Non-blocking, and checked before reading: a named pipe must not hang the open().
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise FormatError(f"{path} is not a regular file")
+                size = st.st_size
                 prefix = f.read(8)
                 if len(prefix) < 8:
                     raise FormatError(
@@ -120,7 +126,7 @@ class SafetensorsFile:
                 self.metadata = entry if isinstance(entry, dict) else {}
                 continue
             self.tensors[name] = self._parse_entry(name, entry, data_start, size)
-        self._check_overlaps()
+        self._check_layout(data_start, size)
 
     def _parse_entry(self, name: str, entry: Any, data_start: int, size: int) -> TensorInfo:
         path = self.path
@@ -151,12 +157,27 @@ class SafetensorsFile:
             )
         return TensorInfo(name, dtype, tuple(shape), path, start, stop)
 
-    def _check_overlaps(self) -> None:
-        # Overlapping ranges mean a corrupted (or hostile) header; two tensors would alias.
-        spans = sorted((t.start, t.end, t.name) for t in self.tensors.values() if t.nbytes)
-        for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
-            if start_b < end_a:
-                raise FormatError(f"{self.path}: tensors {a} and {b} overlap")
+    def _check_layout(self, data_start: int, size: int) -> None:
+        """The tensors' byte ranges must tile the data section exactly, as the safetensors
+        spec requires (and its reference reader checks): sorted by offset, each begins where
+        the previous one ended, from the section's first byte to the file's last. A header
+        length off by one byte, which would shift every tensor, fails here, as do overlapping
+        tensors and gaps."""
+        pos, prev = data_start, None
+        for start, end, name in sorted((t.start, t.end, t.name) for t in self.tensors.values()):
+            if start != pos:
+                after = f"tensor {prev} ends at {pos - data_start}" if prev else "it begins at 0"
+                problem = "overlaps another tensor" if start < pos else "leaves a gap"
+                raise FormatError(
+                    f"{self.path}: tensor {name} {problem}: its data_offsets begin at "
+                    f"{start - data_start}, but {after} (wrong header length or data_offsets)"
+                )
+            pos, prev = end, name
+        if pos != size:
+            raise FormatError(
+                f"{self.path}: the tensors' data_offsets end at {pos - data_start} but the data "
+                f"section has {size - data_start} bytes (wrong header length or data_offsets)"
+            )
 
     def _mapping(self) -> np.memmap:
         if self._map is None:
@@ -247,11 +268,8 @@ def open_checkpoint(directory: Path) -> Checkpoint:
 
 
 def _open_sharded(index: Path, directory: Path) -> Checkpoint:
-    try:
-        doc = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{index}: cannot read the shard index ({e})") from None
-    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    doc = read_json(index, required=True)
+    weight_map = doc.get("weight_map") if doc is not None else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise FormatError(f"{index} has no weight_map")
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import FormatError
-from .jsonfiles import parse_json_object, read_json
+from ..errors import FormatError, TemplateError
+from .jsonfiles import parse_json_object, read_bytes, read_json, read_text
 
 TOKENIZER_BLOB = "tokenizer.json"
 # Keys that get their own header fields (or are replaced by them) instead of being copied.
@@ -30,12 +30,11 @@ class TokenizerFiles:
 def load_tokenizer_files(directory: Path, config: Mapping[str, Any]) -> TokenizerFiles:
     directory = Path(directory)
     tok_path = directory / "tokenizer.json"
-    try:
-        tok_bytes = tok_path.read_bytes()
-    except FileNotFoundError:
+    if not tok_path.exists():
         raise FormatError(
             f"{directory} has no tokenizer.json (only fast-tokenizer checkpoints are supported)"
-        ) from None
+        )
+    tok_bytes = read_bytes(tok_path)
     tok = parse_json_object(tok_bytes, str(tok_path))
 
     tc_path = directory / "tokenizer_config.json"
@@ -88,31 +87,33 @@ def _token_text(value: Any, key: str, path: Path) -> Optional[str]:
 
 
 def _chat_template(directory: Path, tc: Mapping[str, Any], tc_path: Path) -> Optional[str]:
-    """chat_template.jinja wins (transformers 5 layout); else tokenizer_config's template."""
+    """chat_template.jinja wins (transformers 5 layout); else tokenizer_config's template, else
+    chat_template.json's. A template that is not text is a TemplateError naming its file."""
     jinja = directory / "chat_template.jinja"
     if jinja.is_file():
-        try:
-            return jinja.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise FormatError(f"{jinja}: cannot read: {e}") from None
-    legacy = read_json(directory / "chat_template.json", required=False)
-    template = tc.get("chat_template")
+        return read_text(jinja)
+    legacy_path = directory / "chat_template.json"
+    legacy = read_json(legacy_path, required=False)
+    template, where = tc.get("chat_template"), tc_path
     if template is None and legacy is not None:
-        template = legacy.get("chat_template")
+        template, where = legacy.get("chat_template"), legacy_path
     if template is None or isinstance(template, str):
         return template
     if isinstance(template, list):
         # Named templates: HF uses "default" when no name is asked for.
         for entry in template:
             if isinstance(entry, dict) and entry.get("name") == "default":
-                return _as_str(entry.get("template"), tc_path)
+                return _as_str(entry.get("template"), where, "chat_template 'default' template")
         return None
-    raise FormatError(f"{tc_path}: chat_template must be a string or a list of named templates")
+    raise TemplateError(
+        f"{where}: chat_template must be a string or a list of named templates, got "
+        f"{type(template).__name__}"
+    )
 
 
-def _as_str(value: Any, path: Path) -> str:
+def _as_str(value: Any, path: Path, what: str) -> str:
     if not isinstance(value, str):
-        raise FormatError(f"{path}: chat template must be a string")
+        raise TemplateError(f"{path}: {what} must be a string, got {type(value).__name__}")
     return value
 
 
