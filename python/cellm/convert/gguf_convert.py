@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from ..errors import FormatError, UnsupportedArchitecture
+from ..errors import FormatError, TemplateError, UnsupportedArchitecture
 from ..families import by_gguf_architecture
 from ..families.base import GGUFArch
 from .dtypes import BLOCK_FORMATS, CHUNK_BYTES, storage_dtype
@@ -27,8 +27,8 @@ from .progress import conversion_bar
 from .quantize import Quantization, plan_quantization, quantize_rows
 from .safetensors import to_f32
 from .tokenizer_files import TOKENIZER_BLOB
-from .weights import expected_tensors
-from .writer import TensorEntry, write_cellm
+from .weights import expected_tensors, layers_present
+from .writer import TensorEntry, check_output_is_not_input, write_cellm
 
 __all__ = ["convert_gguf", "gguf_to_hf_config", "hf_tensor_name"]
 
@@ -50,6 +50,20 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# The GGUF metadata key (after `ARCH.`) each HF config key is read from, for error messages.
+_GGUF_KEYS = {
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "max_position_embeddings": "context_length",
+    "sliding_window": "attention.sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
 }
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # Tensors consumed by conversion itself rather than copied.
@@ -80,7 +94,7 @@ def convert_gguf(
     group_size: Optional[int] = None,
     embedding: Optional[str] = None,
 ) -> Path:
-    """Convert a GGUF file (llama, qwen2, gemma3) to a `.cellm` file and return its path.
+    """Convert a GGUF file (an architecture a family declares) to a `.cellm` file; return its path.
 
     Tensors keep their GGUF formats (f32, f16, bf16 or ggml blocks such as q8_0, q4_k);
     1-D tensors are stored as f32. `quantize`, `group_size` and `embedding` requantize the
@@ -90,13 +104,16 @@ def convert_gguf(
     src = Path(input_path)
     if src.is_dir():
         raise FormatError(f"{src} is a directory, not a GGUF file")
+    check_output_is_not_input(output_path, src)
     gg = GGUFFile(src)
     try:
         md = gg.metadata
         arch_name = md.get("general.architecture")
         arch = by_gguf_architecture(arch_name, str(src))
         config = gguf_to_hf_config(md, gg.tensors, str(arch_name), arch, str(src))
-        model = normalise_config(config, None, str(src))
+        _check_block_count(config.get("num_hidden_layers"), gg, str(arch_name))
+        labels = {hf: f"{arch_name}.{key}" for hf, key in _GGUF_KEYS.items()}
+        model = normalise_config(config, None, str(src), labels=labels)
         if _ROPE_FREQS in gg.tensors:
             model["rope"] = _with_freq_factors(model["rope"], _float_vector(gg, _ROPE_FREQS))
         entries = _plan(gg, model, arch, quantization)
@@ -112,7 +129,7 @@ def convert_gguf(
         header = {
             "model": model,
             "hf_config": None,
-            "tokenizer": _tokenizer_section(tok, md),
+            "tokenizer": _tokenizer_section(tok, md, str(src)),
             "generation": _generation_section(tok, md),
             "source": {
                 "kind": "gguf",
@@ -191,6 +208,10 @@ def gguf_to_hf_config(
             f"{source}: attention.value_length {value_length} differs from key_length {head_dim}"
         )
     rope_dim = get("rope.dimension_count")
+    if rope_dim is not None and (isinstance(rope_dim, bool) or not isinstance(rope_dim, int)):
+        raise FormatError(
+            f"{source}: {arch_name}.rope.dimension_count must be an integer, got {rope_dim!r}"
+        )
     if rope_dim is not None and head_dim and rope_dim != head_dim:
         # normalise_config rejects partial rotary embeddings with a clear message.
         config["partial_rotary_factor"] = rope_dim / head_dim
@@ -210,6 +231,22 @@ def gguf_to_hf_config(
     return {k: v for k, v in config.items() if v is not None}
 
 
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def _check_block_count(declared: Any, gg: GGUFFile, arch_name: str) -> None:
+    """`block_count` must match the `blk.N.` tensors present, checked before any per-layer
+    work: a corrupted count (10^8) would otherwise take minutes and gigabytes to refuse."""
+    if isinstance(declared, bool) or not isinstance(declared, int):
+        return  # normalise_config names the problem
+    present = layers_present(gg.tensors, _BLOCK)
+    if declared != present:
+        raise FormatError(
+            f"{gg.path}: {arch_name}.block_count is {declared:,} but the file has tensors for "
+            f"{present} blocks"
+        )
+
+
 def _with_freq_factors(rope: dict[str, Any], factors: np.ndarray) -> dict[str, Any]:
     """Apply llama3-style `rope_freqs` (per-frequency divisors, as llama.cpp does)."""
     inv = np.asarray(rope["inv_freq"], dtype=np.float32)
@@ -226,7 +263,8 @@ def _plain(value: Any) -> Any:
     """GGUF scalars as JSON-friendly Python values; f32 floats by their shortest repr, so
     1e-5 stored as f32 reads back as 1e-05 like the config.json it came from."""
     if isinstance(value, float):
-        return float(str(np.float32(value)))
+        with np.errstate(over="ignore"):  # a double past f32's range reads as inf (refused)
+            return float(str(np.float32(value)))
     if isinstance(value, np.ndarray):
         return [_plain(v.item()) for v in value]
     return value
@@ -383,10 +421,15 @@ def _float_vector(gg: GGUFFile, name: str) -> np.ndarray:
 # -- tokenizer and generation ------------------------------------------------------------------
 
 
-def _tokenizer_section(tok: Any, md: Mapping[str, Any]) -> dict[str, Any]:
+def _tokenizer_section(tok: Any, md: Mapping[str, Any], source: str) -> dict[str, Any]:
     template = tok.chat_template
     if template is None:
         template = md.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise TemplateError(
+            f"{source}: GGUF metadata tokenizer.chat_template must be a string, got "
+            f"{type(template).__name__}"
+        )
     return {
         "blob": TOKENIZER_BLOB,
         "bos_token": tok.bos_token,

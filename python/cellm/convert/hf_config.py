@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from ..errors import FormatError, UnsupportedArchitecture
 from ..families import Family, ModelType, by_model_type
-from ..families.base import ConfigReader, Dims
+from ..families.base import MAX_HEAD_DIM, ConfigReader, Dims
 from ..families.rope import rope_description
 from .jsonfiles import read_json
 
@@ -47,21 +47,25 @@ def normalise_config(
     tensor_names: Optional[Container[str]] = None,
     source: str = "config.json",
     embedding_dtype: str = "F32",
+    labels: Optional[Mapping[str, str]] = None,
 ) -> dict[str, Any]:
     """The `model` section for `config`.
 
     `tensor_names` (the checkpoint's tensors) lets the weights settle tying: without an
     `lm_head.weight` the model can only be tied. None means: trust the config alone.
     `embedding_dtype` is the checkpoint's embedding dtype, to which Gemma rounds its scale.
+    `labels` names config keys in error messages as the source file calls them (GGUF keys).
     """
     family, model_type = by_model_type(config.get("model_type"), source)
-    r = ConfigReader(config, model_type, source)
+    r = ConfigReader(config, model_type, source, labels)
 
     hidden = r.get_int("hidden_size")
     num_heads = r.get_int("num_attention_heads")
     num_layers = r.get_int("num_hidden_layers")
     num_kv_heads = r.get_int("num_key_value_heads", config.get("num_key_value_heads") or num_heads)
-    head_dim = r.get_int("head_dim", r.get("head_dim") or _div(hidden, num_heads, r))
+    head_dim = r.get_int(
+        "head_dim", r.get("head_dim") or _div(hidden, num_heads, r), maximum=MAX_HEAD_DIM
+    )
     if num_heads % num_kv_heads:
         raise FormatError(
             f"{source}: num_attention_heads ({num_heads}) is not a multiple of "
@@ -72,9 +76,12 @@ def normalise_config(
     max_pos = r.get_int("max_position_embeddings")
 
     act_key = model_type.act_key
-    hidden_act = _ACTIVATIONS.get(r.get(act_key))
+    act = r.get(act_key)
+    if not isinstance(act, str):
+        raise FormatError(f"{source}: {act_key} must be a string, got {act!r}")
+    hidden_act = _ACTIVATIONS.get(act)
     if hidden_act is None:
-        raise UnsupportedArchitecture(f"{source}: {act_key} {r.get(act_key)!r} is not supported")
+        raise UnsupportedArchitecture(f"{source}: {act_key} {act!r} is not supported")
     layer_types = _layer_types(model_type, num_layers, r)
 
     attention_bias = model_type.fixed.get("attention_bias", r.get_bool("attention_bias"))
@@ -101,7 +108,7 @@ def normalise_config(
         "num_heads": num_heads,
         "num_kv_heads": num_kv_heads,
         "head_dim": head_dim,
-        "norm_eps": r.get_float(model_type.eps_key),
+        "norm_eps": r.get_float(model_type.eps_key, positive=True),
         "max_position_embeddings": max_pos,
         "tie_word_embeddings": tied,
         "hidden_act": hidden_act,

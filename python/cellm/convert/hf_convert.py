@@ -4,9 +4,10 @@ declaration, each one rewritten by its family where needed, converted or quantiz
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -18,8 +19,8 @@ from .progress import conversion_bar
 from .quantize import Quantization, plan_quantization, quantize_rows
 from .safetensors import Checkpoint, open_checkpoint
 from .tokenizer_files import TOKENIZER_BLOB, load_tokenizer_files
-from .weights import PlannedTensor, plan_tensors
-from .writer import TensorEntry, write_cellm
+from .weights import PlannedTensor, layers_present, plan_tensors
+from .writer import TensorEntry, check_output_is_not_input, write_cellm
 
 EMBEDDING = "model.embed_tokens.weight"
 
@@ -51,12 +52,14 @@ def convert_hf(
         raise FormatError(f"{src}: no such file or directory")
     if not src.is_dir():
         raise FormatError(f"{src} is not a directory (expected a HuggingFace checkpoint)")
+    check_output_is_not_input(output_path, src)
     config = load_config(src)
     config_source = str(src / "config.json")
     # Refuse unsupported architectures before touching the (possibly huge) weights.
     family = family_of(config, config_source)
 
     with open_checkpoint(src) as checkpoint:
+        _check_layer_count(config, checkpoint, config_source)
         embed_dtype = checkpoint.info(EMBEDDING).dtype if EMBEDDING in checkpoint else "F32"
         model = normalise_config(config, checkpoint, config_source, embed_dtype)
         family.settle_from_weights(model, checkpoint)
@@ -82,6 +85,23 @@ def convert_hf(
         with conversion_bar(total, f"converting {src.name}", progress) as bar:
             blobs = [(TOKENIZER_BLOB, tok.tokenizer_json)]
             return write_cellm(output_path, header, entries, blobs, bar)
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _check_layer_count(config: dict[str, Any], checkpoint: Checkpoint, source: str) -> None:
+    """More layers than the checkpoint holds tensors for is refused before any per-layer
+    work (a corrupted count would take minutes and gigabytes to refuse later)."""
+    declared = config.get("num_hidden_layers")
+    if isinstance(declared, bool) or not isinstance(declared, int):
+        return  # normalise_config names the problem
+    present = layers_present(checkpoint, _LAYER)
+    if declared > present:
+        raise FormatError(
+            f"{source}: num_hidden_layers is {declared:,} but {checkpoint.source} has tensors "
+            f"for {present} layers"
+        )
 
 
 def _entry(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,13 @@ class PlannedTensor:
         """`entry` in its format's 8-row interleaved layout where the engine accepts that."""
         x8 = VARIANTS.get(entry.format, (None,))[0]
         return interleaved(entry) if x8 in self.formats else entry
+
+
+def layers_present(names: Iterable[str], pattern: re.Pattern[str]) -> int:
+    """1 + the highest layer index `pattern` (group 1) finds in tensor `names`; 0 if none.
+    Checked against the declared layer count before the engine is asked for every layer's
+    tensors: a corrupted count (10^8 layers) must fail at once, not after minutes."""
+    return 1 + max((int(m.group(1)) for n in names if (m := pattern.match(n))), default=-1)
 
 
 def expected_tensors(model: Mapping[str, Any]) -> list[PlannedTensor]:

@@ -5,7 +5,8 @@ are formatted and parsed. The tensors themselves are the engine's to declare
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
@@ -14,6 +15,10 @@ import numpy as np
 from ..errors import FormatError
 
 Transform = Callable[[np.ndarray], np.ndarray]
+# Sizes and counts past this are refused (the engine's header stores u32-range sizes).
+MAX_INT = 2**31 - 1
+# Head widths past this are refused before RoPE tables of that size are computed.
+MAX_HEAD_DIM = 1 << 16
 ToolCallParser = Callable[[str, Optional[str]], "tuple[str, list[dict[str, Any]]]"]
 
 
@@ -29,10 +34,23 @@ class Dims:
 
 class ConfigReader:
     """Typed access to config keys, falling back to the model type's defaults for absent or
-    null keys; errors name the config file."""
+    null keys; errors name the config file and the key (with its name in the source file,
+    `labels`, where that differs: a GGUF file's metadata keys)."""
 
-    def __init__(self, config: Mapping[str, Any], model_type: ModelType, source: str) -> None:
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        model_type: ModelType,
+        source: str,
+        labels: Optional[Mapping[str, str]] = None,
+    ) -> None:
         self.config, self.model_type, self.source = config, model_type, source
+        self.labels = labels or {}
+
+    def name(self, key: str) -> str:
+        """How error messages name config key `key`."""
+        label = self.labels.get(key)
+        return f"{label} ({key})" if label else key
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.config.get(key)
@@ -43,27 +61,46 @@ class ConfigReader:
     def require(self, key: str) -> Any:
         value = self.get(key)
         if value is None:
-            raise FormatError(f"{self.source} is missing {key!r}")
+            raise FormatError(f"{self.source} is missing {self.name(key)!r}")
         return value
 
-    def get_int(self, key: str, value: Any = None, minimum: int = 1) -> int:
+    def get_int(self, key: str, value: Any = None, minimum: int = 1, maximum: int = MAX_INT) -> int:
         value = self.require(key) if value is None else value
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise FormatError(
-                f"{self.source}: {key} must be an integer >= {minimum}, got {value!r}"
+                f"{self.source}: {self.name(key)} must be an integer >= {minimum}, got {value!r}"
+            )
+        if value > maximum:
+            raise FormatError(
+                f"{self.source}: {self.name(key)} is {value:,}, more than {maximum:,}"
             )
         return int(value)
 
-    def get_float(self, key: str, default: Any = None) -> float:
+    def get_float(self, key: str, default: Any = None, *, positive: bool = False) -> float:
+        """A finite number (> 0 with `positive`)."""
         value = self.get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise FormatError(f"{self.source}: {key} must be a number, got {value!r}")
-        return float(value)
+            raise FormatError(f"{self.source}: {self.name(key)} must be a number, got {value!r}")
+        try:
+            number = float(value)
+        except OverflowError:  # an integer past float's range
+            number = math.inf
+        if not math.isfinite(number):
+            raise FormatError(
+                f"{self.source}: {self.name(key)} must be a finite number, got {value!r}"
+            )
+        if positive and not number > 0:
+            raise FormatError(
+                f"{self.source}: {self.name(key)} must be a number > 0, got {value!r}"
+            )
+        return number
 
     def get_bool(self, key: str, default: bool = False) -> bool:
         value = self.get(key, default)
         if not isinstance(value, bool):
-            raise FormatError(f"{self.source}: {key} must be true or false, got {value!r}")
+            raise FormatError(
+                f"{self.source}: {self.name(key)} must be true or false, got {value!r}"
+            )
         return value
 
 
@@ -124,6 +161,7 @@ class Checkpoint(Protocol):
     def source(self) -> object: ...
 
     def __contains__(self, name: object) -> bool: ...
+    def __iter__(self) -> Iterator[str]: ...
     def info(self, name: str) -> Any: ...
 
 

@@ -5,13 +5,14 @@ up-projections, and undoes `rope_interleave`."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Optional
 
 import numpy as np
 
-from ..errors import UnsupportedArchitecture
-from .base import ConfigReader, Dims, Family, ModelType, Transform
+from ..errors import FormatError, UnsupportedArchitecture
+from .base import MAX_HEAD_DIM, Checkpoint, ConfigReader, Dims, Family, ModelType, Transform
 from .llama import COMMON_DEFAULTS
 from .rope import rope_description, rope_parameters
 
@@ -22,7 +23,8 @@ def _extras(r: ConfigReader, dims: Dims) -> dict[str, Any]:
     """Multi-head latent attention and the MoE router's shape. The q/k head is `nope + rope`
     wide; RoPE covers the `rope` part (HF's `head_dim`), and yarn scaling also scales the
     softmax by mscale^2."""
-    nope, rope = r.get_int("qk_nope_head_dim"), r.get_int("qk_rope_head_dim")
+    nope = r.get_int("qk_nope_head_dim", maximum=MAX_HEAD_DIM)
+    rope = r.get_int("qk_rope_head_dim", maximum=MAX_HEAD_DIM)
     # An explicit null means a plain q_proj; only an absent key takes the default rank.
     q_lora = r.config["q_lora_rank"] if "q_lora_rank" in r.config else r.get("q_lora_rank")
     if r.get_bool("attention_bias"):
@@ -53,12 +55,27 @@ def _extras(r: ConfigReader, dims: Dims) -> dict[str, Any]:
             "groups": r.get_int("n_group"),
             "groups_per_token": r.get_int("topk_group"),
             "norm_topk_prob": r.get_bool("norm_topk_prob"),
-            "routed_scaling_factor": r.get_float("routed_scaling_factor"),
+            "routed_scaling_factor": r.get_float("routed_scaling_factor", positive=True),
             "shared_experts": r.get_int("n_shared_experts", minimum=0),
             "expert_intermediate_size": r.get_int("moe_intermediate_size"),
             "first_moe_layer": r.get_int("first_k_dense_replace", minimum=0),
         },
     }
+
+
+_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+
+
+def _settle_from_weights(model: dict[str, Any], checkpoint: Checkpoint) -> None:
+    """Refuses more routed experts than the checkpoint holds before the engine is asked for
+    that many experts' tensors (a corrupted count of 10^8 would take minutes to list)."""
+    declared = model["moe"]["experts"]
+    present = 1 + max((int(m.group(1)) for n in checkpoint if (m := _EXPERT.match(n))), default=-1)
+    if declared > present:
+        raise FormatError(
+            f"{checkpoint.source}: n_routed_experts is {declared:,} but the checkpoint has "
+            f"tensors for {present} experts"
+        )
 
 
 def _tensor_source(model: Mapping[str, Any], name: str) -> Optional[tuple[str, tuple[int, ...]]]:
@@ -128,4 +145,5 @@ FAMILY = Family(
     },
     tensor_source=_tensor_source,
     tensor_transform=_mla_layout,
+    settle_from_weights=_settle_from_weights,
 )

@@ -18,6 +18,7 @@ def _layer_types(r: ConfigReader, num_layers: int) -> list[str]:
     """Every `sliding_window_pattern`-th layer (1-based) is full, the rest slide."""
     config = r.config
     pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
+    pattern = r.get_int("sliding_window_pattern", pattern)
     return [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
     ]
@@ -30,10 +31,10 @@ def _extras(r: ConfigReader, dims: Dims) -> dict[str, Any]:
     sliding = params.get("sliding_attention") if isinstance(params, dict) else None
     # Older configs give local layers a plain rope_local_base_freq and never scale them.
     local_params = dict(sliding) if isinstance(sliding, dict) else {"rope_type": "default"}
-    local_params.setdefault("rope_theta", r.get_float("rope_local_base_freq"))
+    local_params.setdefault("rope_theta", r.get_float("rope_local_base_freq", positive=True))
     local = {**config, "rope_scaling": None, "rope_parameters": {"full_attention": local_params}}
     out: dict[str, Any] = {
-        "attention_scale": r.get_float("query_pre_attn_scalar") ** -0.5,
+        "attention_scale": r.get_float("query_pre_attn_scalar", positive=True) ** -0.5,
         # HF casts sqrt(hidden) to the embedding's dtype before scaling.
         "embedding_multiplier": _round_to(dims.hidden**0.5, dims.embedding_dtype),
         "rope_local": rope_description(local, r.model_type, dims.head_dim, dims.max_pos, r.source),
@@ -43,7 +44,7 @@ def _extras(r: ConfigReader, dims: Dims) -> dict[str, Any]:
         ("final_logit_softcapping", "final_logit_softcap"),
     ):
         if config.get(key) is not None:
-            out[name] = r.get_float(key)
+            out[name] = r.get_float(key, positive=True)
     return out
 
 

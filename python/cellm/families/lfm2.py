@@ -12,8 +12,13 @@ def _layer_types(r: ConfigReader, num_layers: int) -> list[str]:
     """Layers listed in `full_attn_idxs` attend; the others convolve."""
     attention = r.config.get("full_attn_idxs")
     if attention is None:
-        attention = range(num_layers)
-    return ["full_attention" if i in attention else "conv" for i in range(num_layers)]
+        return ["full_attention"] * num_layers
+    if not isinstance(attention, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in attention
+    ):
+        raise FormatError(f"{r.source}: full_attn_idxs must be a list of layer indices")
+    chosen = set(attention)
+    return ["full_attention" if i in chosen else "conv" for i in range(num_layers)]
 
 
 def _extras(r: ConfigReader, dims: Dims) -> dict[str, Any]:

@@ -23,7 +23,7 @@ def qwen_layer_types(r: ConfigReader, num_layers: int) -> list[str]:
     """Qwen2/3: with `use_sliding_window`, layers from `max_window_layers` on slide."""
     if not _sliding(r):
         return ["full_attention"] * num_layers
-    first = r.config.get("max_window_layers", 28)
+    first = r.get_int("max_window_layers", r.config.get("max_window_layers", 28), minimum=0)
     return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
 
 
@@ -51,14 +51,11 @@ def _smollm3_layer_types(r: ConfigReader, num_layers: int) -> list[str]:
 
 def _granite_scaling(r: ConfigReader, dims: Dims) -> dict[str, Any]:
     """Granite's embedding, residual and attention multipliers and its logits divisor."""
-    logits_scaling = r.get_float("logits_scaling", 1.0)
-    if logits_scaling == 0:
-        raise FormatError(f"{r.source}: logits_scaling must not be 0")
     return {
-        "embedding_multiplier": r.get_float("embedding_multiplier", 1.0),
-        "residual_multiplier": r.get_float("residual_multiplier", 1.0),
-        "attention_scale": r.get_float("attention_multiplier", 1.0),
-        "logits_scale": 1.0 / logits_scaling,
+        "embedding_multiplier": r.get_float("embedding_multiplier", 1.0, positive=True),
+        "residual_multiplier": r.get_float("residual_multiplier", 1.0, positive=True),
+        "attention_scale": r.get_float("attention_multiplier", 1.0, positive=True),
+        "logits_scale": 1.0 / r.get_float("logits_scaling", 1.0, positive=True),
     }
 
 

@@ -14,7 +14,8 @@ from .llama import COMMON_DEFAULTS
 
 def _layer_types(r: ConfigReader, num_layers: int) -> list[str]:
     """Every `full_attention_interval`-th layer (1-based) attends; the others are DeltaNets."""
-    interval = r.config.get("full_attention_interval") or 4
+    interval = r.config.get("full_attention_interval")
+    interval = 4 if interval is None else r.get_int("full_attention_interval", interval)
     return [
         "linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)
     ]

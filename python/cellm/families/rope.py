@@ -21,6 +21,10 @@ from .base import ModelType
 
 F32 = np.float32
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# Rope parameters that must be finite numbers where given, and those that must also be > 0.
+_NUMBERS = ("low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow",
+            "mscale", "mscale_all_dim")  # fmt: skip
+_POSITIVE = ("rope_theta", "factor")
 
 
 def _pow32(base: float, exps: np.ndarray) -> np.ndarray:
@@ -241,15 +245,55 @@ def rope_description(
             f"{source}: a rotary dimension of {rotary_dim} (head_dim {head_dim} x "
             f"partial_rotary_factor {partial}) is not supported (it must be even)"
         )
+    _check_numbers(params, source)
     try:
-        inv_freq, attention_factor = compute_inv_freq(rope_type, params, rotary_dim, max_pos)
+        # Values that overflow or divide by zero are refused below, without numpy warnings.
+        with np.errstate(all="ignore"):
+            inv_freq, attention_factor = compute_inv_freq(rope_type, params, rotary_dim, max_pos)
     except KeyError as e:
         raise FormatError(f"{source}: {rope_type} rope parameters lack {e.args[0]!r}") from None
-    except (TypeError, ValueError, ZeroDivisionError) as e:
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
         raise FormatError(f"{source}: invalid {rope_type} rope parameters ({e})") from None
+    if not (np.all(np.isfinite(inv_freq)) and np.all(inv_freq > 0)):
+        raise FormatError(
+            f"{source}: the {rope_type} rope parameters give inverse frequencies that are not "
+            f"finite positive numbers ({_summary(params)})"
+        )
+    if not math.isfinite(attention_factor):
+        raise FormatError(
+            f"{source}: the {rope_type} rope parameters give an attention factor of "
+            f"{attention_factor} ({_summary(params)})"
+        )
     return {
         "type": rope_type,
         "theta": float(params["rope_theta"]),
         "inv_freq": [float(x) for x in inv_freq],
         "attention_factor": float(attention_factor),
     }
+
+
+def _check_numbers(params: Mapping[str, Any], source: str) -> None:
+    """The numeric rope parameters that are present: finite numbers, some of them > 0."""
+    for key in (*_POSITIVE, *_NUMBERS):
+        value = params.get(key)
+        if value is None:
+            continue
+        if not _finite(value):
+            raise FormatError(
+                f"{source}: rope parameter {key} must be a finite number, got {value!r}"
+            )
+        if key in _POSITIVE and not value > 0:
+            raise FormatError(f"{source}: rope parameter {key} must be > 0, got {value!r}")
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past float's range
+        return False
+
+
+def _summary(params: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} {params[k]!r}" for k in (*_POSITIVE, *_NUMBERS) if k in params)
