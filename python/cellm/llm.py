@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -13,7 +14,7 @@ import numpy as np
 
 from cellm import _core
 from cellm.chat import render_chat_template, resolve_template
-from cellm.errors import ContextOverflow, FormatError, InvalidArgument
+from cellm.errors import ContextOverflow, FormatError, InvalidArgument, TemplateError
 from cellm.families import by_architecture
 from cellm.fetch import registry_entry_for
 from cellm.resolve import resolve_model
@@ -88,9 +89,33 @@ def _read_text(path: Union[str, os.PathLike[str]]) -> str:
         raise FormatError(f"{path}: cannot read: {e}") from None
 
 
+def _token_ids(prompt: object) -> list[int]:
+    """`prompt` as a list of token ids: a sequence of integers (Python or numpy), nothing
+    that merely converts to one (bytes, bools, floats, numeric strings)."""
+    if isinstance(prompt, (str, bytes, bytearray, memoryview)) or not hasattr(prompt, "__iter__"):
+        raise InvalidArgument(
+            f"a prompt must be text (str) or a sequence of integer token ids, got "
+            f"{type(prompt).__name__}"
+        )
+    ids = []
+    for i, t in enumerate(prompt):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise InvalidArgument(
+                f"token ids must be integers, but item {i} is {t!r} ({type(t).__name__})"
+            )
+        ids.append(int(t))
+    return ids
+
+
 class LLM:
     """A loaded model. `path` is a .cellm file or a HF checkpoint directory (converted once
-    into the cache, see `cellm.resolve`)."""
+    into the cache, see `cellm.resolve`).
+
+    Thread safety: one `LLM` may be used from several threads at once. Each call into the
+    engine (a prefill or decode step, creating, truncating or freeing a session) holds the
+    model's lock, which is released between steps, so concurrent generations interleave
+    their steps, each on its own KV session. They do not run in parallel (the engine's
+    kernels already use its threads) nor share a batch."""
 
     def __init__(
         self,
@@ -114,6 +139,11 @@ class LLM:
         self._engine = _core.Engine(
             str(self.path), threads=threads, kv_encoding=kv_encoding, context_length=context_length
         )
+        # Held for each engine call: the engine is not reentrant (see the class docstring).
+        self._lock = threading.RLock()
+        # Read once: the engine cannot be asked while another thread's step runs in it.
+        self._context_length = self._engine.context_length
+        self._vocab_size = self._engine.vocab_size
         self.header: dict[str, Any] = json.loads(self._engine.header_json())
         # Chat format and tool-call parser of the model's family.
         self.family = by_architecture(self.header["model"]["architecture"])
@@ -133,16 +163,26 @@ class LLM:
             eos_token=tok.get("eos_token"),
             add_bos_token=bool(tok.get("add_bos_token")),
         )
-        self.chat_template: Optional[str] = tok.get("chat_template")
+        template = tok.get("chat_template")
+        # A template that is not text is reported when a chat needs it (plain generation
+        # does not).
+        self._template_problem: Optional[str] = None
+        if template is not None and not isinstance(template, str):
+            self._template_problem = (
+                f"{self.path}: the header's tokenizer.chat_template must be a string, got "
+                f"{type(template).__name__}"
+            )
+            template = None
+        self.chat_template: Optional[str] = template
         self.eos_token_ids: frozenset[int] = frozenset(self.header["generation"]["eos_token_ids"])
 
     @property
     def context_length(self) -> int:
-        return self._engine.context_length
+        return self._context_length
 
     @property
     def vocab_size(self) -> int:
-        return self._engine.vocab_size
+        return self._vocab_size
 
     # -- prompts -------------------------------------------------------------------------
 
@@ -158,6 +198,8 @@ class LLM:
         """The prompt text for `messages`, rendered with the model's template (or a builtin
         one: chatml, llama3, gemma, plain). Extra keywords (e.g. enable_thinking=False) are
         passed to the template."""
+        if chat_format == "auto" and self._template_problem is not None:
+            raise TemplateError(self._template_problem)
         if chat_format == "auto" and not self.chat_template and self.is_base_model:
             raise InvalidArgument(
                 f"{self.path.parent.name} is a base model with no chat template: give it text to "
@@ -174,9 +216,11 @@ class LLM:
         )
 
     def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids for `prompt`: text is tokenized; a sequence of integer ids is checked
+        (InvalidArgument for anything else, or an id outside the vocabulary)."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
+        ids = _token_ids(prompt)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidArgument(
@@ -188,14 +232,17 @@ class LLM:
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Next-token logits at every position: float32 array (len(token_ids), vocab)."""
-        ids = self.encode(list(token_ids))
+        if isinstance(token_ids, str):
+            raise InvalidArgument("logits() takes token ids, not text (see LLM.encode)")
+        ids = self.encode(token_ids)
         if not ids:
             raise InvalidArgument("logits() needs at least one token id")
-        session = self._engine.create_session()
-        try:
-            return self._engine.step([(session, ids)], all_logits=True)
-        finally:
-            self._engine.free_session(session)
+        with self._lock:
+            session = self._engine.create_session()
+            try:
+                return self._engine.step([(session, ids)], all_logits=True)
+            finally:
+                self._engine.free_session(session)
 
     def generate(
         self,
@@ -330,7 +377,7 @@ class LLM:
         text: list[str] = []
         finish, cut = "length", False  # cut: a stop string ended the text mid-stream
         stop_token_id: Optional[int] = None
-        session = kv if kv is not None else KvSession(self._engine)
+        session = kv if kv is not None else KvSession(self._engine, self._lock)
         try:
             new = session.reuse(ids)
             timings = Timings(prefill_tokens=len(new))
@@ -371,11 +418,14 @@ class LLM:
 
 class KvSession:
     """An engine session and the token ids its cache holds, so that a later prompt which
-    starts with them prefills only the rest."""
+    starts with them prefills only the rest. Every engine call holds `lock`, the model's
+    (shared by all its sessions: the engine takes one call at a time)."""
 
-    def __init__(self, engine: _core.Engine) -> None:
+    def __init__(self, engine: _core.Engine, lock: threading.RLock) -> None:
         self._engine = engine
-        self.id: Optional[int] = engine.create_session()
+        self._lock = lock
+        with lock:
+            self.id: Optional[int] = engine.create_session()
         self.ids: list[int] = []
 
     def reuse(self, ids: list[int]) -> list[int]:
@@ -386,23 +436,26 @@ class KvSession:
         while keep < limit and self.ids[keep] == ids[keep]:
             keep += 1
         if keep < len(self.ids):
-            try:
-                self._engine.truncate_session(self._live(), keep)
-            except InvalidArgument:  # recurrent or sliding state cannot rewind: start over
-                self._engine.truncate_session(self._live(), 0)
-                keep = 0
+            with self._lock:
+                try:
+                    self._engine.truncate_session(self._live(), keep)
+                except InvalidArgument:  # recurrent or sliding state cannot rewind: start over
+                    self._engine.truncate_session(self._live(), 0)
+                    keep = 0
             del self.ids[keep:]
         return ids[keep:]
 
     def step(self, ids: list[int]) -> np.ndarray:
         """Next-token logits after feeding `ids` to the session."""
-        logits: np.ndarray = self._engine.step([(self._live(), ids)])[0]
+        with self._lock:
+            logits: np.ndarray = self._engine.step([(self._live(), ids)])[0]
         self.ids.extend(ids)
         return logits
 
     def close(self) -> None:
         if self.id is not None:
-            self._engine.free_session(self.id)
+            with self._lock:
+                self._engine.free_session(self.id)
             self.id = None
 
     def _live(self) -> int:
@@ -430,14 +483,14 @@ class Conversation:
         self.params = params if params is not None else SamplingParams()
         self.system = system
         self.messages: list[dict[str, str]] = []
-        self._kv = KvSession(llm._engine)
+        self._kv = KvSession(llm._engine, llm._lock)
         self.reset()
 
     def reset(self) -> None:
         """Forget the turns (the system message stays) and the cached tokens."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self._kv.close()
-        self._kv = KvSession(self.llm._engine)
+        self._kv = KvSession(self.llm._engine, self.llm._lock)
 
     def send(self, text: str) -> Generator[str, None, GenerationResult]:
         """Adds the user message `text` and streams the answer, which joins the conversation

@@ -27,6 +27,8 @@ def resolve_model(path: str | os.PathLike[str], dtype: str = "f16") -> Path:
     if p.exists():
         if p.is_dir():
             return _converted(p, dtype)
+        if not p.is_file():  # a named pipe or a device: opening it could block forever
+            raise FormatError(f"{p} is not a regular file")
         if p.suffix.lower() == ".gguf":
             return _converted_gguf(p)
         return p
