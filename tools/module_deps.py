@@ -17,13 +17,25 @@ import os
 import re
 import sys
 
+# Comments, strings (raw ones with their own quotes inside) and char literals, in one pass so
+# that each is recognised where it starts: "//" inside a string is not a comment, a quote
+# inside r#"..."# does not end it.
+_NOISE = re.compile(
+    r"(?P<comment>//[^\n]*|/\*.*?\*/)"
+    r"|(?P<raw>b?r(?P<hashes>#*)\".*?\"(?P=hashes))"
+    r"|(?P<string>b?\"(?:\\.|[^\"\\])*\")"
+    r"|(?P<char>b?'(?:\\.|[^'\\])')",
+    re.S,
+)
+
 
 def strip(src):
-    src = re.sub(r"//[^\n]*", "", src)
-    src = re.sub(r"/\*.*?\*/", "", src, flags=re.S)
-    src = re.sub(r"b?r#*\"(?:\\.|[^\"\\])*\"#*", '""', src)
-    src = re.sub(r"'(?:\\.|[^'\\])'", "' '", src)
-    return src
+    def blank(m):
+        if m.group("comment"):
+            return ""
+        return "' '" if m.group("char") else '""'
+
+    return _NOISE.sub(blank, src)
 
 
 def drop_test_mods(src):
