@@ -55,15 +55,36 @@ mod tests {
     #[test]
     fn matches_dense_attention() {
         for (window, softcap) in [(None, None), (Some(6), None), (None, Some(0.5))] {
-            check_dense(window, softcap, false);
+            check_dense(window, softcap, false, (4, 2));
             // The last token alone on four threads: its context is split into page chunks.
             let pool = cellm_kernels::pool::ThreadPool::new(4).unwrap();
-            pool.install(|| check_dense(window, softcap, true));
+            pool.install(|| check_dense(window, softcap, true, (4, 2)));
         }
     }
 
-    fn check_dense(window: Option<usize>, softcap: Option<f32>, last_alone: bool) {
-        let (n_heads, n_kv, hd, len) = (4, 2, 8, 11);
+    /// More query heads than one row task holds (64), as valid HF configs may have: split
+    /// into passes of whole kv groups (72 = 8 groups of 9), inside one group (72 sharing one
+    /// kv head), and into three passes (130 heads, two groups of 65). This used to panic at
+    /// the first decode.
+    #[test]
+    fn more_heads_than_a_task_holds() {
+        let pool = cellm_kernels::pool::ThreadPool::new(4).unwrap();
+        for heads in [(72, 8), (72, 1), (130, 2)] {
+            for (window, softcap) in [(None, None), (Some(6), Some(0.5))] {
+                check_dense(window, softcap, false, heads);
+                check_dense(window, softcap, true, heads);
+                pool.install(|| check_dense(window, softcap, true, heads));
+            }
+        }
+    }
+
+    fn check_dense(
+        window: Option<usize>,
+        softcap: Option<f32>,
+        last_alone: bool,
+        (n_heads, n_kv): (usize, usize),
+    ) {
+        let (hd, len) = (8, 11);
         let mut pool = PagePool::new(KvConfig {
             num_layers: 1,
             kv_heads: n_kv,
@@ -112,7 +133,7 @@ mod tests {
         }
         for t in first_row..len {
             for h in 0..n_heads {
-                let g = h / 2;
+                let g = h / (n_heads / n_kv);
                 let qh = &q[(t * n_heads + h) * hd..][..hd];
                 let lo = window.map_or(0, |w| (t + 1).saturating_sub(w));
                 let scores: Vec<f32> = (lo..=t)

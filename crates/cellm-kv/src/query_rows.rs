@@ -22,21 +22,24 @@ pub(crate) fn attend(
     row_of.sort_unstable();
     let (shape, hd) = (call.shape, call.shape.head_dim);
     let ps = pool.config().page_size;
-    assert!(
-        shape.n_heads <= MAX_HEADS && ps <= MAX_PAGE,
-        "attention: {} heads or pages of {ps} are more than a task holds ({MAX_HEADS}, {MAX_PAGE})",
-        shape.n_heads
-    );
-    // Tasks are (token, chunk of pages) over all heads: cached rows hold every kv head side
-    // by side, so a chunk's pages stream from memory once, in order. A lone decode token
-    // still splits its context over every thread (each chunk keeps its own softmax
-    // maximum; chunks merge below).
+    assert!(ps <= MAX_PAGE, "attention: pages of {ps} are more than a task holds ({MAX_PAGE})");
+    // Tasks are (token, heads, chunk of pages): cached rows hold every kv head side by side,
+    // so a chunk's pages stream from memory once, in order. A lone decode token still splits
+    // its context over every thread (each chunk keeps its own softmax maximum; chunks merge
+    // below). A task holds at most MAX_HEADS query heads: more go in passes of whole kv
+    // groups where a group fits (each pass reads the pages again).
+    let n_heads = shape.n_heads;
+    let group = n_heads / shape.n_kv_heads;
+    let per_pass = if group <= MAX_HEADS { MAX_HEADS / group * group } else { MAX_HEADS };
+    let passes = n_heads.div_ceil(per_pass);
+    let pass_heads = |p: usize| p * per_pass..((p + 1) * per_pass).min(n_heads);
     let rows = row_of.len();
     let longest = row_of.iter().map(|&(_, _, pos)| pos / ps + 1).max().unwrap_or(1);
-    let chunks = (2 * current_threads()).div_ceil(rows).clamp(1, longest);
-    let width = shape.n_heads * hd;
-    let mut partial = vec![Partial::default(); rows * chunks];
-    let mut acc = vec![0.0f32; rows * chunks * width];
+    let chunks = (2 * current_threads()).div_ceil(rows * passes).clamp(1, longest);
+    let width = n_heads * hd;
+    let pass_width = per_pass.min(n_heads) * hd;
+    let mut partial = vec![Partial::default(); rows * passes * chunks];
+    let mut acc = vec![0.0f32; rows * passes * chunks * pass_width];
     let (parts, accs) = (SharedOut(partial.as_mut_ptr()), SharedOut(acc.as_mut_ptr()));
     // Each row's queries times the scale, once for all its chunks instead of in every
     // score.
@@ -46,28 +49,38 @@ pub(crate) fn attend(
         .collect();
     let kern = PathKernels::selected().head_kernels(pool.config().encoding.format());
     let tasks = RowTasks { pool, shape, kern };
-    parallel_for(rows * chunks, |task| {
-        let (row, chunk) = (task / chunks, task % chunks);
+    parallel_for(rows * passes * chunks, |task| {
+        let (unit, chunk) = (task / chunks, task % chunks);
+        let (row, heads) = (unit / passes, pass_heads(unit % passes));
         let (_, si, pos) = row_of[row];
         let first = shape.first_visible(pos);
         let (lo, hi) = (first / ps, pos / ps + 1);
         let per = (hi - lo).div_ceil(chunks);
         let pages_of_chunk = (lo + chunk * per).min(hi)..(lo + (chunk + 1) * per).min(hi);
+        let o_len = heads.len() * hd;
         // SAFETY: task `task` alone writes its partial record and accumulator slice.
         let (part, o) = unsafe {
-            (&mut *parts.at(task), std::slice::from_raw_parts_mut(accs.at(task * width), width))
+            (
+                &mut *parts.at(task),
+                std::slice::from_raw_parts_mut(accs.at(task * pass_width), o_len),
+            )
         };
-        let q = &scaled[row * width..(row + 1) * width];
-        let query = Query { seq: call.spans[si].kv, layer: call.layer, q, first, pos };
+        let q = &scaled[row * width + heads.start * hd..row * width + heads.end * hd];
+        let query = Query { seq: call.spans[si].kv, layer: call.layer, q, heads, first, pos };
         tasks.attend_pages(&query, pages_of_chunk, part, o);
     });
     for (row, &(r, _, _)) in row_of.iter().enumerate() {
-        merge(
-            &partial[row * chunks..(row + 1) * chunks],
-            &acc[row * chunks * width..(row + 1) * chunks * width],
-            hd,
-            &mut out[r * width..(r + 1) * width],
-        );
+        for pass in 0..passes {
+            let heads = pass_heads(pass);
+            let unit = row * passes + pass;
+            merge(
+                &partial[unit * chunks..(unit + 1) * chunks],
+                &acc[unit * chunks * pass_width..(unit + 1) * chunks * pass_width],
+                pass_width,
+                hd,
+                &mut out[r * width + heads.start * hd..r * width + heads.end * hd],
+            );
+        }
     }
 }
 
@@ -80,7 +93,7 @@ struct RowTasks<'a> {
 
 impl RowTasks<'_> {
     /// Unnormalised softmax-weighted sums of values over the pages `pages` (clipped to the
-    /// query's window) for every head of one query row, a page at a time with a running
+    /// query's window) for the query's heads of one row, a page at a time with a running
     /// maximum per head; `part` gets each head's maximum and denominator. A page's rows of one
     /// kv head go through the page kernels once for all the query heads sharing it.
     fn attend_pages(
@@ -91,8 +104,16 @@ impl RowTasks<'_> {
         out: &mut [f32],
     ) {
         let (shape, kern, pool) = (self.shape, self.kern, self.pool);
-        let (hd, n_heads) = (shape.head_dim, shape.n_heads);
-        let group = n_heads / shape.n_kv_heads;
+        let hd = shape.head_dim;
+        let (heads, n_heads) = (query.heads.clone(), query.heads.len());
+        let group = shape.n_heads / shape.n_kv_heads;
+        // The kv heads these query heads read, and the task's heads (counted from the first)
+        // that read kv head `kv`.
+        let kv_heads = heads.start / group..heads.end.div_ceil(group);
+        let sharing = |kv: usize| {
+            let (a, b) = ((kv * group).max(heads.start), ((kv + 1) * group).min(heads.end));
+            a - heads.start..b - heads.start
+        };
         let head_bytes = pool.config().encoding.format().nbytes(&[hd]).expect("small");
         let (rb, ps) = (pool.row_bytes(), pool.config().page_size);
         let (max, denom) = (&mut part.max, &mut part.denom);
@@ -127,11 +148,11 @@ impl RowTasks<'_> {
                 CachedRows { bytes: plane, stride: rb, count, dim: hd }
                     .offset_by(slots.start * rb + kv * head_bytes)
             };
-            for kv in 0..shape.n_kv_heads {
-                let heads = kv * group..(kv + 1) * group;
-                let scores = &mut scores[heads.start * count..heads.end * count];
+            for kv in kv_heads.clone() {
+                let hs = sharing(kv);
+                let scores = &mut scores[hs.start * count..hs.end * count];
                 ahead(next.0, kv);
-                (kern.dot)(run(krows, kv), &query.q[heads.start * hd..heads.end * hd], scores);
+                (kern.dot)(run(krows, kv), &query.q[hs.start * hd..hs.end * hd], scores);
             }
             if let Some(cap) = shape.softcap {
                 scores.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
@@ -148,11 +169,11 @@ impl RowTasks<'_> {
                 exp_in_place(weights);
                 denom[h] += weights.iter().sum::<f32>();
             }
-            for kv in 0..shape.n_kv_heads {
-                let heads = kv * group..(kv + 1) * group;
-                let weights = &scores[heads.start * count..heads.end * count];
+            for kv in kv_heads.clone() {
+                let hs = sharing(kv);
+                let weights = &scores[hs.start * count..hs.end * count];
                 ahead(next.1, kv);
-                (kern.axpy)(weights, run(vrows, kv), &mut out[heads.start * hd..heads.end * hd]);
+                (kern.axpy)(weights, run(vrows, kv), &mut out[hs.start * hd..hs.end * hd]);
             }
         }
     }
@@ -162,12 +183,14 @@ impl RowTasks<'_> {
 const MAX_PAGE: usize = 64;
 const MAX_HEADS: usize = 64;
 
-/// One query row (all its heads) and its view of its session's cache.
+/// One query row (some of its heads) and its view of its session's cache.
 struct Query<'a> {
     seq: &'a SeqKv,
     layer: usize,
-    /// Its queries, already times the scale.
+    /// The queries of `heads`, already times the scale.
     q: &'a [f32],
+    /// The query heads this task attends for (at most MAX_HEADS).
+    heads: std::ops::Range<usize>,
     first: usize,
     pos: usize,
 }
@@ -185,15 +208,14 @@ impl Default for Partial {
     }
 }
 
-/// Combines the chunks of one token into normalised outputs: each chunk's sums are
-/// rescaled to the overall maximum.
-fn merge(parts: &[Partial], accs: &[f32], hd: usize, out: &mut [f32]) {
-    let width = out.len();
+/// Combines the chunks of one token's heads into normalised outputs: each chunk's sums
+/// (`stride` floats apart in `accs`) are rescaled to the overall maximum.
+fn merge(parts: &[Partial], accs: &[f32], stride: usize, hd: usize, out: &mut [f32]) {
     for (h, oh) in out.chunks_exact_mut(hd).enumerate() {
         let top = parts.iter().map(|p| p.max[h]).fold(f32::NEG_INFINITY, f32::max);
         oh.fill(0.0);
         let mut denom = 0.0;
-        for (p, acc) in parts.iter().zip(accs.chunks_exact(width)) {
+        for (p, acc) in parts.iter().zip(accs.chunks_exact(stride)) {
             if p.denom[h] == 0.0 {
                 continue; // a chunk with no positions in the window
             }
