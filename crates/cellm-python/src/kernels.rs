@@ -39,6 +39,7 @@ pub fn dequantize<'py>(
     cols: usize,
 ) -> PyResult<Bound<'py, PyArray2<f32>>> {
     let fmt = TensorFormat::parse(format).map_err(to_py)?;
+    check_shape(rows, cols)?;
     let need = fmt.nbytes(&[rows, cols]).ok_or_else(|| {
         to_py(Error::InvalidArgument(format!("{cols} columns do not split into {format} blocks")))
     })?;
@@ -68,7 +69,11 @@ pub fn matmul<'py>(
     x: PyReadonlyArray2<'py, f32>,
 ) -> PyResult<Bound<'py, PyArray2<f32>>> {
     let fmt = TensorFormat::parse(format).map_err(to_py)?;
+    check_shape(rows, cols)?;
     let x = x.as_array();
+    if x.nrows() == 0 {
+        return Err(to_py(Error::InvalidArgument("x has no rows".into())));
+    }
     if fmt.nbytes(&[rows, cols]) != Some(data.len()) || x.ncols() != cols {
         return Err(to_py(Error::InvalidArgument(format!(
             "shapes do not match {format} {rows}x{cols}"
@@ -82,6 +87,15 @@ pub fn matmul<'py>(
     let w = cellm_engine::WeightRows { format: fmt, bytes, rows, cols };
     py.detach(|| cellm_engine::matmul_raw(&xs, tokens, w, &mut out));
     out.into_pyarray(py).reshape([tokens, rows])
+}
+
+/// A weight of `rows x cols`, both at least 1 (the kernels split rows into chunks of `cols`).
+fn check_shape(rows: usize, cols: usize) -> PyResult<()> {
+    if rows == 0 || cols == 0 {
+        let msg = format!("a {rows}x{cols} weight is empty: rows and cols must be at least 1");
+        return Err(to_py(Error::InvalidArgument(msg)));
+    }
+    Ok(())
 }
 
 /// Copies bytes into word-aligned storage: float rows are read as typed slices.
@@ -99,14 +113,27 @@ fn as_bytes(words: &[u32]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), words.len() * 4) }
 }
 
+const MAX_BANDWIDTH_MIB: usize = 1 << 20;
+const MAX_BANDWIDTH_THREADS: usize = 1024;
+
 /// Read bandwidth in GB/s: streams a `mib` MiB buffer `reps` times with `threads` threads
 /// and keeps the best pass (the benchmark's roofline).
 #[pyfunction]
 #[pyo3(signature = (mib=1024, threads=2, reps=5))]
 pub fn read_bandwidth(py: Python<'_>, mib: usize, threads: usize, reps: usize) -> PyResult<f64> {
-    let pool = cellm_engine::ThreadPool::new(threads.max(1))
+    if !(1..=MAX_BANDWIDTH_MIB).contains(&mib) || !(1..=MAX_BANDWIDTH_THREADS).contains(&threads) {
+        return Err(to_py(Error::InvalidArgument(format!(
+            "read_bandwidth needs 1 to {MAX_BANDWIDTH_MIB} MiB and 1 to \
+             {MAX_BANDWIDTH_THREADS} threads, not {mib} MiB and {threads} threads"
+        ))));
+    }
+    let words = mib * (1 << 20) / 8;
+    let mut buf: Vec<u64> = Vec::new();
+    buf.try_reserve_exact(words)
+        .map_err(|e| to_py(Error::InvalidArgument(format!("cannot allocate {mib} MiB: {e}"))))?;
+    buf.extend((0..words).map(|i| i as u64));
+    let pool = cellm_engine::ThreadPool::new(threads)
         .map_err(|e| to_py(Error::InvalidArgument(format!("cannot start threads: {e}"))))?;
-    let buf: Vec<u64> = (0..mib * (1 << 20) / 8).map(|i| i as u64).collect();
     let best = py.detach(|| {
         pool.install(|| {
             (0..reps.max(1))
