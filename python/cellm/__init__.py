@@ -8,7 +8,8 @@ from cellm.errors import (
     TemplateError,
     UnsupportedArchitecture,
 )
-from cellm.llm import LLM, GenerationResult, Timings
+from cellm.generation import GenerationResult, Timings
+from cellm.llm import LLM
 from cellm.sampling import SamplingParams
 
 __version__ = "0.1.0"

@@ -7,53 +7,26 @@ import os
 import threading
 import time
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import fields, replace
 from typing import Any, Optional, Union
 
 import numpy as np
 
 from cellm import _core
 from cellm.chat import render_chat_template, resolve_template
+from cellm.conversation import Conversation
 from cellm.errors import ContextOverflow, FormatError, InvalidArgument, TemplateError
 from cellm.families import by_architecture
 from cellm.fetch import registry_entry_for
+from cellm.generation import Decoding, GenerationResult, KvSession, Timings
 from cellm.resolve import resolve_model
-from cellm.sampling import SamplingParams, make_sampler
-from cellm.textstream import IncrementalDecoder, StopStringMatcher
+from cellm.sampling import SamplingParams
 from cellm.tokenizer import Tokenizer
 
 BACKENDS = ("cpu",)
 KV_ENCODINGS = ("f16", "f32")
 Prompt = Union[str, Sequence[int]]
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
-
-
-@dataclass
-class Timings:
-    prefill_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_tokens: int = 0
-    decode_s: float = 0.0
-
-    @property
-    def prefill_tps(self) -> float:
-        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (end-of-turn id or stop string) or "length"
-    prompt_tokens: int
-    timings: Timings = field(default_factory=Timings)
-    stop_token_id: Optional[int] = None  # the end-of-turn/stop id that ended it, if one did
-    # chat() only: the parsed tool calls ({"name", "arguments"}), removed from `text`.
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _keywords(call: Mapping[str, Any]) -> dict[str, Any]:
@@ -359,24 +332,8 @@ class LLM:
     ) -> Generator[str, None, GenerationResult]:
         """The generation loop. With `kv`, the prompt continues that session: only the ids
         after what its cache already holds are prefilled, and it stays open afterwards."""
-        sampler = make_sampler(params)  # validates `params` (max_tokens first)
-        p = sampler.params
-        ids = self.encode(prompt)
-        if not ids:
-            raise InvalidArgument("the prompt is empty")
-        if len(ids) >= self.context_length:
-            raise ContextOverflow(
-                f"the prompt has {len(ids)} tokens; the context length is {self.context_length}"
-            )
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-        skip = True if p.skip_special_tokens is None else p.skip_special_tokens
-        decoder = IncrementalDecoder(self.tokenizer, skip_special_tokens=skip)
-        matcher = StopStringMatcher([p.stop] if isinstance(p.stop, str) else list(p.stop or []))
-        out: list[int] = []
-        context = list(ids)  # prompt + output, grown in place for the repetition penalty
-        text: list[str] = []
-        finish, cut = "length", False  # cut: a stop string ended the text mid-stream
-        stop_token_id: Optional[int] = None
+        ids = self.prompt_ids(prompt)
+        decoding = Decoding(ids, params, self.tokenizer, self.eos_token_ids, self.context_length)
         session = kv if kv is not None else KvSession(self._engine, self._lock)
         try:
             new = session.reuse(ids)
@@ -386,20 +343,9 @@ class LLM:
             timings.prefill_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             while True:
-                token = sampler(logits[: self.tokenizer.vocab_size], context)
-                if token in stops:
-                    finish, stop_token_id = "stop", token
-                    break
-                out.append(token)
-                context.append(token)
-                piece, hit = matcher.feed(decoder.add(token))
-                if piece:
-                    text.append(piece)
-                    yield piece
-                if hit:
-                    finish, cut = "stop", True
-                    break
-                if len(out) >= p.max_tokens or len(ids) + len(out) >= self.context_length:
+                token, pieces = decoding.advance(logits)
+                yield from pieces
+                if token is None:
                     break
                 logits = session.step([token])
                 timings.decode_tokens += 1
@@ -407,108 +353,20 @@ class LLM:
         finally:
             if kv is None:
                 session.close()
-        if not cut:  # text held back (partial UTF-8, a possible stop prefix) is real text
-            tail, _ = matcher.feed(decoder.flush())
-            tail += matcher.flush()
-            if tail:
-                text.append(tail)
-                yield tail
-        return GenerationResult("".join(text), out, finish, len(ids), timings, stop_token_id)
+        return decoding.result(timings)
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The ids of a prompt to generate from: encoded text, or checked token ids that
+        leave room in the context for at least one new token."""
+        ids = self.encode(prompt)
+        if not ids:
+            raise InvalidArgument("the prompt is empty")
+        if len(ids) >= self.context_length:
+            raise ContextOverflow(
+                f"the prompt has {len(ids)} tokens; the context length is {self.context_length}"
+            )
+        return ids
 
 
-class KvSession:
-    """An engine session and the token ids its cache holds, so that a later prompt which
-    starts with them prefills only the rest. Every engine call holds `lock`, the model's
-    (shared by all its sessions: the engine takes one call at a time)."""
-
-    def __init__(self, engine: _core.Engine, lock: threading.RLock) -> None:
-        self._engine = engine
-        self._lock = lock
-        with lock:
-            self.id: Optional[int] = engine.create_session()
-        self.ids: list[int] = []
-
-    def reuse(self, ids: list[int]) -> list[int]:
-        """Keeps the longest cached prefix of `ids` (all but its last id, which must be
-        stepped for its logits) and returns the ids still to prefill."""
-        keep = 0
-        limit = min(len(self.ids), len(ids) - 1)
-        while keep < limit and self.ids[keep] == ids[keep]:
-            keep += 1
-        if keep < len(self.ids):
-            with self._lock:
-                try:
-                    self._engine.truncate_session(self._live(), keep)
-                except InvalidArgument:  # recurrent or sliding state cannot rewind: start over
-                    self._engine.truncate_session(self._live(), 0)
-                    keep = 0
-            del self.ids[keep:]
-        return ids[keep:]
-
-    def step(self, ids: list[int]) -> np.ndarray:
-        """Next-token logits after feeding `ids` to the session."""
-        with self._lock:
-            logits: np.ndarray = self._engine.step([(self._live(), ids)])[0]
-        self.ids.extend(ids)
-        return logits
-
-    def close(self) -> None:
-        if self.id is not None:
-            with self._lock:
-                self._engine.free_session(self.id)
-            self.id = None
-
-    def _live(self) -> int:
-        if self.id is None:
-            raise InvalidArgument("this session was closed")
-        return self.id
-
-
-class Conversation:
-    """A multi-turn chat that keeps its KV session between turns: each turn renders the whole
-    conversation but prefills only what follows the tokens already cached (the new user
-    message and the template's markers), as an interactive chat should."""
-
-    def __init__(
-        self,
-        llm: LLM,
-        system: Optional[str] = None,
-        *,
-        chat_format: str = "auto",
-        params: Optional[SamplingParams] = None,
-        template_vars: Optional[Mapping[str, Any]] = None,
-    ) -> None:
-        self.llm, self.chat_format = llm, chat_format
-        self.template_vars = dict(template_vars or {})
-        self.params = params if params is not None else SamplingParams()
-        self.system = system
-        self.messages: list[dict[str, str]] = []
-        self._kv = KvSession(llm._engine, llm._lock)
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget the turns (the system message stays) and the cached tokens."""
-        self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        self._kv.close()
-        self._kv = KvSession(self.llm._engine, self.llm._lock)
-
-    def send(self, text: str) -> Generator[str, None, GenerationResult]:
-        """Adds the user message `text` and streams the answer, which joins the conversation
-        (the generator's return value is its GenerationResult). A turn that fails (for
-        example past the context length) leaves the conversation as it was."""
-        messages = [*self.messages, {"role": "user", "content": text}]
-        prompt = self.llm.apply_chat_template(
-            messages, chat_format=self.chat_format, **self.template_vars
-        )
-        ids = self.llm.tokenizer.encode(prompt, add_special_tokens=False)
-        result = yield from self.llm._run(ids, self.params, self._kv)
-        self.messages = [*messages, {"role": "assistant", "content": result.text}]
-        return result
-
-    @property
-    def cached_tokens(self) -> int:
-        """Tokens of this conversation held in the KV cache."""
-        return len(self._kv.ids)
-
-    def close(self) -> None:
-        self._kv.close()
+# Re-exported: results and conversations are part of the LLM API (`from cellm.llm import ...`).
+__all__ = ["BACKENDS", "KV_ENCODINGS", "LLM", "Conversation", "GenerationResult", "Timings"]

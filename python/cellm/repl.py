@@ -7,6 +7,7 @@ import sys
 from typing import Callable, Optional, TextIO
 
 from cellm.cli import Parser, run
+from cellm.conversation import Conversation
 from cellm.errors import ContextOverflow
 from cellm.infer import (
     add_chat_arguments,
@@ -15,7 +16,6 @@ from cellm.infer import (
     load_model,
     sampling_params,
 )
-from cellm.llm import Conversation
 
 HELP = "/reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops an answer"
 

@@ -1,0 +1,174 @@
+"""One request's generation, apart from who drives the engine: its result types, the engine
+session it owns (`KvSession`) and its decoding state (`Decoding`: sampler, stop rules,
+detokenizer). `LLM` drives one request at a time; `cellm.scheduler` drives many in one batch."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from cellm import _core
+from cellm.errors import InvalidArgument
+from cellm.sampling import SamplingParams, make_sampler
+from cellm.textstream import IncrementalDecoder, StopStringMatcher
+from cellm.tokenizer import Tokenizer
+
+
+@dataclass
+class Timings:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (end-of-turn id or stop string) or "length"
+    prompt_tokens: int
+    timings: Timings = field(default_factory=Timings)
+    stop_token_id: Optional[int] = None  # the end-of-turn/stop id that ended it, if one did
+    # chat() only: the parsed tool calls ({"name", "arguments"}), removed from `text`.
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+class KvSession:
+    """An engine session and the token ids its cache holds, so that a later prompt which
+    starts with them prefills only the rest. Every engine call holds `lock`, the model's
+    (shared by all its sessions: the engine takes one call at a time)."""
+
+    def __init__(self, engine: _core.Engine, lock: threading.RLock) -> None:
+        self._engine = engine
+        self._lock = lock
+        with lock:
+            self.id: Optional[int] = engine.create_session()
+        self.ids: list[int] = []
+
+    def reuse(self, ids: list[int]) -> list[int]:
+        """Keeps the longest cached prefix of `ids` (all but its last id, which must be
+        stepped for its logits) and returns the ids still to prefill."""
+        keep = 0
+        limit = min(len(self.ids), len(ids) - 1)
+        while keep < limit and self.ids[keep] == ids[keep]:
+            keep += 1
+        if keep < len(self.ids):
+            with self._lock:
+                try:
+                    self._engine.truncate_session(self.live(), keep)
+                except InvalidArgument:  # recurrent or sliding state cannot rewind: start over
+                    self._engine.truncate_session(self.live(), 0)
+                    keep = 0
+            del self.ids[keep:]
+        return ids[keep:]
+
+    def step(self, ids: list[int]) -> np.ndarray:
+        """Next-token logits after feeding `ids` to the session."""
+        row: np.ndarray = step_sessions(self._engine, self._lock, [(self, ids)])[0]
+        return row
+
+    def close(self) -> None:
+        if self.id is not None:
+            with self._lock:
+                self._engine.free_session(self.id)
+            self.id = None
+
+    def live(self) -> int:
+        if self.id is None:
+            raise InvalidArgument("this session was closed")
+        return self.id
+
+
+def step_sessions(
+    engine: _core.Engine, lock: threading.RLock, batch: Sequence[tuple[KvSession, list[int]]]
+) -> np.ndarray:
+    """One engine step over several sessions' new ids; row i holds the next-token logits of
+    `batch[i]`. Each session then holds its ids."""
+    with lock:
+        logits: np.ndarray = engine.step([(kv.live(), ids) for kv, ids in batch])
+    for kv, ids in batch:
+        kv.ids.extend(ids)
+    return logits
+
+
+class Decoding:
+    """A request's decoding state. Given the logits after its last fed token, `advance`
+    samples the next token, applies the stop rules (end-of-turn ids, stop strings, the token
+    and context limits) and returns the token to feed next (None once finished) with the text
+    it completed."""
+
+    def __init__(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        eos_token_ids: frozenset[int],
+        context_length: int,
+    ) -> None:
+        self.sampler = make_sampler(params)  # validates `params` (max_tokens first)
+        p = self.sampler.params
+        self.params, self.tokenizer, self.context_length = p, tokenizer, context_length
+        self.prompt_tokens = len(ids)
+        self.stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        skip = True if p.skip_special_tokens is None else p.skip_special_tokens
+        self.decoder = IncrementalDecoder(tokenizer, skip_special_tokens=skip)
+        self.matcher = StopStringMatcher(
+            [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+        )
+        self.out: list[int] = []
+        self.context = list(ids)  # prompt + output, grown in place for the repetition penalty
+        self.text: list[str] = []
+        self.finish_reason = "length"
+        self.stop_token_id: Optional[int] = None
+        self.done = False
+
+    def advance(self, logits: np.ndarray) -> tuple[Optional[int], list[str]]:
+        token = self.sampler(logits[: self.tokenizer.vocab_size], self.context)
+        if token in self.stops:
+            self.finish_reason, self.stop_token_id = "stop", token
+            return None, self._finish(cut=False)
+        self.out.append(token)
+        self.context.append(token)
+        piece, hit = self.matcher.feed(self.decoder.add(token))
+        pieces = [piece] if piece else []
+        self.text.extend(pieces)
+        if hit:  # a stop string ended the text mid-stream: what it held back is not text
+            self.finish_reason = "stop"
+            return None, pieces + self._finish(cut=True)
+        full = self.prompt_tokens + len(self.out) >= self.context_length
+        if len(self.out) >= self.params.max_tokens or full:
+            return None, pieces + self._finish(cut=False)
+        return token, pieces
+
+    def _finish(self, cut: bool) -> list[str]:
+        self.done = True
+        if cut:
+            return []
+        # Text held back (partial UTF-8, a possible stop prefix) is real text.
+        tail, _ = self.matcher.feed(self.decoder.flush())
+        tail += self.matcher.flush()
+        self.text.extend([tail] if tail else [])
+        return [tail] if tail else []
+
+    def result(self, timings: Timings) -> GenerationResult:
+        return GenerationResult(
+            "".join(self.text),
+            self.out,
+            self.finish_reason,
+            self.prompt_tokens,
+            timings,
+            self.stop_token_id,
+        )
