@@ -6,7 +6,7 @@ use std::path::Path;
 
 use cellm_format::{CellmFile, Error, Result};
 use cellm_kv::{KvConfig, PagePool, SeqKv, SeqSpan, SeqState};
-use cellm_models::{CausalLm, Step};
+use cellm_models::{CausalLm, Step, MAX_CONTEXT};
 
 pub use cellm_format;
 pub use cellm_kernels::pool::{stream_read, ThreadPool};
@@ -70,12 +70,23 @@ pub struct Engine {
 
 impl Engine {
     pub fn open(path: impl AsRef<Path>, opts: &EngineOptions) -> Result<Self> {
+        let path = path.as_ref();
         let file = CellmFile::open(path)?;
+        Self::from_file(file, opts).map_err(|e| match e {
+            Error::Format(m) => Error::Format(format!("{}: {m}", path.display())),
+            other => other,
+        })
+    }
+
+    /// The engine of a file already opened (from a path or from bytes).
+    pub fn from_file(file: CellmFile, opts: &EngineOptions) -> Result<Self> {
         let model = cellm_models::load(&file)?;
         let cfg = model.config();
         let context_length = opts.context_length.unwrap_or(cfg.max_position_embeddings);
-        if context_length == 0 {
-            return Err(Error::InvalidArgument("context_length must be at least 1".into()));
+        if context_length == 0 || context_length > MAX_CONTEXT {
+            return Err(Error::InvalidArgument(format!(
+                "context_length must be 1 to {MAX_CONTEXT}, not {context_length}"
+            )));
         }
         let threads = match opts.threads {
             Some(0) => return Err(Error::InvalidArgument("threads must be at least 1".into())),
@@ -85,13 +96,16 @@ impl Engine {
         let workers = ThreadPool::new(threads)
             .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
         let layout = model.cache_layout();
-        let capacity = opts.kv_capacity_tokens.unwrap_or(context_length * DEFAULT_KV_SESSIONS);
+        // A cap on pages allocated on demand: saturating, the pool cannot address more
+        // than MAX_PAGES anyway.
+        let capacity =
+            opts.kv_capacity_tokens.unwrap_or(context_length.saturating_mul(DEFAULT_KV_SESSIONS));
         let pool = PagePool::new(KvConfig {
             num_layers: layout.kv_layers,
             kv_heads: layout.kv_heads,
             head_dim: layout.head_dim,
             page_size: PAGE_SIZE,
-            max_pages: capacity.div_ceil(PAGE_SIZE).max(1) * layout.kv_layers,
+            max_pages: capacity.div_ceil(PAGE_SIZE).max(1).saturating_mul(layout.kv_layers),
             encoding: opts.kv_encoding,
             windows: layout.windows,
             values_in_keys: layout.values_in_keys,

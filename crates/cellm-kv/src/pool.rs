@@ -62,6 +62,8 @@ impl KvConfig {
 
 /// A page-table entry whose page went back to the pool (out of a sliding window).
 const RELEASED: u32 = u32::MAX;
+/// The most pages a pool holds: every id below [`RELEASED`].
+pub const MAX_PAGES: usize = RELEASED as usize;
 
 /// One session's view of the cache: how many positions are filled, and its page tables.
 #[derive(Debug, Default)]
@@ -98,7 +100,9 @@ pub struct PagePool {
 }
 
 impl PagePool {
-    pub fn new(cfg: KvConfig) -> Self {
+    /// `max_pages` is capped at [`MAX_PAGES`] (page ids are 32-bit).
+    pub fn new(mut cfg: KvConfig) -> Self {
+        cfg.max_pages = cfg.max_pages.min(MAX_PAGES);
         let row_bytes = cfg.kv_heads * cfg.head_dim * cfg.encoding.bytes();
         Self { cfg, row_bytes, pages: Vec::new(), free: Vec::new() }
     }

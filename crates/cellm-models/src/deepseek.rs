@@ -14,6 +14,7 @@ use cellm_kv::AttentionShape;
 use serde::Deserialize;
 
 use crate::blocks::{Embedding, GatedMlp, Linear, RmsNorm, Rope};
+use crate::config::{check_dim, check_product, Section};
 use crate::decoder::{Decoder, DecoderLayer, StepCtx};
 use crate::moe::{Moe, MoeConfig};
 use crate::weights::{Storage, Weights};
@@ -27,6 +28,29 @@ struct MlaConfig {
     nope_dim: usize,
     rope_dim: usize,
     v_dim: usize,
+}
+
+impl Section for MlaConfig {
+    const NAME: &'static str = "mla";
+
+    fn check(&self, model: &ModelConfig) -> Result<()> {
+        if let Some(rank) = self.q_lora_rank {
+            check_dim("mla.q_lora_rank", rank)?;
+        }
+        let rank = check_dim("mla.kv_lora_rank", self.kv_lora_rank)?;
+        let nope = check_dim("mla.nope_dim", self.nope_dim)?;
+        let rope = check_dim("mla.rope_dim", self.rope_dim)?;
+        let v_dim = check_dim("mla.v_dim", self.v_dim)?;
+        let heads = model.num_heads;
+        let qk = check_product("mla.nope_dim + rope_dim", &[nope + rope])?;
+        check_product("num_heads * (mla.nope_dim + rope_dim)", &[heads, qk])?;
+        check_product("num_heads * mla.kv_lora_rank", &[heads, rank])?;
+        check_product("num_heads * mla.v_dim", &[heads, v_dim])?;
+        let row = check_product("mla.kv_lora_rank + rope_dim", &[rank + rope])?;
+        check_product("num_heads * (mla.kv_lora_rank + rope_dim)", &[heads, row])?;
+        // RoPE turns the rope_dim-wide part of each query head and the shared key.
+        model.rope.check("rope", rope, "mla.rope_dim")
+    }
 }
 
 /// `q_b(norm(q_a(x)))`.
@@ -68,12 +92,12 @@ struct Layer {
 
 pub fn load(w: &Weights, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
     let embed = Embedding::load(w, &cfg)?;
-    let mla: MlaConfig = cfg.section("mla")?;
+    let mla: MlaConfig = cfg.section()?;
+    let moe: MoeConfig = cfg.section()?;
     let (h, eps) = (cfg.hidden_size, cfg.norm_eps);
     let mut layers = Vec::with_capacity(cfg.num_layers);
     for i in 0..cfg.num_layers {
         let p = format!("model.layers.{i}");
-        let moe: MoeConfig = cfg.section("moe")?;
         let mlp = if i < moe.first_moe_layer {
             let inter = cfg.intermediate_size;
             Mlp::Dense(Box::new(GatedMlp::load(
@@ -85,7 +109,7 @@ pub fn load(w: &Weights, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
                 cfg.hidden_act,
             )?))
         } else {
-            Mlp::Experts(Box::new(Moe::load(w, &format!("{p}.mlp"), moe, h, cfg.hidden_act)?))
+            Mlp::Experts(Box::new(Moe::load(w, &format!("{p}.mlp"), &moe, h, cfg.hidden_act)?))
         };
         layers.push(Layer {
             input_norm: w.norm(&format!("{p}.input_layernorm.weight"), h, eps)?,

@@ -8,6 +8,7 @@ use cellm_kv::SeqState;
 use serde::Deserialize;
 
 use crate::blocks::{Attention, CausalConv, Embedding, GatedMlp, Linear, RmsNorm, Rope};
+use crate::config::{check_dim, check_state, Section};
 use crate::decoder::{hybrid_cache_layout, Decoder, DecoderLayer, Mixer, RecurrentBlock, StepCtx};
 use crate::weights::Weights;
 use crate::{CausalLm, LayerType, ModelConfig, Step};
@@ -19,6 +20,16 @@ struct ConvConfig {
     taps: usize,
     #[serde(default)]
     bias: bool,
+}
+
+impl Section for ConvConfig {
+    const NAME: &'static str = "conv";
+
+    fn check(&self, model: &ModelConfig) -> Result<()> {
+        check_dim("conv.taps", self.taps)?;
+        check_state("conv.taps", &[self.taps - 1, model.hidden_size])?;
+        Ok(())
+    }
 }
 
 struct ShortConv {
@@ -41,7 +52,7 @@ const ATTENTION_NAMES: [&str; 6] =
 
 pub fn load(w: &Weights, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
     let embed = Embedding::load(w, &cfg)?;
-    let conv_cfg: ConvConfig = cfg.section("conv")?;
+    let conv_cfg: ConvConfig = cfg.section()?;
     let (h, eps) = (cfg.hidden_size, cfg.norm_eps);
     let rope = Rope::from(&cfg.rope);
     let (mut kv_layers, mut conv_layers) = (0, 0);

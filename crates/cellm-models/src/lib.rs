@@ -18,7 +18,7 @@ mod weights;
 
 use cellm_kv::{PagePool, SeqSpan, SeqState};
 
-pub use config::{Activation, LayerType, ModelConfig, RopeConfig};
+pub use config::{Activation, LayerType, ModelConfig, RopeConfig, MAX_CONTEXT};
 pub use registry::{architectures, expected_tensors, load};
 pub use weights::{Storage, TensorSpec, Weights};
 

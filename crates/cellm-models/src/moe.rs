@@ -8,11 +8,12 @@ use cellm_kernels::{matmul, ops};
 use serde::Deserialize;
 
 use crate::blocks::{gather_rows, GatedMlp};
+use crate::config::{check_at_most, check_dim, check_positive, check_product, Section};
 use crate::weights::{Storage, Weights};
-use crate::Activation;
+use crate::{Activation, ModelConfig};
 
 /// The description's `moe` section.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 pub struct MoeConfig {
     pub experts: usize,
     pub experts_per_token: usize,
@@ -26,6 +27,40 @@ pub struct MoeConfig {
     pub first_moe_layer: usize,
 }
 
+impl Section for MoeConfig {
+    const NAME: &'static str = "moe";
+
+    fn check(&self, _model: &ModelConfig) -> Result<()> {
+        let experts = check_dim("moe.experts", self.experts)?;
+        let groups = check_dim("moe.groups", self.groups)?;
+        if !experts.is_multiple_of(groups) {
+            return Err(crate::config::bad_field(
+                "moe.groups",
+                format_args!("{groups} do not split {experts} experts evenly"),
+            ));
+        }
+        check_dim("moe.groups_per_token", self.groups_per_token)?;
+        check_at_most("moe.groups_per_token", self.groups_per_token, "moe.groups", groups)?;
+        check_dim("moe.experts_per_token", self.experts_per_token)?;
+        let reachable = self.groups_per_token * (experts / groups);
+        check_at_most(
+            "moe.experts_per_token",
+            self.experts_per_token,
+            "the experts of groups_per_token groups",
+            reachable,
+        )?;
+        check_positive("moe.routed_scaling_factor", self.routed_scaling_factor)?;
+        let inter = check_dim("moe.expert_intermediate_size", self.expert_intermediate_size)?;
+        if self.shared_experts > 0 {
+            check_product(
+                "moe.shared_experts * expert_intermediate_size",
+                &[self.shared_experts, inter],
+            )?;
+        }
+        Ok(())
+    }
+}
+
 pub struct Moe {
     router: Tensor,
     correction: Vec<f32>,
@@ -35,12 +70,12 @@ pub struct Moe {
 }
 
 impl Moe {
-    /// HF's layout: `{p}.gate.weight` (f32), `{p}.gate.e_score_correction_bias`,
+    /// HF's layout (`cfg` checked by [`Section::check`]): `{p}.gate.weight` (f32), `{p}.gate.e_score_correction_bias`,
     /// `{p}.experts.{e}.*_proj`, `{p}.shared_experts.*_proj`.
     pub fn load(
         w: &Weights,
         p: &str,
-        cfg: MoeConfig,
+        cfg: &MoeConfig,
         hidden: usize,
         act: Activation,
     ) -> Result<Self> {
@@ -57,14 +92,7 @@ impl Moe {
                 GatedMlp::load(w, &format!("{p}.shared_experts"), hidden, inter, false, act)
             })
             .transpose()?;
-        if cfg.groups == 0
-            || !cfg.experts.is_multiple_of(cfg.groups)
-            || cfg.groups_per_token > cfg.groups
-            || cfg.experts_per_token > cfg.experts
-        {
-            return Err(cellm_format::Error::format(format!("bad model description: moe {cfg:?}")));
-        }
-        Ok(Self { router, correction, experts, shared, cfg })
+        Ok(Self { router, correction, experts, shared, cfg: cfg.clone() })
     }
 
     /// `rows x hidden` in, `rows x hidden` out.

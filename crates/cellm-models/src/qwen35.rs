@@ -11,19 +11,50 @@ use cellm_kv::SeqState;
 use serde::Deserialize;
 
 use crate::blocks::{Attention, CausalConv, Embedding, GatedMlp, Linear, RmsNorm, Rope};
+use crate::config::{bad_field, check_dim, check_product, check_state, Section};
 use crate::decoder::{hybrid_cache_layout, Decoder, DecoderLayer, Mixer, RecurrentBlock, StepCtx};
 use crate::delta_rule::{self, HeadInputs};
 use crate::weights::Weights;
 use crate::{CausalLm, LayerType, ModelConfig, Step};
 
 /// The description's `linear_attention` section.
-#[derive(Deserialize)]
+#[derive(Clone, Deserialize)]
 struct DeltaNetConfig {
     conv_taps: usize,
     k_heads: usize,
     v_heads: usize,
     k_dim: usize,
     v_dim: usize,
+}
+
+impl Section for DeltaNetConfig {
+    const NAME: &'static str = "linear_attention";
+
+    fn check(&self, _model: &ModelConfig) -> Result<()> {
+        check_dim("linear_attention.conv_taps", self.conv_taps)?;
+        let k_heads = check_dim("linear_attention.k_heads", self.k_heads)?;
+        let v_heads = check_dim("linear_attention.v_heads", self.v_heads)?;
+        if !v_heads.is_multiple_of(k_heads) {
+            return Err(bad_field(
+                "linear_attention.v_heads",
+                format_args!("{v_heads} cannot share {k_heads} key heads"),
+            ));
+        }
+        check_dim("linear_attention.k_dim", self.k_dim)?;
+        check_dim("linear_attention.v_dim", self.v_dim)?;
+        let key_dim = check_product("linear_attention.k_heads * k_dim", &[k_heads, self.k_dim])?;
+        let value_dim = check_product("linear_attention.v_heads * v_dim", &[v_heads, self.v_dim])?;
+        let conv_dim = check_product("linear_attention's conv channels", &[2, key_dim])?
+            .checked_add(value_dim)
+            .ok_or_else(|| bad_field("linear_attention's conv channels", "overflow"))?;
+        check_product("linear_attention's conv channels", &[conv_dim])?;
+        check_state("linear_attention.conv_taps", &[self.conv_taps - 1, conv_dim])?;
+        check_state(
+            "linear_attention.v_heads * k_dim * v_dim",
+            &[v_heads, self.k_dim, self.v_dim],
+        )?;
+        Ok(())
+    }
 }
 
 struct DeltaNet {
@@ -57,12 +88,14 @@ pub fn load(w: &Weights, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
     let rope = Rope::from(&cfg.rope);
     let mut kv_layers = 0;
     let mut buffers = 0;
+    let has_delta_net = cfg.layer_types.contains(&LayerType::LinearAttention);
+    let delta_cfg: Option<DeltaNetConfig> = has_delta_net.then(|| cfg.section()).transpose()?;
     let mut layers = Vec::with_capacity(cfg.num_layers);
     for i in 0..cfg.num_layers {
         let p = format!("model.layers.{i}");
-        let mixer = match cfg.layer_type(i) {
-            LayerType::LinearAttention => {
-                let net = DeltaNet::load(w, &format!("{p}.linear_attn"), &cfg, buffers)?;
+        let mixer = match (cfg.layer_type(i), &delta_cfg) {
+            (LayerType::LinearAttention, Some(dc)) => {
+                let net = DeltaNet::load(w, &format!("{p}.linear_attn"), &cfg, dc, buffers)?;
                 buffers += 2;
                 Mixer::Recurrent(Box::new(net))
             }
@@ -85,17 +118,17 @@ pub fn load(w: &Weights, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
 }
 
 impl DeltaNet {
-    fn load(w: &Weights, p: &str, model: &ModelConfig, first_buffer: usize) -> Result<Self> {
-        let cfg: DeltaNetConfig = model.section("linear_attention")?;
+    /// `cfg` was checked ([`Section::check`]), so its products do not overflow.
+    fn load(
+        w: &Weights,
+        p: &str,
+        model: &ModelConfig,
+        cfg: &DeltaNetConfig,
+        first_buffer: usize,
+    ) -> Result<Self> {
         let h = model.hidden_size;
         let (key_dim, value_dim) = (cfg.k_heads * cfg.k_dim, cfg.v_heads * cfg.v_dim);
         let conv_dim = 2 * key_dim + value_dim;
-        if cfg.k_heads == 0 || !cfg.v_heads.is_multiple_of(cfg.k_heads) {
-            return Err(cellm_format::Error::format(format!(
-                "bad model description: {} value heads cannot share {} key heads",
-                cfg.v_heads, cfg.k_heads
-            )));
-        }
         let vector = |n: &str, len| -> Result<Vec<f32>> {
             Ok(w.vector(&format!("{p}.{n}"), len)?.as_f32()?.to_vec())
         };
@@ -112,7 +145,7 @@ impl DeltaNet {
             out: w.linear(&format!("{p}.out_proj"), h, value_dim, false)?,
             conv_state: first_buffer,
             rec_state: first_buffer + 1,
-            cfg,
+            cfg: cfg.clone(),
         })
     }
 }

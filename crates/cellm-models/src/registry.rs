@@ -46,3 +46,99 @@ fn build(weights: &Weights, config: ModelConfig) -> Result<Box<dyn CausalLm>> {
         })?;
     loader(weights, config)
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+
+    use super::*;
+    use crate::config::tests::{llama, with};
+
+    fn lfm2() -> Value {
+        let layers = json!(["conv", "full_attention", "conv", "conv"]);
+        let edits = json!({"architecture": "lfm2", "layer_types": layers, "qk_norm": true});
+        with(with(llama(), edits), json!({"conv": {"taps": 3}}))
+    }
+
+    fn qwen35() -> Value {
+        let layers =
+            json!(["linear_attention", "linear_attention", "linear_attention", "full_attention"]);
+        let delta = json!({"conv_taps": 4, "k_heads": 2, "v_heads": 4, "k_dim": 16, "v_dim": 16});
+        let edits = json!({"architecture": "qwen3_5", "layer_types": layers,
+            "attn_output_gate": true, "qk_norm": true, "linear_attention": delta});
+        with(llama(), edits)
+    }
+
+    fn deepseek() -> Value {
+        let mla = json!({"q_lora_rank": 48, "kv_lora_rank": 32, "nope_dim": 16, "rope_dim": 8,
+            "v_dim": 16});
+        let moe = json!({"experts": 8, "experts_per_token": 2, "groups": 2,
+            "groups_per_token": 1, "norm_topk_prob": true, "routed_scaling_factor": 2.5,
+            "shared_experts": 1, "expert_intermediate_size": 32, "first_moe_layer": 1});
+        let edits = json!({"architecture": "deepseek_v3", "head_dim": 24, "num_kv_heads": 4,
+            "rope": {"inv_freq": [1.0, 0.1, 0.01, 0.001]}, "mla": mla, "moe": moe});
+        with(llama(), edits)
+    }
+
+    /// `model` with `section.field` set to `value`.
+    fn edit(mut model: Value, section: &str, field: &str, value: Value) -> Value {
+        model[section][field] = value;
+        model
+    }
+
+    fn refusal(model: &Value) -> String {
+        match expected_tensors(model) {
+            Err(Error::Format(m)) => m,
+            other => panic!("expected a format error, got {other:?}"),
+        }
+    }
+
+    /// Family sections are checked when read, by field name, before any tensor is asked for.
+    #[test]
+    fn family_sections_are_checked() {
+        for model in [lfm2(), qwen35(), deepseek()] {
+            expected_tensors(&model).unwrap();
+        }
+        let huge = json!(1usize << 20);
+        for (model, needle) in [
+            // Used to end in "capacity overflow" (taps - 1 wrapped).
+            (edit(lfm2(), "conv", "taps", json!(0)), "conv.taps is 0"),
+            (edit(qwen35(), "linear_attention", "conv_taps", json!(0)), "conv_taps is 0"),
+            (edit(qwen35(), "linear_attention", "k_dim", json!(0)), "k_dim is 0"),
+            (edit(qwen35(), "linear_attention", "v_heads", json!(3)), "v_heads 3 cannot share"),
+            (
+                edit(
+                    edit(qwen35(), "linear_attention", "k_dim", huge.clone()),
+                    "linear_attention",
+                    "v_dim",
+                    huge,
+                ),
+                "v_heads * k_dim * v_dim makes a session state of 4 * 1048576 * 1048576 floats",
+            ),
+            (edit(deepseek(), "mla", "rope_dim", json!(0)), "mla.rope_dim is 0"),
+            (edit(deepseek(), "mla", "q_lora_rank", json!(0)), "mla.q_lora_rank is 0"),
+            (edit(deepseek(), "moe", "groups", json!(3)), "moe.groups 3 do not split 8"),
+            (edit(deepseek(), "moe", "groups", json!(0)), "moe.groups is 0"),
+            (edit(deepseek(), "moe", "experts_per_token", json!(5)), "experts_per_token is 5"),
+            (edit(deepseek(), "moe", "groups_per_token", json!(3)), "groups_per_token is 3"),
+            (edit(deepseek(), "moe", "routed_scaling_factor", json!(-1.0)), "routed_scaling"),
+        ] {
+            let message = refusal(&model);
+            assert!(message.starts_with("bad model description: "), "{message}");
+            assert!(message.contains(needle), "{needle}: {message}");
+        }
+    }
+
+    /// DeepSeek's RoPE turns rope_dim dims; more frequencies used to slice out of range at the
+    /// first forward.
+    #[test]
+    fn mla_rope_must_fit_its_rope_dim() {
+        let mut model = deepseek();
+        model["rope"]["inv_freq"] = json!([1.0, 0.5, 0.25, 0.125, 0.0625]);
+        let message = refusal(&model);
+        assert!(
+            message.contains("rope.inv_freq has 5 frequencies: 10 rotary dims > mla.rope_dim 8"),
+            "{message}"
+        );
+    }
+}
