@@ -1,6 +1,8 @@
 //! The engine: a loaded model, a KV page pool, sessions, and the one batched forward step
 //! that serves both prefill (one session, many tokens) and decode (many sessions, one each).
 
+pub mod synthetic;
+
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -196,16 +198,30 @@ impl Engine {
         batch: &[(SessionId, &[u32])],
         mode: LogitsMode,
     ) -> Result<(Vec<f32>, usize)> {
+        self.step_cancellable(batch, mode, &|| false)
+    }
+
+    /// [`Engine::step`], asking `cancel` (on this thread) before it starts and between the
+    /// forward's layers; once it says true the step stops with [`Error::Interrupted`] and
+    /// every session is as before it: its length, its KV pages, its recurrent state. A model
+    /// with recurrent state is stopped mid-forward only in steps that prefill (more than one
+    /// token for some session), whose states are copied first to be put back; a decode step
+    /// is short, and copying states every token would cost more than it saves.
+    pub fn step_cancellable(
+        &mut self,
+        batch: &[(SessionId, &[u32])],
+        mode: LogitsMode,
+        cancel: &(dyn Fn() -> bool + Sync),
+    ) -> Result<(Vec<f32>, usize)> {
         self.validate(batch)?;
+        if cancel() {
+            return Err(Error::Interrupted);
+        }
         for (i, &(id, tokens)) in batch.iter().enumerate() {
             let seq = &mut self.sessions.get_mut(&id).expect("validated").kv;
             let new_len = seq.len() + tokens.len();
             if let Err(e) = self.pool.reserve(seq, new_len) {
-                for &(done, _) in &batch[..i] {
-                    let s = &mut self.sessions.get_mut(&done).expect("validated").kv;
-                    let len = s.len();
-                    self.pool.truncate(s, len);
-                }
+                self.unreserve(&batch[..i]);
                 return Err(e);
             }
         }
@@ -233,16 +249,47 @@ impl Engine {
             }
             row0 += t.len();
         }
-        let step = Step { tokens: &tokens, spans: &spans, logit_rows: &logit_rows };
+        let stateful = !self.state_layout.is_empty();
+        let prefill = batch.iter().any(|(_, t)| t.len() > 1);
+        let saved: Vec<SeqState> = match stateful && prefill {
+            true => states.iter().map(|s| SeqState::clone(s)).collect(),
+            false => Vec::new(),
+        };
+        let never = || false;
+        let cancel: &(dyn Fn() -> bool + Sync) = match stateful && !prefill {
+            true => &never,
+            false => cancel,
+        };
+        let step = Step { tokens: &tokens, spans: &spans, logit_rows: &logit_rows, cancel };
         let (model, pool) = (&self.model, &mut self.pool);
-        let logits = self.workers.install(|| model.forward(&step, pool, &mut states));
+        let result = self.workers.install(|| model.forward(&step, pool, &mut states));
+        if result.is_err() {
+            for (state, saved) in states.iter_mut().zip(saved) {
+                **state = saved;
+            }
+        }
         drop((spans, states));
+        let Ok(logits) = result else {
+            // Positions past each session's length hold the stopped step's rows; its length
+            // never moved, so dropping the pages reserved for them restores it.
+            self.unreserve(batch);
+            return Err(Error::Interrupted);
+        };
         for &(id, t) in batch {
             let seq = &mut self.sessions.get_mut(&id).expect("validated").kv;
             let new_len = seq.len() + t.len();
             self.pool.commit(seq, new_len);
         }
         Ok((logits, logit_rows.len()))
+    }
+
+    /// Gives back the pages reserved past each batch session's length.
+    fn unreserve(&mut self, batch: &[(SessionId, &[u32])]) {
+        for &(id, _) in batch {
+            let s = &mut self.sessions.get_mut(&id).expect("validated").kv;
+            let len = s.len();
+            self.pool.truncate(s, len);
+        }
     }
 
     fn validate(&self, batch: &[(SessionId, &[u32])]) -> Result<()> {

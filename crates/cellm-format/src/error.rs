@@ -12,6 +12,8 @@ pub enum Error {
     ContextOverflow(String),
     /// An argument is out of range (unknown session, bad encoding name, ...).
     InvalidArgument(String),
+    /// The caller's cancel hook stopped a step (Ctrl-C); nothing changed.
+    Interrupted,
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -23,6 +25,7 @@ impl fmt::Display for Error {
             | Error::Unsupported(m)
             | Error::ContextOverflow(m)
             | Error::InvalidArgument(m) => f.write_str(m),
+            Error::Interrupted => f.write_str("interrupted"),
         }
     }
 }

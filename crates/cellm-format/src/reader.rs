@@ -65,18 +65,39 @@ impl CellmFile {
         if file.metadata().map(|m| m.is_dir()).unwrap_or(false) {
             return Err(Error::format(format!("{shown} is a directory, not a .cellm file")));
         }
-        // SAFETY: the map is read-only; a file changed underneath us while mapped is outside
-        // what any mmap-based loader can defend against.
+        // SAFETY: the map is read-only, and the bytes are validated once, here. A file
+        // rewritten in place while mapped is not defended against (docs/format.md, "A file
+        // changed while in use"): truncating it makes the next read of a page past its new
+        // end SIGBUS, even with a private (copy-on-write) map, and other writes change weights
+        // under a running model. A read lease (F_SETLEASE) would only delay a writer by the
+        // lease-break time, for the file's owner, at the price of a SIGIO. The converter
+        // writes a new file and renames it over the old one, which leaves this mapping intact.
         let map = unsafe { Mmap::map(&file) }
             .map_err(|e| Error::format(format!("{shown}: cannot map: {e}")))?;
-        Self::from_map(Arc::new(map)).map_err(|e| match e {
+        let len = map.len();
+        Self::from_map(Arc::new(map), len).map_err(|e| match e {
             Error::Format(m) => Error::Format(format!("{shown}: {m}")),
             other => other,
         })
     }
 
-    fn from_map(map: Arc<Mmap>) -> Result<Self> {
-        let (header_json, data_offset) = read_preamble(&map)?;
+    /// A file held in memory: `bytes` are copied into an anonymous map, which nothing else
+    /// can change (tests, fuzzing, files read whole).
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        // An empty map is refused by the OS; a spare byte keeps the path uniform.
+        let mut map = memmap2::MmapOptions::new()
+            .len(bytes.len().max(1))
+            .map_anon()
+            .map_err(|e| Error::format(format!("cannot map {} bytes: {e}", bytes.len())))?;
+        map[..bytes.len()].copy_from_slice(bytes);
+        let map = map
+            .make_read_only()
+            .map_err(|e| Error::format(format!("cannot map {} bytes: {e}", bytes.len())))?;
+        Self::from_map(Arc::new(map), bytes.len())
+    }
+
+    fn from_map(map: Arc<Mmap>, len: usize) -> Result<Self> {
+        let (header_json, data_offset) = read_preamble(&map[..len])?;
         let header: Header = serde_json::from_str(&header_json)
             .map_err(|e| Error::format(format!("corrupted header: {e}")))?;
         if header.format_version != u32::from(FORMAT_VERSION) {
@@ -86,10 +107,9 @@ impl CellmFile {
             )));
         }
         let expected = data_offset.checked_add(header.data_size);
-        if expected != Some(map.len()) {
+        if expected != Some(len) {
             return Err(Error::format(format!(
-                "file is {} bytes but the header describes {} (truncated or corrupted)",
-                map.len(),
+                "file is {len} bytes but the header describes {} (truncated or corrupted)",
                 expected.map_or("an impossible size".to_string(), |n| n.to_string())
             )));
         }
@@ -222,9 +242,7 @@ mod tests {
     }
 
     fn parse(bytes: &[u8]) -> Result<CellmFile> {
-        let mut m = memmap2::MmapMut::map_anon(bytes.len()).unwrap();
-        m.copy_from_slice(bytes);
-        CellmFile::from_map(Arc::new(m.make_read_only().unwrap()))
+        CellmFile::from_bytes(bytes)
     }
 
     const ONE_TENSOR: &str = r#"{"format_version":2,"model":{},"data_size":8,

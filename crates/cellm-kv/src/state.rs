@@ -2,7 +2,7 @@
 //! linear-attention recurrences. Unlike KV pages it cannot be rewound, only reset.
 
 /// One zero-initialised f32 buffer per entry of a model's state layout.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct SeqState {
     buffers: Vec<Vec<f32>>,
 }

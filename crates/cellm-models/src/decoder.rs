@@ -9,7 +9,7 @@ use cellm_format::Result;
 
 use crate::blocks::{gather_rows, Attention, Embedding, LmHead};
 use crate::weights::Weights;
-use crate::{CacheLayout, CausalLm, ModelConfig, Step};
+use crate::{CacheLayout, Cancelled, CausalLm, ModelConfig, Step};
 
 /// A decoder-only language model: embed, run the layers, project to logits.
 pub struct Decoder<L> {
@@ -45,7 +45,12 @@ impl<L: DecoderLayer + Send + Sync> CausalLm for Decoder<L> {
         self.cache.clone()
     }
 
-    fn forward(&self, step: &Step, kv: &mut PagePool, states: &mut [&mut SeqState]) -> Vec<f32> {
+    fn forward(
+        &self,
+        step: &Step,
+        kv: &mut PagePool,
+        states: &mut [&mut SeqState],
+    ) -> std::result::Result<Vec<f32>, Cancelled> {
         let c = &self.cfg;
         let positions = step.positions();
         let x = self
@@ -54,8 +59,8 @@ impl<L: DecoderLayer + Send + Sync> CausalLm for Decoder<L> {
             .expect("ids checked by the engine");
         let mut ctx = StepCtx { step, positions: &positions, kv, states };
         let (mut x, rows) =
-            run_layers(&self.layers, x, c.hidden_size, c.residual_multiplier, &mut ctx);
-        self.head.forward(&mut x, rows)
+            run_layers(&self.layers, x, c.hidden_size, c.residual_multiplier, &mut ctx)?;
+        Ok(self.head.forward(&mut x, rows))
     }
 }
 
@@ -78,25 +83,33 @@ pub trait DecoderLayer {
 
 /// Runs `x += scale * mix(x); x += scale * feed_forward(x)` through `layers`. Only the rows
 /// whose logits the step wants go through the last feed-forward; those rows are returned.
+/// The step's cancel hook is asked before each branch of each layer.
 pub fn run_layers<L: DecoderLayer>(
     layers: &[L],
     mut x: Vec<f32>,
     hidden: usize,
     residual_scale: f32,
     ctx: &mut StepCtx,
-) -> (Vec<f32>, usize) {
+) -> std::result::Result<(Vec<f32>, usize), Cancelled> {
     let mut rows = ctx.step.tokens.len();
+    let cancel = ctx.step.cancel;
     for (i, layer) in layers.iter().enumerate() {
+        if cancel() {
+            return Err(Cancelled);
+        }
         let mixed = layer.mix(&x, ctx);
         ops::add_scaled(&mut x, &mixed, residual_scale);
         if i + 1 == layers.len() {
             x = gather_rows(&x, hidden, ctx.step.logit_rows);
             rows = ctx.step.logit_rows.len();
         }
+        if cancel() {
+            return Err(Cancelled);
+        }
         let ff = layer.feed_forward(&x, rows);
         ops::add_scaled(&mut x, &ff, residual_scale);
     }
-    (x, rows)
+    Ok((x, rows))
 }
 
 /// A token mixer that keeps per-session state instead of a KV cache.

@@ -28,7 +28,15 @@ pub struct Step<'a> {
     pub spans: &'a [SeqSpan<'a>],
     /// Rows (indices into `tokens`) whose next-token logits are wanted, in output order.
     pub logit_rows: &'a [usize],
+    /// Asked before each layer's token mixer and feed-forward, on the calling thread: true
+    /// stops the forward there ([`Cancelled`]), with the caches partly written (the engine
+    /// rolls them back).
+    pub cancel: &'a (dyn Fn() -> bool + Sync),
 }
+
+/// A forward stopped by [`Step::cancel`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cancelled;
 
 impl Step<'_> {
     /// The position of every token row.
@@ -62,6 +70,12 @@ pub trait CausalLm: Send + Sync {
     fn config(&self) -> &ModelConfig;
     fn cache_layout(&self) -> CacheLayout;
     /// Logits for `step.logit_rows`, row-major `rows x vocab`. `states[i]` is the recurrent
-    /// state of `step.spans[i]`'s session.
-    fn forward(&self, step: &Step, kv: &mut PagePool, states: &mut [&mut SeqState]) -> Vec<f32>;
+    /// state of `step.spans[i]`'s session. Cancelled between layers when `step.cancel` says
+    /// so, having written part of the new positions' KV rows and states.
+    fn forward(
+        &self,
+        step: &Step,
+        kv: &mut PagePool,
+        states: &mut [&mut SeqState],
+    ) -> Result<Vec<f32>, Cancelled>;
 }

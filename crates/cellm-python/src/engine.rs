@@ -1,7 +1,10 @@
 //! `cellm._core.Engine`: one loaded model with its sessions.
 
 use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
+use cellm_engine::cellm_format::Error;
 use cellm_engine::{Engine as Inner, EngineOptions, LogitsMode, SessionId};
 use numpy::{IntoPyArray, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
@@ -85,7 +88,9 @@ impl Engine {
 
     /// One batched forward over `[(session, new_token_ids), ...]`; returns float32 logits of
     /// shape `(rows, vocab)`: the last new token of each session, or every new token when
-    /// `all_logits`. The GIL is released while the engine runs.
+    /// `all_logits`. The GIL is released while the engine runs; a signal handler that raises
+    /// (Ctrl-C's KeyboardInterrupt) stops the step between layers, with every session as
+    /// before it.
     #[pyo3(signature = (batch, *, all_logits=false))]
     fn step<'py>(
         &mut self,
@@ -97,8 +102,57 @@ impl Engine {
             batch.iter().map(|(s, t)| (*s, t.as_slice())).collect();
         let mode = if all_logits { LogitsMode::All } else { LogitsMode::Last };
         let inner = &mut self.inner;
-        let (logits, rows) = py.detach(|| inner.step(&refs, mode)).map_err(to_py)?;
-        let vocab = self.inner.model().config().vocab_size;
-        logits.into_pyarray(py).reshape([rows, vocab])
+        let signals = SignalPoll::new();
+        let cancel = || signals.raised();
+        match py.detach(|| inner.step_cancellable(&refs, mode, &cancel)) {
+            Ok((logits, rows)) => {
+                let vocab = self.inner.model().config().vocab_size;
+                logits.into_pyarray(py).reshape([rows, vocab])
+            }
+            Err(Error::Interrupted) => Err(signals.into_error()),
+            Err(e) => Err(to_py(e)),
+        }
+    }
+}
+
+/// How long a step runs between looks at Python's pending signals. Each look re-attaches
+/// to the interpreter, which waits for the GIL if another thread holds it, so a decode
+/// step (milliseconds) never looks; a long prefill looks between layers at most this often.
+const SIGNAL_POLL: Duration = Duration::from_millis(50);
+
+/// Runs Python's signal handlers now and then from a step that released the GIL, and keeps
+/// the exception one raised.
+struct SignalPoll {
+    last: Mutex<Instant>,
+    raised: Mutex<Option<PyErr>>,
+}
+
+impl SignalPoll {
+    fn new() -> Self {
+        Self { last: Mutex::new(Instant::now()), raised: Mutex::new(None) }
+    }
+
+    /// Whether a signal handler raised, looking only when SIGNAL_POLL has passed since the
+    /// last look (on threads other than the main one, Python runs no handlers: never).
+    fn raised(&self) -> bool {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.elapsed() < SIGNAL_POLL {
+            return false;
+        }
+        let outcome = Python::attach(|py| py.check_signals());
+        *last = Instant::now();
+        match outcome {
+            Ok(()) => false,
+            Err(e) => {
+                *self.raised.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                true
+            }
+        }
+    }
+
+    /// The handler's exception (KeyboardInterrupt for Ctrl-C).
+    fn into_error(self) -> PyErr {
+        let raised = self.raised.into_inner().unwrap_or_else(|e| e.into_inner());
+        raised.unwrap_or_else(|| to_py(Error::Interrupted))
     }
 }

@@ -1,11 +1,13 @@
 //! Engine errors become the exception classes defined once in `cellm.errors`.
 
 use cellm_engine::cellm_format::Error;
+use pyo3::exceptions::PyKeyboardInterrupt;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
 
 pub fn to_py(e: Error) -> PyErr {
     let class = match &e {
+        Error::Interrupted => return PyKeyboardInterrupt::new_err("interrupted"),
         Error::Format(_) => "FormatError",
         Error::Unsupported(_) => "UnsupportedArchitecture",
         Error::ContextOverflow(_) => "ContextOverflow",

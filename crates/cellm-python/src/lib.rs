@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     keep_scratch_in_heap();
+    import_numpy(m.py())?;
     m.add_class::<engine::Engine>()?;
     m.add_function(wrap_pyfunction!(kernels::selected_isa, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::available_isas, m)?)?;
@@ -21,6 +22,18 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(models::architectures, m)?)?;
     m.add_function(wrap_pyfunction!(models::expected_tensors, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
+
+/// Imports NumPy's C API (and rust-numpy's borrow checking) now, where a failure is an
+/// ImportError. Done lazily by the first array instead, it ran Python code (NumPy's version
+/// check) right after a step, where a pending Ctrl-C made it fail, and rust-numpy panics
+/// on that failure: `PanicException: Failed to access NumPy array API capsule`.
+fn import_numpy(py: Python<'_>) -> PyResult<()> {
+    numpy::get_array_module(py)?;
+    use numpy::PyArrayMethods;
+    let probe = numpy::PyArray1::<f32>::zeros(py, 1, false);
+    probe.try_readonly()?;
     Ok(())
 }
 
