@@ -25,7 +25,12 @@ class TemplateError(CellmError):
     """A chat template failed to compile or render, or rejected the messages (raise_exception)."""
 
 
+class Busy(CellmError):
+    """The scheduler's queue is full: try again later (the server answers 429)."""
+
+
 __all__ = [
+    "Busy",
     "CellmError",
     "FormatError",
     "UnsupportedArchitecture",

@@ -21,6 +21,7 @@ from cellm.fetch import registry_entry_for
 from cellm.generation import Decoding, GenerationResult, KvSession, Timings
 from cellm.resolve import resolve_model
 from cellm.sampling import SamplingParams
+from cellm.scheduler import AsyncStream, Request, Scheduler
 from cellm.tokenizer import Tokenizer
 
 BACKENDS = ("cpu",)
@@ -41,6 +42,16 @@ def _sampling(params: Optional[SamplingParams], keywords: Mapping[str, Any]) -> 
     elif not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a cellm.SamplingParams, got {type(params).__name__}")
     return replace(params, **keywords)
+
+
+def _chat_keywords(
+    keywords: dict[str, Any], tools: Optional[Sequence[Any]], params: Optional[SamplingParams]
+) -> dict[str, Any]:
+    """With tools, special tokens stay in the text unless asked otherwise: call markers are
+    special tokens in the vocabularies that use them."""
+    if tools and (params is None or params.skip_special_tokens is None):
+        keywords.setdefault("skip_special_tokens", False)
+    return keywords
 
 
 def _drain(events: Generator[str, None, GenerationResult]) -> GenerationResult:
@@ -100,22 +111,36 @@ class LLM:
         *,
         tokenizer: Optional[Union[str, os.PathLike[str]]] = None,
         convert_dtype: str = "f16",
+        kv_capacity_tokens: Optional[int] = None,
     ) -> None:
         if backend not in BACKENDS:
             raise InvalidArgument(f"unknown backend {backend!r} (available: {', '.join(BACKENDS)})")
         if kv_encoding not in KV_ENCODINGS:
             raise InvalidArgument(f"unknown kv_encoding {kv_encoding!r} (expected f16 or f32)")
-        for name, v in (("threads", threads), ("context_length", context_length)):
+        limits = (
+            ("threads", threads),
+            ("context_length", context_length),
+            ("kv_capacity_tokens", kv_capacity_tokens),
+        )
+        for name, v in limits:
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise InvalidArgument(f"{name} must be a positive integer, got {v!r}")
         self.path = resolve_model(path, convert_dtype)
         self._engine = _core.Engine(
-            str(self.path), threads=threads, kv_encoding=kv_encoding, context_length=context_length
+            str(self.path),
+            threads=threads,
+            kv_encoding=kv_encoding,
+            context_length=context_length,
+            kv_capacity_tokens=kv_capacity_tokens,
         )
         # Held for each engine call: the engine is not reentrant (see the class docstring).
         self._lock = threading.RLock()
+        self._scheduler: Optional[Scheduler] = None
         # Read once: the engine cannot be asked while another thread's step runs in it.
         self._context_length = self._engine.context_length
+        # KV tokens (per layer) the pool holds over all sessions; the engine's default is
+        # DEFAULT_KV_SESSIONS (8) full contexts.
+        self.kv_capacity_tokens = kv_capacity_tokens or 8 * self._context_length
         self._vocab_size = self._engine.vocab_size
         self.header: dict[str, Any] = json.loads(self._engine.header_json())
         # Chat format and tool-call parser of the model's family.
@@ -290,16 +315,148 @@ class LLM:
         changes): they go to `tool_calls` and leave `text`. With `tools`,
         special tokens are kept in the text unless skip_special_tokens=True is given, since
         call markers are special tokens in the vocabularies that use them."""
-        keywords = _keywords(locals())
-        if tools and (params is None or params.skip_special_tokens is None):
-            keywords.setdefault("skip_special_tokens", False)
-        prompt = self.apply_chat_template(
-            messages, tools=tools, chat_format=chat_format, **(template_vars or {})
-        )
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        keywords = _chat_keywords(_keywords(locals()), tools, params)
+        ids = self._chat_ids(messages, tools, chat_format, template_vars)
         result = self.generate(ids, params=params, **keywords)
         result.text, result.tool_calls = self.split_tool_calls(result)
         return result
+
+    def _chat_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Optional[Sequence[Mapping[str, Any]]],
+        chat_format: str,
+        template_vars: Optional[Mapping[str, Any]],
+    ) -> list[int]:
+        prompt = self.apply_chat_template(
+            messages, tools=tools, chat_format=chat_format, **(template_vars or {})
+        )
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    # -- many requests at once (continuous batching: cellm.scheduler) --------------------------
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        params: Optional[SamplingParams] = None,
+        max_tokens: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        min_p: Optional[float] = None,
+        repeat_penalty: Optional[float] = None,
+        seed: Optional[int] = None,
+        stop: Union[str, Sequence[str], None] = None,
+        stop_token_ids: Optional[Sequence[int]] = None,
+        ignore_eos: Optional[bool] = None,
+        skip_special_tokens: Optional[bool] = None,
+    ) -> list[GenerationResult]:
+        """generate() for several prompts in one batched run: each engine step carries every
+        running prompt (see `cellm.scheduler`). Results come in the prompts' order; greedy
+        results equal each prompt run alone."""
+        sampling = _sampling(params, _keywords(locals()))
+        return self._run_batch([self.prompt_ids(p) for p in prompts], sampling)
+
+    def chat_batch(
+        self,
+        conversations: Sequence[Sequence[Mapping[str, Any]]],
+        *,
+        tools: Optional[Sequence[Mapping[str, Any]]] = None,
+        chat_format: str = "auto",
+        template_vars: Optional[Mapping[str, Any]] = None,
+        params: Optional[SamplingParams] = None,
+        max_tokens: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        min_p: Optional[float] = None,
+        repeat_penalty: Optional[float] = None,
+        seed: Optional[int] = None,
+        stop: Union[str, Sequence[str], None] = None,
+        stop_token_ids: Optional[Sequence[int]] = None,
+        ignore_eos: Optional[bool] = None,
+        skip_special_tokens: Optional[bool] = None,
+    ) -> list[GenerationResult]:
+        """chat() for several conversations in one batched run, results in order."""
+        keywords = _chat_keywords(_keywords(locals()), tools, params)
+        sampling = _sampling(params, keywords)
+        ids = [self._chat_ids(m, tools, chat_format, template_vars) for m in conversations]
+        results = self._run_batch(ids, sampling)
+        for result in results:
+            result.text, result.tool_calls = self.split_tool_calls(result)
+        return results
+
+    def _run_batch(
+        self, prompts: list[list[int]], params: SamplingParams
+    ) -> list[GenerationResult]:
+        scheduler = Scheduler(self, max_running=max(1, len(prompts)))
+        requests = [scheduler.submit(Request(ids, params)) for ids in prompts]
+        scheduler.run_until_idle()
+        return [_drain(request.stream()) for request in requests]
+
+    async def agenerate(
+        self,
+        prompt: Prompt,
+        *,
+        params: Optional[SamplingParams] = None,
+        max_tokens: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        min_p: Optional[float] = None,
+        repeat_penalty: Optional[float] = None,
+        seed: Optional[int] = None,
+        stop: Union[str, Sequence[str], None] = None,
+        stop_token_ids: Optional[Sequence[int]] = None,
+        ignore_eos: Optional[bool] = None,
+        skip_special_tokens: Optional[bool] = None,
+    ) -> GenerationResult:
+        """generate() for asyncio: concurrent callers share the model's batches."""
+        return await self.astream(prompt, params=params, **_keywords(locals())).collect()
+
+    def astream(
+        self,
+        prompt: Prompt,
+        *,
+        params: Optional[SamplingParams] = None,
+        max_tokens: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        min_p: Optional[float] = None,
+        repeat_penalty: Optional[float] = None,
+        seed: Optional[int] = None,
+        stop: Union[str, Sequence[str], None] = None,
+        stop_token_ids: Optional[Sequence[int]] = None,
+        ignore_eos: Optional[bool] = None,
+        skip_special_tokens: Optional[bool] = None,
+    ) -> AsyncStream:
+        """stream() for asyncio: `async for piece in llm.astream(...)`; the stream's `result`
+        holds the GenerationResult once it ends. Concurrent callers share the model's batches;
+        leaving the loop early cancels the request."""
+        request = Request(self.prompt_ids(prompt), _sampling(params, _keywords(locals())))
+        return AsyncStream(self.shared_scheduler(), request)
+
+    def kv_stats(self) -> tuple[int, int, int]:
+        """KV pool usage: pages in use, pages allocated so far, bytes per page."""
+        with self._lock:
+            return self._engine.kv_stats()
+
+    def shared_scheduler(self) -> Scheduler:
+        """The model's background scheduler, started on first use (asyncio callers, the
+        server); `close()` stops it."""
+        with self._lock:
+            if self._scheduler is None:
+                self._scheduler = Scheduler(self)
+                self._scheduler.start()
+            return self._scheduler
+
+    def close(self) -> None:
+        """Stops the background scheduler, if one runs (requests still in it end with Busy)."""
+        scheduler, self._scheduler = self._scheduler, None
+        if scheduler is not None:
+            scheduler.close()
 
     def conversation(
         self,

@@ -1,0 +1,140 @@
+"""Continuous batching (cellm.scheduler) and the APIs over it: results equal each request run
+alone (greedy, and sampled with the same seed), prompts prefill in chunks beside running
+decodes, cancelled requests free their pages, and a full pool or queue behaves as documented."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cellm import LLM, SamplingParams
+from cellm.errors import Busy, ContextOverflow
+from cellm.scheduler import Request, Scheduler
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * k for k in (1, 2, 3, 5)] + [[3]]
+
+
+@pytest.fixture(scope="module", params=["llama", "lfm2"])  # attention only; recurrent state
+def llm(request, converted):
+    return LLM(converted(request.param, "f32"), kv_encoding="f32", threads=1)
+
+
+def alone(llm, prompts, **kw):
+    return [llm.generate(p, **kw) for p in prompts]
+
+
+def test_batch_equals_each_prompt_alone(llm):
+    want = alone(llm, PROMPTS, max_tokens=12, ignore_eos=True)
+    got = llm.generate_batch(PROMPTS, max_tokens=12, ignore_eos=True)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.text for r in got] == [r.text for r in want]
+    assert all(r.finish_reason == "length" and r.timings.decode_tokens == 11 for r in got)
+
+
+def test_sampled_requests_keep_their_own_seeds(llm):
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=10, ignore_eos=True) for s in (1, 2)
+    ]
+    want = [llm.generate(PROMPTS[1], params=p).token_ids for p in params]
+    scheduler = Scheduler(llm)
+    requests = [scheduler.submit(Request(PROMPTS[1], p)) for p in params]
+    scheduler.run_until_idle()
+    got = [drain(r.stream()).token_ids for r in requests]
+    assert got == want and got[0] != got[1]
+
+
+def test_prompts_prefill_in_chunks_beside_running_decodes(llm):
+    """A 40-token prompt under a budget of 7 tokens a step takes several steps, while the
+    other request keeps decoding one token a step, and both still equal their solo runs."""
+    scheduler = Scheduler(llm, token_budget=7)
+    short = scheduler.submit(Request([3], SamplingParams(max_tokens=8, ignore_eos=True)))
+    scheduler.step()  # the short prompt is now decoding
+    long_ = scheduler.submit(Request(PROMPTS[3], SamplingParams(max_tokens=4, ignore_eos=True)))
+    steps = 1
+    while scheduler.step():
+        steps += 1
+    assert steps >= len(PROMPTS[3]) // 6
+    solo = alone(llm, [[3], PROMPTS[3]], max_tokens=8, ignore_eos=True)
+    assert drain(short.stream()).token_ids == solo[0].token_ids
+    assert drain(long_.stream()).token_ids == solo[1].token_ids[:4]
+
+
+def test_chat_batch_equals_chat(llm):
+    conversations = [[{"role": "user", "content": q}] for q in ("hello", "how are you", "x")]
+    want = [llm.chat(c, max_tokens=8) for c in conversations]
+    got = llm.chat_batch(conversations, max_tokens=8)
+    assert [r.text for r in got] == [r.text for r in want]
+
+
+def test_async_callers_share_batches_and_get_their_own_results(llm):
+    want = alone(llm, PROMPTS, max_tokens=6, ignore_eos=True)
+
+    async def run():
+        async def stream(p):
+            pieces = [piece async for piece in llm.astream(p, max_tokens=6, ignore_eos=True)]
+            return "".join(pieces)
+
+        results = await asyncio.gather(
+            *(llm.agenerate(p, max_tokens=6, ignore_eos=True) for p in PROMPTS)
+        )
+        texts = await asyncio.gather(*(stream(p) for p in PROMPTS))
+        return results, texts
+
+    results, texts = asyncio.run(run())
+    assert [r.token_ids for r in results] == [r.token_ids for r in want]
+    assert texts == [r.text for r in want]
+
+
+def test_cancelled_requests_free_their_pages(llm):
+    baseline = llm.kv_stats()[0]
+    scheduler = Scheduler(llm)
+    kept = scheduler.submit(Request(PROMPTS[2], SamplingParams(max_tokens=20, ignore_eos=True)))
+    dropped = scheduler.submit(Request(PROMPTS[3], SamplingParams(max_tokens=20, ignore_eos=True)))
+    for _ in range(3):
+        scheduler.step()
+    assert llm.kv_stats()[0] > baseline
+    scheduler.cancel(dropped)
+    scheduler.run_until_idle()
+    assert drain(dropped.stream()).finish_reason == "cancelled"
+    assert drain(kept.stream()).finish_reason == "length"
+    assert llm.kv_stats()[0] == baseline
+
+
+def test_async_stream_left_early_cancels_its_request(llm):
+    baseline = llm.kv_stats()[0]
+
+    async def run():
+        async for _ in llm.astream(PROMPTS[3], max_tokens=50, ignore_eos=True):
+            break
+        for _ in range(100):  # the scheduler thread frees the pages at its next step
+            if llm.kv_stats()[0] == baseline:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert asyncio.run(run())
+
+
+def test_full_pool_makes_requests_wait_and_a_full_queue_is_busy(converted):
+    # Room for one request's worst case (prompt 8 + 8 new -> one 16-token page) at a time.
+    llm = LLM(converted("llama", "f32"), kv_encoding="f32", threads=1, kv_capacity_tokens=16)
+    scheduler = Scheduler(llm, max_queue=2)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    first, second = (scheduler.submit(Request(PROMPTS[0], params)) for _ in range(2))
+    with pytest.raises(Busy, match="busy"):
+        scheduler.submit(Request(PROMPTS[0], params))
+    scheduler.step()
+    assert len(scheduler.running) == 1 and len(scheduler.waiting) == 1  # waits for room
+    scheduler.run_until_idle()
+    assert drain(first.stream()).token_ids == drain(second.stream()).token_ids
+    with pytest.raises(ContextOverflow, match="the pool holds 16"):
+        scheduler.submit(Request(PROMPTS[1], params))
+
+
+def drain(events):
+    while True:
+        try:
+            next(events)
+        except StopIteration as done:
+            return done.value
