@@ -92,6 +92,7 @@ def load_model(args: argparse.Namespace) -> LLM:
         threads=args.threads,
         context_length=args.context_length,
         tokenizer=args.tokenizer,
+        kv_capacity_tokens=getattr(args, "kv_capacity_tokens", None),
     )
 
 

@@ -277,9 +277,13 @@ class AsyncStream:
     def __init__(self, scheduler: Scheduler, request: Request) -> None:
         self.scheduler, self.request = scheduler, request
         self.result: Optional[GenerationResult] = None
+        self._iter: Optional[AsyncIterator[str]] = None
 
     def __aiter__(self) -> AsyncIterator[str]:
-        return self._pieces()
+        # One iteration per request: a second `async for` continues where the first stopped.
+        if self._iter is None:
+            self._iter = self._pieces()
+        return self._iter
 
     async def _pieces(self) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
