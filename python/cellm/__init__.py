@@ -1,6 +1,7 @@
 """cellm: fast inference of small language models on ordinary hardware."""
 
 from cellm.errors import (
+    Busy,
     CellmError,
     ContextOverflow,
     FormatError,
@@ -19,6 +20,7 @@ __all__ = [
     "GenerationResult",
     "SamplingParams",
     "Timings",
+    "Busy",
     "CellmError",
     "ContextOverflow",
     "FormatError",
