@@ -53,7 +53,7 @@ fn unit(seed: u64, i: u64) -> f32 {
 /// `tests/fixtures/hf-tiny`, with fewer layers): `(architecture, model)`.
 pub fn tiny_models() -> Vec<(&'static str, Value)> {
     let base = json!({
-        "architecture": "llama", "model_type": "llama", "vocab_size": 256, "hidden_size": 32,
+        "architecture": "llama", "model_type": "llama", "vocab_size": 64, "hidden_size": 32,
         "intermediate_size": 48, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
         "head_dim": 8, "norm_eps": 1e-5, "max_position_embeddings": 512,
         "tie_word_embeddings": true, "rope": {"inv_freq": [1.0, 0.1, 0.01, 0.001]},
