@@ -8,7 +8,7 @@ use std::path::Path;
 
 use cellm_format::{CellmFile, Error, Result};
 use cellm_kv::{KvConfig, PagePool, SeqKv, SeqSpan, SeqState};
-use cellm_models::{CausalLm, Step, MAX_CONTEXT};
+use cellm_models::{CausalLm, GivenEmbeds, Step, MAX_CONTEXT};
 
 pub use cellm_format;
 pub use cellm_kernels::pool::{stream_read, ThreadPool};
@@ -52,6 +52,17 @@ pub enum LogitsMode {
 }
 
 pub type SessionId = u64;
+
+/// Input embeddings for some new tokens of one batch entry of a step.
+#[derive(Debug, Clone, Copy)]
+pub struct Given<'a> {
+    /// Index into the step's batch.
+    pub entry: usize,
+    /// Positions among that entry's new tokens.
+    pub rows: &'a [usize],
+    /// `rows.len() x hidden_size`.
+    pub values: &'a [f32],
+}
 
 /// What one session owns: its KV pages and its recurrent state.
 struct Session {
@@ -144,6 +155,15 @@ impl Engine {
         self.workers.threads()
     }
 
+    /// Embedding rows (`tokens x hidden`) of preprocessed image tiles, on the engine's
+    /// threads (`cellm_models::VisionEncoder::encode`); a text-only model refuses.
+    pub fn encode_images(&self, patches: &[f32], grids: &[(usize, usize)]) -> Result<Vec<f32>> {
+        let vision = self.model.vision().ok_or_else(|| {
+            Error::InvalidArgument("this model takes no images (it has no vision encoder)".into())
+        })?;
+        self.workers.install(|| vision.encode(patches, grids))
+    }
+
     pub fn create_session(&mut self) -> SessionId {
         let id = self.next_session;
         self.next_session += 1;
@@ -213,7 +233,20 @@ impl Engine {
         mode: LogitsMode,
         cancel: &(dyn Fn() -> bool + Sync),
     ) -> Result<(Vec<f32>, usize)> {
+        self.step_given(batch, &[], mode, cancel)
+    }
+
+    /// [`Engine::step_cancellable`] with some tokens' input embeddings given (a vision-
+    /// language model's image features at its image tokens) instead of looked up.
+    pub fn step_given(
+        &mut self,
+        batch: &[(SessionId, &[u32])],
+        given: &[Given],
+        mode: LogitsMode,
+        cancel: &(dyn Fn() -> bool + Sync),
+    ) -> Result<(Vec<f32>, usize)> {
         self.validate(batch)?;
+        let (embed_rows, embed_values) = self.given_rows(batch, given)?;
         if cancel() {
             return Err(Error::Interrupted);
         }
@@ -260,7 +293,8 @@ impl Engine {
             true => &never,
             false => cancel,
         };
-        let step = Step { tokens: &tokens, spans: &spans, logit_rows: &logit_rows, cancel };
+        let embeds = GivenEmbeds { rows: &embed_rows, values: &embed_values };
+        let step = Step { tokens: &tokens, spans: &spans, logit_rows: &logit_rows, embeds, cancel };
         let (model, pool) = (&self.model, &mut self.pool);
         let result = self.workers.install(|| model.forward(&step, pool, &mut states));
         if result.is_err() {
@@ -290,6 +324,49 @@ impl Engine {
             let len = s.len();
             self.pool.truncate(s, len);
         }
+    }
+
+    /// `given` as rows of the step's concatenated tokens, checked against the batch.
+    fn given_rows(
+        &self,
+        batch: &[(SessionId, &[u32])],
+        given: &[Given],
+    ) -> Result<(Vec<usize>, Vec<f32>)> {
+        let hidden = self.model.config().hidden_size;
+        let starts: Vec<usize> = batch
+            .iter()
+            .scan(0, |row0, (_, t)| {
+                let start = *row0;
+                *row0 += t.len();
+                Some(start)
+            })
+            .collect();
+        let (mut rows, mut values) = (Vec::new(), Vec::new());
+        for g in given {
+            let Some(&(id, tokens)) = batch.get(g.entry) else {
+                return Err(Error::InvalidArgument(format!(
+                    "embeddings given for batch entry {}, of {}",
+                    g.entry,
+                    batch.len()
+                )));
+            };
+            if Some(g.values.len()) != g.rows.len().checked_mul(hidden) {
+                return Err(Error::InvalidArgument(format!(
+                    "session {id}: {} embedding values for {} rows of {hidden}",
+                    g.values.len(),
+                    g.rows.len()
+                )));
+            }
+            if let Some(bad) = g.rows.iter().find(|&&r| r >= tokens.len()) {
+                return Err(Error::InvalidArgument(format!(
+                    "session {id}: an embedding for token {bad} of {} new tokens",
+                    tokens.len()
+                )));
+            }
+            rows.extend(g.rows.iter().map(|r| starts[g.entry] + r));
+            values.extend_from_slice(g.values);
+        }
+        Ok((rows, values))
     }
 
     fn validate(&self, batch: &[(SessionId, &[u32])]) -> Result<()> {

@@ -53,10 +53,14 @@ impl<L: DecoderLayer + Send + Sync> CausalLm for Decoder<L> {
     ) -> std::result::Result<Vec<f32>, Cancelled> {
         let c = &self.cfg;
         let positions = step.positions();
-        let x = self
+        let mut x = self
             .embed
             .lookup(step.tokens, c.embedding_multiplier)
             .expect("ids checked by the engine");
+        let given = step.embeds;
+        for (&row, values) in given.rows.iter().zip(given.values.chunks_exact(c.hidden_size)) {
+            x[row * c.hidden_size..(row + 1) * c.hidden_size].copy_from_slice(values);
+        }
         let mut ctx = StepCtx { step, positions: &positions, kv, states };
         let (mut x, rows) =
             run_layers(&self.layers, x, c.hidden_size, c.residual_multiplier, &mut ctx)?;

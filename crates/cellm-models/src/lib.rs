@@ -14,12 +14,14 @@ mod llama;
 mod moe;
 mod qwen35;
 mod registry;
+mod vision;
 mod weights;
 
 use cellm_kv::{PagePool, SeqSpan, SeqState};
 
 pub use config::{Activation, LayerType, ModelConfig, RopeConfig, MAX_CONTEXT};
 pub use registry::{architectures, expected_tensors, load};
+pub use vision::{ConnectorKind, VisionConfig, VisionEncoder};
 pub use weights::{Storage, TensorSpec, Weights};
 
 /// One batched forward step: the new tokens of several sessions, concatenated.
@@ -28,10 +30,21 @@ pub struct Step<'a> {
     pub spans: &'a [SeqSpan<'a>],
     /// Rows (indices into `tokens`) whose next-token logits are wanted, in output order.
     pub logit_rows: &'a [usize],
+    /// Rows whose input embedding is given instead of looked up (image features).
+    pub embeds: GivenEmbeds<'a>,
     /// Asked before each layer's token mixer and feed-forward, on the calling thread: true
     /// stops the forward there ([`Cancelled`]), with the caches partly written (the engine
     /// rolls them back).
     pub cancel: &'a (dyn Fn() -> bool + Sync),
+}
+
+/// Embedding rows that replace the looked-up ones at some rows of a step.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GivenEmbeds<'a> {
+    /// Indices into [`Step::tokens`].
+    pub rows: &'a [usize],
+    /// `rows.len() x hidden_size`, in `rows` order.
+    pub values: &'a [f32],
 }
 
 /// A forward stopped by [`Step::cancel`].
@@ -78,4 +91,8 @@ pub trait CausalLm: Send + Sync {
         kv: &mut PagePool,
         states: &mut [&mut SeqState],
     ) -> Result<Vec<f32>, Cancelled>;
+    /// The vision encoder of a vision-language model.
+    fn vision(&self) -> Option<&VisionEncoder> {
+        None
+    }
 }

@@ -4,7 +4,7 @@
 use cellm_format::{CellmFile, Error, Result};
 
 use crate::weights::{TensorSpec, Weights};
-use crate::{deepseek, gemma, lfm2, llama, qwen35, CausalLm, ModelConfig};
+use crate::{deepseek, gemma, lfm2, llama, qwen35, vision, CausalLm, ModelConfig};
 
 type Loader = fn(&Weights, ModelConfig) -> Result<Box<dyn CausalLm>>;
 
@@ -14,6 +14,8 @@ const FAMILIES: &[(&str, Loader)] = &[
     ("lfm2", lfm2::load),
     ("qwen3_5", qwen35::load),
     ("deepseek_v3", deepseek::load),
+    ("idefics3", vision::load_idefics3),
+    ("lfm2_vl", vision::load_lfm2_vl),
 ];
 
 /// The architecture names the engine runs, in registry order.

@@ -5,12 +5,15 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use cellm_engine::cellm_format::Error;
-use cellm_engine::{Engine as Inner, EngineOptions, LogitsMode, SessionId};
-use numpy::{IntoPyArray, PyArray2, PyArrayMethods};
+use cellm_engine::{Engine as Inner, EngineOptions, Given, LogitsMode, SessionId};
+use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyReadonlyArray2};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::errors::to_py;
+
+/// One entry of `step`'s `embeds`: batch index, token positions, embedding rows.
+type GivenRows<'py> = (usize, Vec<usize>, PyReadonlyArray2<'py, f32>);
 
 #[pyclass(module = "cellm._core")]
 pub struct Engine {
@@ -86,25 +89,58 @@ impl Engine {
         self.inner.session_len(session).map_err(to_py)
     }
 
+    /// Image features (float32, `tokens x hidden`) of preprocessed tiles: `patches` holds
+    /// every tile's patch rows (`3 * patch * patch` wide), tile after tile; `grids` each
+    /// tile's patch grid (rows, cols). Raises InvalidArgument on a text-only model.
+    fn encode_images<'py>(
+        &self,
+        py: Python<'py>,
+        patches: PyReadonlyArray2<'py, f32>,
+        grids: Vec<(usize, usize)>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let patches: Vec<f32> = patches.as_array().iter().copied().collect();
+        let inner = &self.inner;
+        let features = py.detach(|| inner.encode_images(&patches, &grids)).map_err(to_py)?;
+        let hidden = self.inner.model().config().hidden_size;
+        let rows = features.len() / hidden;
+        features.into_pyarray(py).reshape([rows, hidden])
+    }
+
     /// One batched forward over `[(session, new_token_ids), ...]`; returns float32 logits of
     /// shape `(rows, vocab)`: the last new token of each session, or every new token when
     /// `all_logits`. The GIL is released while the engine runs; a signal handler that raises
     /// (Ctrl-C's KeyboardInterrupt) stops the step between layers, with every session as
     /// before it.
-    #[pyo3(signature = (batch, *, all_logits=false))]
+    ///
+    /// `embeds`: `[(batch_index, token_positions, rows), ...]`, input embeddings (float32,
+    /// `len(token_positions) x hidden`) that replace the looked-up ones of those new tokens
+    /// (a vision-language model's image features).
+    #[pyo3(signature = (batch, *, all_logits=false, embeds=None))]
     fn step<'py>(
         &mut self,
         py: Python<'py>,
         batch: Vec<(SessionId, Vec<u32>)>,
         all_logits: bool,
+        embeds: Option<Vec<GivenRows<'py>>>,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let refs: Vec<(SessionId, &[u32])> =
             batch.iter().map(|(s, t)| (*s, t.as_slice())).collect();
+        let values: Vec<Vec<f32>> = embeds
+            .iter()
+            .flatten()
+            .map(|(_, _, a)| a.as_array().iter().copied().collect())
+            .collect();
+        let given: Vec<Given> = embeds
+            .iter()
+            .flatten()
+            .zip(&values)
+            .map(|((entry, rows, _), values)| Given { entry: *entry, rows, values })
+            .collect();
         let mode = if all_logits { LogitsMode::All } else { LogitsMode::Last };
         let inner = &mut self.inner;
         let signals = SignalPoll::new();
         let cancel = || signals.raised();
-        match py.detach(|| inner.step_cancellable(&refs, mode, &cancel)) {
+        match py.detach(|| inner.step_given(&refs, &given, mode, &cancel)) {
             Ok((logits, rows)) => {
                 let vocab = self.inner.model().config().vocab_size;
                 logits.into_pyarray(py).reshape([rows, vocab])

@@ -57,6 +57,7 @@ def normalise_config(
     `labels` names config keys in error messages as the source file calls them (GGUF keys).
     """
     family, model_type = by_model_type(config.get("model_type"), source)
+    config = family.flat_config(config)
     r = ConfigReader(config, model_type, source, labels)
 
     hidden = r.get_int("hidden_size")

@@ -15,6 +15,7 @@ from ..errors import FormatError
 from ..families.base import Transform
 from .dtypes import BLOCK_FORMATS, check_format, convert_chunks, float32_chunks
 from .hf_config import family_of, load_config, normalise_config
+from .processor_files import load_processor_config
 from .progress import conversion_bar
 from .quantize import Quantization, plan_quantization, quantize_rows
 from .safetensors import Checkpoint, open_checkpoint
@@ -23,6 +24,7 @@ from .weights import PlannedTensor, layers_present, plan_tensors
 from .writer import TensorEntry, check_output_is_not_input, write_cellm
 
 EMBEDDING = "model.embed_tokens.weight"
+VISION_PREFIXES = ("vision.", "connector.")
 
 
 def convert_hf(
@@ -65,16 +67,22 @@ def convert_hf(
         family.settle_from_weights(model, checkpoint)
         entries = []
         for tensor in plan_tensors(model, family, checkpoint):
-            source = family.tensor_source(model, tensor.name)
+            source = family.tensor_source(model, tensor.name) or (
+                family.checkpoint_name(tensor.name),
+                tensor.shape,
+            )
             transform = family.tensor_transform(model, tensor.name)
             entry = _entry(checkpoint, tensor, dtype, quantization, transform, source)
             entries.append(tensor.finished(entry))
         tok = load_tokenizer_files(src, config)
+        # A vision-language model keeps its image processing settings.
+        processor = {"processor": load_processor_config(src)} if "vision" in model else {}
         header = {
             "model": model,
             "hf_config": config,
             "tokenizer": tok.tokenizer,
             "generation": tok.generation,
+            **processor,
             "source": {
                 "kind": "hf",
                 "dtype": dtype,
@@ -127,7 +135,8 @@ def _entry(
             yield np.ascontiguousarray(transform(whole).reshape(shape), dtype=np.float32)
 
     fmt = dtype
-    if quantization is not None and len(shape) == 2:
+    # The vision tower and connector stay float: their errors compound over every patch.
+    if quantization is not None and len(shape) == 2 and not name.startswith(VISION_PREFIXES):
         fmt = quantization.format_for(name, shape[1], dtype)
     fmt = tensor.stored_format(fmt)
     if fmt in BLOCK_FORMATS:

@@ -72,7 +72,10 @@ def plan_tensors(
     plan = expected_tensors(model)
     sources = []
     for tensor in plan:
-        name, shape = family.tensor_source(model, tensor.name) or (tensor.name, tensor.shape)
+        name, shape = family.tensor_source(model, tensor.name) or (
+            family.checkpoint_name(tensor.name),
+            tensor.shape,
+        )
         sources.append(name)
         if name not in checkpoint:
             raise FormatError(

@@ -177,6 +177,14 @@ def _nothing_to_settle(model: dict[str, Any], checkpoint: Checkpoint) -> None:
     return None
 
 
+def _same_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(config)
+
+
+def _same_name(name: str) -> str:
+    return name
+
+
 @dataclass(frozen=True)
 class Family:
     """One engine architecture (a name in the engine's registry) and everything Python knows
@@ -194,6 +202,11 @@ class Family:
     )
     # Fills in description keys only the weights tell.
     settle_from_weights: Callable[[dict[str, Any], Checkpoint], None] = _nothing_to_settle
+    # The config the description is made from: a vision-language model's `text_config`,
+    # with what its rules need from the outer config.
+    flat_config: Callable[[Mapping[str, Any]], dict[str, Any]] = _same_config
+    # The checkpoint's name of a stored tensor (a VLM's text model sits under its own prefix).
+    checkpoint_name: Callable[[str], str] = _same_name
     # The builtin chat template (`cellm.chat.BUILTIN_TEMPLATES`) for models without their own.
     chat_format: str = "chatml"
     # Moves the family's tool calls out of an answer: (text, stop token text) -> (text, calls).
