@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from cellm.generation import GenerationResult, KvSession
 from cellm.sampling import SamplingParams
@@ -30,7 +30,7 @@ class Conversation:
         self.template_vars = dict(template_vars or {})
         self.params = params if params is not None else SamplingParams()
         self.system = system
-        self.messages: list[dict[str, str]] = []
+        self.messages: list[dict[str, Any]] = []
         self._kv = KvSession(llm._engine, llm._lock)
         self.reset()
 
@@ -40,16 +40,16 @@ class Conversation:
         self._kv.close()
         self._kv = KvSession(self.llm._engine, self.llm._lock)
 
-    def send(self, text: str) -> Generator[str, None, GenerationResult]:
-        """Adds the user message `text` and streams the answer, which joins the conversation
-        (the generator's return value is its GenerationResult). A turn that fails (for
-        example past the context length) leaves the conversation as it was."""
+    def send(
+        self, text: Union[str, list[dict[str, Any]]]
+    ) -> Generator[str, None, GenerationResult]:
+        """Adds the user message `text` (or a list of content parts, images among them for a
+        vision-language model) and streams the answer, which joins the conversation (the
+        generator's return value is its GenerationResult). A turn that fails (for example
+        past the context length) leaves the conversation as it was."""
         messages = [*self.messages, {"role": "user", "content": text}]
-        prompt = self.llm.apply_chat_template(
-            messages, chat_format=self.chat_format, **self.template_vars
-        )
-        ids = self.llm.tokenizer.encode(prompt, add_special_tokens=False)
-        result = yield from self.llm._run(ids, self.params, self._kv)
+        prompt = self.llm._chat_prompt(messages, None, self.chat_format, self.template_vars)
+        result = yield from self.llm._run(prompt.ids, self.params, self._kv, prompt.images)
         self.messages = [*messages, {"role": "assistant", "content": result.text}]
         return result
 

@@ -22,6 +22,9 @@ from cellm.tokenizer import Tokenizer
 class Timings:
     prefill_tokens: int = 0
     prefill_s: float = 0.0
+    # A vision-language prompt's images: how many were encoded, in how long (not in prefill_s).
+    images: int = 0
+    image_encode_s: float = 0.0
     decode_tokens: int = 0
     decode_s: float = 0.0
 
@@ -75,9 +78,12 @@ class KvSession:
             del self.ids[keep:]
         return ids[keep:]
 
-    def step(self, ids: list[int]) -> np.ndarray:
-        """Next-token logits after feeding `ids` to the session."""
-        row: np.ndarray = step_sessions(self._engine, self._lock, [(self, ids)])[0]
+    def step(
+        self, ids: list[int], embeds: Optional[tuple[list[int], np.ndarray]] = None
+    ) -> np.ndarray:
+        """Next-token logits after feeding `ids` to the session; `embeds` (positions among
+        `ids`, rows) replaces those tokens' embeddings (image features)."""
+        row: np.ndarray = step_sessions(self._engine, self._lock, [(self, ids)], embeds)[0]
         return row
 
     def close(self) -> None:
@@ -93,12 +99,17 @@ class KvSession:
 
 
 def step_sessions(
-    engine: _core.Engine, lock: threading.RLock, batch: Sequence[tuple[KvSession, list[int]]]
+    engine: _core.Engine,
+    lock: threading.RLock,
+    batch: Sequence[tuple[KvSession, list[int]]],
+    embeds: Optional[tuple[list[int], np.ndarray]] = None,
 ) -> np.ndarray:
     """One engine step over several sessions' new ids; row i holds the next-token logits of
-    `batch[i]`. Each session then holds its ids."""
+    `batch[i]`. Each session then holds its ids. `embeds` are the first session's given
+    embeddings (see KvSession.step)."""
+    given = None if embeds is None else [(0, embeds[0], embeds[1])]
     with lock:
-        logits: np.ndarray = engine.step([(kv.live(), ids) for kv, ids in batch])
+        logits: np.ndarray = engine.step([(kv.live(), ids) for kv, ids in batch], embeds=given)
     for kv, ids in batch:
         kv.ids.extend(ids)
     return logits

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Generator
 from typing import Any, Optional
 
 from cellm.chat import CHAT_FORMATS
@@ -22,6 +23,14 @@ def build_parser() -> Parser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--tokens", type=int_list, help="prompt as token ids: 1,2,3")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image for a vision-language model, placed before the prompt (implies --chat; "
+        "repeat for several)",
+    )
     add_chat_arguments(p)
     add_sampling_arguments(p)
     p.add_argument(
@@ -160,11 +169,34 @@ def _prompt(llm: LLM, args: argparse.Namespace, tools: Optional[list[Any]]) -> l
         return ids
     if not (args.chat or tools is not None):
         return llm.encode(args.prompt)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    messages.append({"role": "user", "content": args.prompt})
-    extra = {"enable_thinking": False} if args.no_think else {}
-    text = llm.apply_chat_template(messages, tools=tools, chat_format=args.chat_format, **extra)
+    text = llm.apply_chat_template(
+        _messages(args, args.prompt), tools=tools, chat_format=args.chat_format, **_extra(args)
+    )
     return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _messages(args: argparse.Namespace, content: Any) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    return [*messages, {"role": "user", "content": content}]
+
+
+def _extra(args: argparse.Namespace) -> dict[str, Any]:
+    return {"enable_thinking": False} if args.no_think else {}
+
+
+def _image_chat(llm: LLM, args: argparse.Namespace) -> Generator[str, None, GenerationResult]:
+    """A chat turn of the images (in order) followed by the prompt."""
+    parts: list[dict[str, Any]] = [{"type": "image", "image": path} for path in args.image]
+    parts.append({"type": "text", "text": args.prompt})
+    return llm.stream_chat(
+        _messages(args, parts),
+        chat_format=args.chat_format,
+        template_vars=_extra(args),
+        params=sampling_params(args),
+        stop_token_ids=_stop_token_ids(llm, args.stop_tokens),
+    )
 
 
 def _print_tool_calls(llm: LLM, r: GenerationResult) -> None:
@@ -174,8 +206,10 @@ def _print_tool_calls(llm: LLM, r: GenerationResult) -> None:
 
 def _report(r: GenerationResult) -> None:
     t = r.timings
+    images = f"images: {t.images} encoded in {t.image_encode_s:.3f} s | " if t.images else ""
     print(
-        f"\nprefill: {t.prefill_tokens} tokens in {t.prefill_s:.3f} s ({t.prefill_tps:.1f} tok/s)"
+        f"\n{images}prefill: {t.prefill_tokens} tokens in {t.prefill_s:.3f} s "
+        f"({t.prefill_tps:.1f} tok/s)"
         f" | decode: {t.decode_tokens} tokens in {t.decode_s:.3f} s ({t.decode_tps:.1f} tok/s)"
         f" | finish: {r.finish_reason}",
         file=sys.stderr,
@@ -187,16 +221,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.tools is not None and args.tokens is not None:
         parser.error("--tools needs a text --prompt (it goes through the chat template)")
+    if args.image and (args.tokens is not None or args.tools is not None):
+        parser.error("--image needs a text --prompt, without --tools")
 
     def body() -> int:
         tools = _read_tools(args.tools) if args.tools is not None else None
         llm = load_model(args)
-        events = llm.stream(
-            _prompt(llm, args, tools),
-            params=sampling_params(args),
-            stop_token_ids=_stop_token_ids(llm, args.stop_tokens),
-            # Tool-call markers are special tokens: keep them so the calls can be seen/parsed.
-            skip_special_tokens=tools is None,
+        events = (
+            _image_chat(llm, args)
+            if args.image
+            else llm.stream(
+                _prompt(llm, args, tools),
+                params=sampling_params(args),
+                stop_token_ids=_stop_token_ids(llm, args.stop_tokens),
+                # Tool-call markers are special tokens: keep them so the calls can be seen.
+                skip_special_tokens=tools is None,
+            )
         )
         while True:
             try:

@@ -19,10 +19,12 @@ from cellm.errors import ContextOverflow, FormatError, InvalidArgument, Template
 from cellm.families import by_architecture
 from cellm.fetch import registry_entry_for
 from cellm.generation import Decoding, GenerationResult, KvSession, Timings
+from cellm.multimodal import ImagePrompt, Vision, split_messages
 from cellm.resolve import resolve_model
 from cellm.sampling import SamplingParams
 from cellm.scheduler import AsyncStream, Request, Scheduler
 from cellm.tokenizer import Tokenizer
+from cellm.vision import ImageInput
 
 BACKENDS = ("cpu",)
 KV_ENCODINGS = ("f16", "f32")
@@ -91,6 +93,10 @@ def _token_ids(prompt: object) -> list[int]:
     return ids
 
 
+def _is_messages(prompt: object) -> bool:
+    return isinstance(prompt, Sequence) and any(isinstance(m, Mapping) for m in prompt)
+
+
 class LLM:
     """A loaded model. `path` is a .cellm file or a HF checkpoint directory (converted once
     into the cache, see `cellm.resolve`).
@@ -112,6 +118,7 @@ class LLM:
         tokenizer: Optional[Union[str, os.PathLike[str]]] = None,
         convert_dtype: str = "f16",
         kv_capacity_tokens: Optional[int] = None,
+        processor: Optional[Mapping[str, Any]] = None,
     ) -> None:
         if backend not in BACKENDS:
             raise InvalidArgument(f"unknown backend {backend!r} (available: {', '.join(BACKENDS)})")
@@ -173,6 +180,11 @@ class LLM:
             template = None
         self.chat_template: Optional[str] = template
         self.eos_token_ids: frozenset[int] = frozenset(self.header["generation"]["eos_token_ids"])
+        # A vision-language model's image side; `processor` overrides the file's processor
+        # settings (HF processor keywords, e.g. use_image_special_tokens).
+        self.vision: Optional[Vision] = None
+        if "vision" in self.header["model"]:
+            self.vision = Vision(self.header, self._engine, self._lock, processor)
 
     @property
     def context_length(self) -> int:
@@ -228,19 +240,38 @@ class LLM:
 
     # -- model calls ---------------------------------------------------------------------
 
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Next-token logits at every position: float32 array (len(token_ids), vocab)."""
+    def logits(
+        self, token_ids: Sequence[int], images: Optional[Sequence[ImageInput]] = None
+    ) -> np.ndarray:
+        """Next-token logits at every position: float32 array (len(token_ids), vocab).
+        `images` (a vision-language model's) fill the image tokens of `token_ids`, in order
+        (`prompt_ids` makes such ids from chat messages)."""
         if isinstance(token_ids, str):
             raise InvalidArgument("logits() takes token ids, not text (see LLM.encode)")
         ids = self.encode(token_ids)
         if not ids:
             raise InvalidArgument("logits() needs at least one token id")
+        embeds = None
+        if images is not None:
+            embeds = self._vision().embeds(ids, self._vision().process(images), 0)
+        given = None if embeds is None else [(0, embeds.rows, embeds.values)]
         with self._lock:
             session = self._engine.create_session()
             try:
-                return self._engine.step([(session, ids)], all_logits=True)
+                return self._engine.step([(session, ids)], all_logits=True, embeds=given)
             finally:
                 self._engine.free_session(session)
+
+    def encode_images(self, images: Sequence[ImageInput]) -> np.ndarray:
+        """A vision-language model's features of `images` (paths, bytes, PIL images or uint8
+        arrays): float32 (image tokens, hidden), one row per image token, in order."""
+        vision = self._vision()
+        return vision.features(vision.process(images))
+
+    def _vision(self) -> Vision:
+        if self.vision is None:
+            raise InvalidArgument(f"{self.path.name} is a text-only model: it takes no images")
+        return self.vision
 
     def generate(
         self,
@@ -316,10 +347,41 @@ class LLM:
         special tokens are kept in the text unless skip_special_tokens=True is given, since
         call markers are special tokens in the vocabularies that use them."""
         keywords = _chat_keywords(_keywords(locals()), tools, params)
-        ids = self._chat_ids(messages, tools, chat_format, template_vars)
-        result = self.generate(ids, params=params, **keywords)
+        prompt = self._chat_prompt(messages, tools, chat_format, template_vars)
+        if prompt.images:
+            result = _drain(
+                self._run(prompt.ids, _sampling(params, keywords), images=prompt.images)
+            )
+        else:
+            result = self.generate(prompt.ids, params=params, **keywords)
         result.text, result.tool_calls = self.split_tool_calls(result)
         return result
+
+    def stream_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Optional[Sequence[Mapping[str, Any]]] = None,
+        chat_format: str = "auto",
+        template_vars: Optional[Mapping[str, Any]] = None,
+        params: Optional[SamplingParams] = None,
+        max_tokens: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        min_p: Optional[float] = None,
+        repeat_penalty: Optional[float] = None,
+        seed: Optional[int] = None,
+        stop: Union[str, Sequence[str], None] = None,
+        stop_token_ids: Optional[Sequence[int]] = None,
+        ignore_eos: Optional[bool] = None,
+        skip_special_tokens: Optional[bool] = None,
+    ) -> Generator[str, None, GenerationResult]:
+        """chat() streamed: yields text pieces; the generator's return value is the
+        GenerationResult (tool calls are left in its text: see split_tool_calls)."""
+        keywords = _chat_keywords(_keywords(locals()), tools, params)
+        prompt = self._chat_prompt(messages, tools, chat_format, template_vars)
+        return (yield from self._run(prompt.ids, _sampling(params, keywords), images=prompt.images))
 
     def _chat_ids(
         self,
@@ -328,10 +390,28 @@ class LLM:
         chat_format: str,
         template_vars: Optional[Mapping[str, Any]],
     ) -> list[int]:
-        prompt = self.apply_chat_template(
+        prompt = self._chat_prompt(messages, tools, chat_format, template_vars)
+        if prompt.images:
+            raise InvalidArgument("batched chats take no images (use chat() for each)")
+        return prompt.ids
+
+    def _chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Optional[Sequence[Mapping[str, Any]]] = None,
+        chat_format: str = "auto",
+        template_vars: Optional[Mapping[str, Any]] = None,
+    ) -> ImagePrompt:
+        """The rendered, tokenized chat, each image's placeholder expanded into its tokens."""
+        messages, sources = split_messages(messages)
+        text = self.apply_chat_template(
             messages, tools=tools, chat_format=chat_format, **(template_vars or {})
         )
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not sources and self.vision is None:
+            return ImagePrompt(self.tokenizer.encode(text, add_special_tokens=False))
+        images = self._vision().process(sources) if sources else []
+        expanded = self._vision().expand(text, images)
+        return ImagePrompt(self.tokenizer.encode(expanded, add_special_tokens=False), images)
 
     # -- many requests at once (continuous batching: cellm.scheduler) --------------------------
 
@@ -485,10 +565,15 @@ class LLM:
     # -- the generation loop ---------------------------------------------------------------
 
     def _run(
-        self, prompt: Prompt, params: SamplingParams, kv: Optional[KvSession] = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        kv: Optional[KvSession] = None,
+        images: Sequence[Any] = (),
     ) -> Generator[str, None, GenerationResult]:
         """The generation loop. With `kv`, the prompt continues that session: only the ids
-        after what its cache already holds are prefilled, and it stays open afterwards."""
+        after what its cache already holds are prefilled, and it stays open afterwards.
+        `images` (processed) fill the prompt's image tokens."""
         ids = self.prompt_ids(prompt)
         decoding = Decoding(ids, params, self.tokenizer, self.eos_token_ids, self.context_length)
         session = kv if kv is not None else KvSession(self._engine, self._lock)
@@ -496,7 +581,13 @@ class LLM:
             new = session.reuse(ids)
             timings = Timings(prefill_tokens=len(new))
             t0 = time.perf_counter()
-            logits = session.step(new)
+            embeds = None
+            if images or (self.vision is not None and self.vision.image_token_id in new):
+                embeds = self._vision().embeds(ids, images, len(ids) - len(new))
+                timings.images = embeds.images if embeds else 0
+                timings.image_encode_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+            logits = session.step(new, embeds and (embeds.rows, embeds.values))
             timings.prefill_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             while True:
@@ -512,10 +603,13 @@ class LLM:
                 session.close()
         return decoding.result(timings)
 
-    def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """The ids of a prompt to generate from: encoded text, or checked token ids that
-        leave room in the context for at least one new token."""
-        ids = self.encode(prompt)
+    def prompt_ids(self, prompt: Union[Prompt, Sequence[Mapping[str, Any]]]) -> list[int]:
+        """The ids of a prompt to generate from: encoded text, checked token ids, or chat
+        messages rendered and tokenized with each image's placeholder expanded into its image
+        tokens; they leave room in the context for at least one new token."""
+        if _is_messages(prompt):
+            return self.prompt_ids(self._chat_prompt(prompt).ids)  # type: ignore[arg-type]
+        ids = self.encode(prompt)  # type: ignore[arg-type]
         if not ids:
             raise InvalidArgument("the prompt is empty")
         if len(ids) >= self.context_length:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import FormatError
 from .images import normalize, patchify, resize
 from .processed import ProcessedImage, floats, int_field, section
 
@@ -40,6 +41,11 @@ class Idefics3Images:
         self.std = floats(ip, "image_std", [0.5] * 3) if normalizing else [1.0] * 3
         self.seq_len = int_field(config, "image_seq_len", 169)
         self.patch = patch_size
+        if self.tile % patch_size:
+            raise FormatError(
+                f"processor config: max_image_size {self.tile} is not a multiple of the vision "
+                f"tower's patch size {patch_size}"
+            )
 
     def frames(self, rgb: np.ndarray) -> tuple[list[np.ndarray], int, int]:
         """The image's normalised (3, tile, tile) frames, tiles row by row and then the whole
