@@ -155,8 +155,9 @@ class Lfm2VlImages:
         for image in images:
             at = 0
             for gh, gw in image.grids:
+                # As HF pads: a tile past max_patches (an extreme aspect ratio) stays whole.
                 n = gh * gw
-                padded = np.zeros((self.max_patches, image.patches.shape[1]), np.float32)
+                padded = np.zeros((max(n, self.max_patches), image.patches.shape[1]), np.float32)
                 padded[:n] = image.patches[at : at + n]
                 mask = np.zeros(self.max_patches, np.int32)
                 mask[:n] = 1

@@ -2,6 +2,7 @@
 //! multi-head attention over one image's patches.
 
 use cellm_format::{Result, Tensor, TensorFormat};
+use cellm_kernels::gating::exp_in_place;
 use cellm_kernels::{matmul_raw, WeightRows};
 
 use crate::weights::Weights;
@@ -99,12 +100,11 @@ pub fn bidirectional_attention(
         matmul_raw(&qh, n, f32_rows(&kh, n, hd), &mut scores);
         for row in scores.chunks_exact_mut(n) {
             let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
-            let mut sum = 0.0;
-            for s in row.iter_mut() {
-                *s = (*s * scale - max).exp();
-                sum += *s;
-            }
-            row.iter_mut().for_each(|s| *s /= sum);
+            row.iter_mut().for_each(|s| *s = *s * scale - max);
+            // n^2 exponentials per head: the vectorized exp, not libm's.
+            exp_in_place(row);
+            let inv = 1.0 / row.iter().sum::<f32>();
+            row.iter_mut().for_each(|s| *s *= inv);
         }
         // Context = P V: V transposed gives one weight row per output dim.
         let mut vt = vec![0.0; hd * n];
