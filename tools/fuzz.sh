@@ -14,7 +14,8 @@
 # nightly toolchain, `cargo fuzz run TARGET` in fuzz/ works too.
 #
 # Corpora grow in target/fuzz/corpus/TARGET, seeded by the cellm-engine example fuzz_seeds:
-# made-up files of every family, and the test fixtures converted with `python -m cellm.convert`
+# made-up files of every text family, and the test fixtures (tests/fixtures/hf-tiny, and the
+# vision-language ones in tests/fixtures/mm) converted with `python -m cellm.convert`
 # (f16, and llama also q4_k and q8_0) when the cellm package imports and --no-fixtures is not
 # given (tools/test.sh gives it: converting takes longer than its run). Findings go to
 # target/fuzz/artifacts/TARGET/; the script fails if any target finds one.
@@ -61,7 +62,7 @@ if [[ "$fixtures_wanted" == 0 ]]; then
     :
 elif python3 -c "import cellm._core" >/dev/null 2>&1; then
     mkdir -p "$work/fixtures"
-    for dir in tests/fixtures/hf-tiny/*/; do
+    for dir in tests/fixtures/hf-tiny/*/ tests/fixtures/mm/*/; do
         name="$(basename "$dir")"
         variants=("f16:")
         [[ "$name" == llama ]] && variants+=("q4_k:--quantize q4_k" "q8_0:--quantize q8_0")

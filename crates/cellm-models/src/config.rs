@@ -225,8 +225,11 @@ impl ModelConfig {
                 format_args!("{} cannot share {} kv heads", self.num_heads, self.num_kv_heads),
             ));
         }
-        let gate = if self.attn_output_gate { 2 } else { 1 };
-        check_product("num_heads * head_dim", &[self.num_heads, self.head_dim, gate])?;
+        if self.attn_output_gate {
+            check_product("2 * num_heads * head_dim", &[2, self.num_heads, self.head_dim])?;
+        } else {
+            check_product("num_heads * head_dim", &[self.num_heads, self.head_dim])?;
+        }
         check_product("num_kv_heads * head_dim", &[self.num_kv_heads, self.head_dim])?;
         check_product("3 * hidden_size", &[3, self.hidden_size])?;
         if self.max_position_embeddings == 0 || self.max_position_embeddings > MAX_CONTEXT {
@@ -360,7 +363,10 @@ pub(crate) mod tests {
             (json!({"num_kv_heads": 0}), "num_kv_heads is 0"),
             (json!({"num_kv_heads": 3}), "num_heads 4 cannot share 3 kv heads"),
             (json!({"num_heads": wrap, "num_kv_heads": 1}), "num_heads is 4611686018427387904"),
-            (json!({"num_heads": 1 << 30, "num_kv_heads": 1}), "num_heads * head_dim = "),
+            (
+                json!({"num_heads": 1 << 30, "num_kv_heads": 1}),
+                "num_heads * head_dim = 1073741824 * 16 is outside 1 to 2147483648",
+            ),
             (json!({"hidden_size": MAX_DIM}), "3 * hidden_size = 3 * 2147483648"),
             (json!({"max_position_embeddings": 1usize << 61}), "max_position_embeddings is"),
             (json!({"max_position_embeddings": 0}), "max_position_embeddings is 0"),
