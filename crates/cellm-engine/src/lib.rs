@@ -17,6 +17,8 @@ pub use cellm_kv::KvEncoding;
 
 /// Tokens per KV page.
 const PAGE_SIZE: usize = 16;
+/// The most threads an engine starts (each is an OS thread, started at load).
+const MAX_THREADS: usize = 1024;
 /// Default KV capacity, in full-context sessions (pages are allocated only when used).
 const DEFAULT_KV_SESSIONS: usize = 8;
 
@@ -102,7 +104,11 @@ impl Engine {
             )));
         }
         let threads = match opts.threads {
-            Some(0) => return Err(Error::InvalidArgument("threads must be at least 1".into())),
+            Some(n) if n == 0 || n > MAX_THREADS => {
+                return Err(Error::InvalidArgument(format!(
+                    "threads must be 1 to {MAX_THREADS}, not {n}"
+                )))
+            }
             Some(n) => n,
             None => default_threads(),
         };

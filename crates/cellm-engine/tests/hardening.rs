@@ -89,9 +89,9 @@ fn a_cancelled_batch_changes_no_session() {
     }
 }
 
-/// Positions are checked against the context before any page is reserved, and a
-/// description or an option asking for more than the engine can address is refused by name
-/// (2^61 positions used to wrap `context * 8` into a "KV cache is full").
+/// A description or an option asking for more positions (or threads) than the engine can
+/// address is refused by name (2^61 positions used to wrap `context * 8` into a "KV cache is
+/// full"; a million threads were started one by one until the OS said no).
 #[test]
 fn context_lengths_at_the_edge() {
     let (_, model) = &tiny_models()[0];
@@ -105,6 +105,13 @@ fn context_lengths_at_the_edge() {
         let opts = EngineOptions { context_length: Some(context), ..options() };
         match open(model, &opts) {
             Err(Error::InvalidArgument(m)) => assert!(m.contains("context_length"), "{m}"),
+            other => panic!("{:?}", other.err()),
+        }
+    }
+    for threads in [0, 1 << 20] {
+        let opts = EngineOptions { threads: Some(threads), ..options() };
+        match open(model, &opts) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains("threads must be 1 to"), "{m}"),
             other => panic!("{:?}", other.err()),
         }
     }
