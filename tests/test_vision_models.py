@@ -139,6 +139,26 @@ def test_quantized_text_keeps_a_float_vision_tower(tmp_path):
     np.testing.assert_allclose(features, fx.arrays["image_features"], atol=2e-2, rtol=0)
 
 
+def test_vision_quantize_asks_for_an_int8_tower(tmp_path):
+    path = convert_hf(MM / "lfm2_vl", tmp_path / "v8.cellm", "f16", vision_quantize="int8")
+    header = json.loads(_core.Engine(path).header_json())
+    formats = {t["name"]: t["format"] for t in header["tensors"]}
+    assert formats["vision.encoder.layers.0.self_attn.q_proj.weight"] == "i8_row"
+    assert formats["connector.linear_2.weight"] == "i8_row"
+    assert formats["model.layers.0.feed_forward.w1.weight"] == "f16"
+    assert header["source"]["vision_quantize"] == "int8"
+    fx = Fixture("lfm2_vl", path)
+    image = fx.image()
+    features = fx.engine().encode_images(image.patches, list(image.grids))
+    # int8 rows on random weights: about 1% of the features' scale (3-4).
+    np.testing.assert_allclose(features, fx.arrays["image_features"], atol=0.1, rtol=0)
+
+
+def test_vision_quantize_needs_a_vision_tower(tmp_path):
+    with pytest.raises(InvalidArgument, match="no vision tower"):
+        convert_hf(FIXTURES / "hf-tiny" / "llama", tmp_path / "x.cellm", vision_quantize="int8")
+
+
 def test_bad_vision_input_is_refused(fx):
     e = fx.engine()
     image = fx.image()

@@ -34,6 +34,7 @@ def convert(
     quantize: Optional[str] = None,
     group_size: Optional[int] = None,
     embedding: Optional[str] = None,
+    vision_quantize: Optional[str] = None,
 ) -> Path:
     """Convert a HF checkpoint directory or a GGUF file to a `.cellm` file; return its path.
 
@@ -47,7 +48,14 @@ def convert(
         raise FormatError(f"{src} is not a regular file or a directory")
     if src.is_dir():
         return convert_hf(
-            src, output_path, dtype or "f16", progress, quantize, group_size, embedding
+            src,
+            output_path,
+            dtype or "f16",
+            progress,
+            quantize,
+            group_size,
+            embedding,
+            vision_quantize,
         )
     if src.suffix.lower() == ".gguf" or is_gguf(src):
         if dtype is not None:
@@ -55,5 +63,7 @@ def convert(
                 "--dtype applies to HuggingFace checkpoints only; GGUF tensors keep their "
                 "formats (or take --quantize)"
             )
+        if vision_quantize is not None:
+            raise InvalidArgument("--vision-quantize applies to HuggingFace checkpoints only")
         return convert_gguf(src, output_path, progress, quantize, group_size, embedding)
     raise FormatError(f"{src} is neither a HuggingFace checkpoint directory nor a GGUF file")

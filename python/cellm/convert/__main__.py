@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="format of the token embedding (and a tied output head); default: as --quantize",
     )
     p.add_argument(
+        "--vision-quantize",
+        choices=SCHEMES,
+        default=None,
+        help="HF vision-language models: quantize the vision tower and connector too (they "
+        "stay in --dtype otherwise)",
+    )
+    p.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -74,6 +81,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             quantize=args.quantize,
             group_size=args.group_size,
             embedding=args.embedding,
+            vision_quantize=args.vision_quantize,
         )
         size = path.stat().st_size
         source = read_header(path)["source"]

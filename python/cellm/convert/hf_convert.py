@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from ..errors import FormatError
+from ..errors import FormatError, InvalidArgument
 from ..families.base import Transform
 from .dtypes import BLOCK_FORMATS, check_format, convert_chunks, float32_chunks
 from .hf_config import family_of, load_config, normalise_config
@@ -24,6 +24,7 @@ from .weights import PlannedTensor, layers_present, plan_tensors
 from .writer import TensorEntry, check_output_is_not_input, write_cellm
 
 EMBEDDING = "model.embed_tokens.weight"
+# The vision tower and connector: float unless asked (their errors compound over every patch).
 VISION_PREFIXES = ("vision.", "connector.")
 
 
@@ -35,6 +36,7 @@ def convert_hf(
     quantize: Optional[str] = None,
     group_size: Optional[int] = None,
     embedding: Optional[str] = None,
+    vision_quantize: Optional[str] = None,
 ) -> Path:
     """Convert a HuggingFace checkpoint directory to a `.cellm` file and return its path.
 
@@ -43,12 +45,17 @@ def convert_hf(
     units in that format instead: `int8` (per row), `int4` / `int4-affine` (groups of
     `group_size` 32, 64 or 128; default 64), or a GGUF block format (q8_0, q4_0, q4_1, q5_0,
     q4_k).
-    `embedding` (a scheme, or f16/f32/bf16) overrides it for the token embedding. `progress`:
+    `embedding` (a scheme, or f16/f32/bf16) overrides it for the token embedding. A
+    vision-language model's tower and connector stay in `dtype` unless `vision_quantize` (a
+    scheme) asks for one. `progress`:
     None shows a bar on a terminal for large models, True always shows it on stderr, False
     never.
     """
     check_format(dtype)
     quantization = plan_quantization(quantize, group_size, embedding)
+    vision_quantization = plan_quantization(
+        vision_quantize, group_size if vision_quantize else None
+    )
     src = Path(input_dir)
     if not src.exists():
         raise FormatError(f"{src}: no such file or directory")
@@ -65,6 +72,8 @@ def convert_hf(
         embed_dtype = checkpoint.info(EMBEDDING).dtype if EMBEDDING in checkpoint else "F32"
         model = normalise_config(config, checkpoint, config_source, embed_dtype)
         family.settle_from_weights(model, checkpoint)
+        if vision_quantize is not None and "vision" not in model:
+            raise InvalidArgument(f"--vision-quantize: {src} has no vision tower")
         entries = []
         for tensor in plan_tensors(model, family, checkpoint):
             source = family.tensor_source(model, tensor.name) or (
@@ -72,7 +81,9 @@ def convert_hf(
                 tensor.shape,
             )
             transform = family.tensor_transform(model, tensor.name)
-            entry = _entry(checkpoint, tensor, dtype, quantization, transform, source)
+            vision = tensor.name.startswith(VISION_PREFIXES)
+            scheme = vision_quantization if vision else quantization
+            entry = _entry(checkpoint, tensor, dtype, scheme, transform, source)
             entries.append(tensor.finished(entry))
         tok = load_tokenizer_files(src, config)
         # A vision-language model keeps its image processing settings.
@@ -87,6 +98,7 @@ def convert_hf(
                 "kind": "hf",
                 "dtype": dtype,
                 **(quantization.source_record() if quantization else {}),
+                **({"vision_quantize": vision_quantize} if vision_quantize else {}),
             },
         }
         total = sum(e.nbytes for e in entries)
@@ -135,8 +147,7 @@ def _entry(
             yield np.ascontiguousarray(transform(whole).reshape(shape), dtype=np.float32)
 
     fmt = dtype
-    # The vision tower and connector stay float: their errors compound over every patch.
-    if quantization is not None and len(shape) == 2 and not name.startswith(VISION_PREFIXES):
+    if quantization is not None and len(shape) == 2:
         fmt = quantization.format_for(name, shape[1], dtype)
     fmt = tensor.stored_format(fmt)
     if fmt in BLOCK_FORMATS:
