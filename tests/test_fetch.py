@@ -167,6 +167,40 @@ def test_fetch_converts_and_drops_the_gguf_by_default(tiny, capsys):
     assert len(tiny.site.requests_for(".whl")) == 4
 
 
+def test_a_vlm_entry_is_a_prebuilt_cellm_used_as_it_is(tmp_path, monkeypatch):
+    """Vision-language models are published as `.cellm` files (kind "vlm"): fetched,
+    SHA-checked and used without a conversion."""
+    from cellm import fetch
+    from cellm.convert import convert_hf
+
+    mm = ROOT / "tests" / "fixtures" / "mm" / "lfm2_vl"
+    data = convert_hf(mm, tmp_path / "vl.cellm", "f32").read_bytes()
+    site = FakeIndex()
+    site.add("tiny-vl", make_wheel(tmp_path / "built", "tiny-vl", "1.0.0", "tiny_vl/m", data))
+    server = IndexServer(site)
+    try:
+        registry = tmp_path / "registry.toml"
+        registry.write_text(
+            'default = "tiny-vl"\n[[models]]\nname = "tiny-vl"\narchitecture = "lfm2_vl"\n'
+            f'kind = "vlm"\nlicense = "Apache-2.0"\nfile = "tiny-vl.cellm"\n'
+            f'size = {len(data)}\nsha256 = "{sha256(data)}"\n'
+            'parts = [{ package = "tiny-vl", version = "1.0.0", path = "tiny_vl/m" }]\n'
+        )
+        monkeypatch.setattr(fetch, "REGISTRY_PATH", registry)
+        monkeypatch.setenv("CELLM_CACHE_DIR", str(tmp_path / "cache"))
+        isolate_pip_config(monkeypatch, server.index_url)
+        path = fetch.fetch("tiny-vl", progress=False)
+        assert path == fetch.lookup("tiny-vl").cellm_path and path.read_bytes() == data
+        assert sorted(p.name for p in path.parent.iterdir()) == [".lock", path.name]
+        llm = LLM("tiny-vl", processor={"use_image_special_tokens": False})
+        assert llm.encode_images([ROOT / "tests" / "fixtures" / "images" / "bird.jpg"]).shape == (
+            20,
+            64,
+        )
+    finally:
+        server.stop()
+
+
 def test_gguf_asked_for_stays_after_fetch(tiny):
     from cellm import fetch
 

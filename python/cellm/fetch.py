@@ -44,7 +44,7 @@ from cellm.errors import FormatError, InvalidArgument
 
 REGISTRY_PATH = Path(__file__).with_name("registry.toml")
 _REQUIRED = ("name", "architecture", "license", "file", "size", "sha256", "parts")
-MODEL_KINDS = ("instruct", "base")
+MODEL_KINDS = ("instruct", "base", "vlm")
 _COPY_CHUNK = 1 << 20
 LOCK_FILE = ".lock"
 
@@ -67,13 +67,19 @@ class ModelEntry:
     parts: tuple[Part, ...]
     description: str = ""
     hf_repo: Optional[str] = None
-    # "instruct" (a chat model with a template) or "base" (a plain text model: completions,
-    # no chat).
+    # "instruct" (a chat model with a template), "base" (a plain text model: completions,
+    # no chat) or "vlm" (a vision-language chat model, whose `file` is a prebuilt `.cellm`:
+    # GGUF keeps such a model's vision tower in a separate mmproj file).
     kind: str = "instruct"
 
     @property
     def directory(self) -> Path:
         return cache_dir() / "models" / self.name
+
+    @property
+    def prebuilt(self) -> bool:
+        """The downloaded file is a `.cellm`, used as it is (no conversion)."""
+        return self.file.endswith(".cellm")
 
     @property
     def gguf_path(self) -> Path:
@@ -123,7 +129,8 @@ def _entry(raw: Mapping[str, Any], path: Path) -> ModelEntry:
         raise FormatError(f"{path}: model {entry.name!r} needs a positive size and a sha256")
     if entry.kind not in MODEL_KINDS:
         raise FormatError(
-            f"{path}: model {entry.name!r} has kind {entry.kind!r} (expected base or instruct)"
+            f"{path}: model {entry.name!r} has kind {entry.kind!r} (expected "
+            f"{', '.join(MODEL_KINDS)})"
         )
     return entry
 
@@ -174,6 +181,9 @@ def fetch(
         if entry.cellm_path.is_file():  # another process converted it meanwhile
             return entry.cellm_path
         gguf = _ensure_gguf(entry, progress)
+        if entry.prebuilt:
+            os.replace(gguf, entry.cellm_path)
+            return entry.cellm_path
         if keep_gguf:
             _keep_marker(entry).touch()
         path = _convert(entry, gguf, progress)
