@@ -67,9 +67,12 @@ def resample_axis0(x: np.ndarray, size_out: int, resample: int) -> np.ndarray:
     half = (1 << (precision - 1)) if precision > 0 else 0
     step = max(1, CHUNK // flat.shape[1])
     out = np.empty((size_out, flat.shape[1]), np.uint8)
+    # int32 sums (half the memory traffic) where no sum can overflow them.
+    wide = half + 255 * int(np.abs(w).sum(axis=1).max()) >= 2**31
+    w = w.astype(np.int64 if wide else np.int32)
     for o in range(0, size_out, step):
         rows, taps = index[o : o + step], w[o : o + step]
-        acc = np.full((len(rows), flat.shape[1]), half, np.int64)
+        acc = np.full((len(rows), flat.shape[1]), half, w.dtype)
         for k in range(index.shape[1]):  # one tap of every output row at a time
             acc += flat[rows[:, k]] * taps[:, k, None]
         out[o : o + step] = np.clip(acc >> precision, 0, 255)
