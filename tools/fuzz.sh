@@ -94,15 +94,19 @@ for t in "${targets[@]}"; do
     args=("$corpus" "$seeds/$t" -artifact_prefix="$artifacts" -max_len="$max_len" -timeout=20
         -rss_limit_mb=4096 -print_final_stats=1 "${budget[@]}" "${extra[@]}")
     log="$work/$t.log"
-    echo "fuzz: $t (${runs:+$runs runs}${runs:-$seconds s}, $jobs job(s)), log in $log"
+    echo "fuzz: $t (${runs:-$seconds s}${runs:+ runs}, $jobs job(s)), log in $log"
     if [[ "$jobs" -gt 1 ]]; then
-        # Each worker writes fuzz-N.log in the current folder; their stats go to one log.
+        # Each worker writes fuzz-N.log in the current folder: kept beside the log.
         "$bin/$t" "${args[@]}" -jobs="$jobs" -workers="$jobs" >"$log" 2>&1 || status=1
-        cat fuzz-*.log >>"$log" && rm -f fuzz-*.log
+        for w in fuzz-*.log; do mv "$w" "$work/$t.$w"; done
+        stats=("$work/$t".fuzz-*.log)
     else
         "$bin/$t" "${args[@]}" >"$log" 2>&1 || status=1
+        stats=("$log")
     fi
-    grep -E "^(stat::number_of_executed_units|stat::peak_rss_mb)|^Done [0-9]+ runs" "$log" || true
+    total="$(cat "${stats[@]}" | sed -n 's/^stat::number_of_executed_units: *//p' \
+        | awk '{n += $1} END {print n + 0}')"
+    echo "fuzz: $t: $total executions (the corpus's replay included)"
     if ls "$artifacts" | grep -q .; then
         echo "fuzz: $t found: $(ls "$artifacts")" >&2
         status=1
