@@ -176,7 +176,10 @@ def perplexity_text_ids(llm: LLM, n_tokens: int = 2048) -> list[int]:
 
 
 def chat_ids(llm: LLM, prompt: str) -> list[int]:
-    text = llm.apply_chat_template([{"role": "user", "content": prompt}])
+    # Agreement needs prompts, not good answers: a base model (no template) gets its family's
+    # builtin format explicitly, as it did before base models refused `auto`.
+    chat_format = llm.family.chat_format if llm.is_base_model else "auto"
+    text = llm.apply_chat_template([{"role": "user", "content": prompt}], chat_format=chat_format)
     return llm.tokenizer.encode(text, add_special_tokens=False)
 
 
