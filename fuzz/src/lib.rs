@@ -12,7 +12,8 @@ const MAX_STATE_FLOATS: usize = 1 << 22;
 
 /// Reads every tensor and blob of `file`, loads its model and runs a few steps: a prefill
 /// long enough for the query-tile path (8 rows), a batch of a decode row and a short span,
-/// a decode batch, a rewind and a step past the context (an error).
+/// a decode batch, a rewind, a step past the context (an error) and a cancelled step, which
+/// must leave its session as it was.
 pub fn exercise(file: CellmFile, encoding: KvEncoding) {
     for t in &file.header().tensors {
         if let Ok(tensor) = file.tensor(&t.name) {
@@ -45,6 +46,15 @@ pub fn exercise(file: CellmFile, encoding: KvEncoding) {
     if engine.truncate_session(a, 3).is_ok() {
         let _ = engine.step(&[(a, &ids[3..5])], LogitsMode::All);
     }
-    let _ = engine.step(&[(b, &ids)], LogitsMode::Last); // past the context: an error
+    // Past the context: an error.
+    let _ = engine.step(&[(b, &ids)], LogitsMode::Last);
+    // A step cancelled after `stop` checks (Ctrl-C) changes no session and no page.
+    let stop = ids[9] as usize % 8;
+    let (len, pages) = (engine.session_len(b), engine.pool().pages_in_use());
+    let asked = std::sync::atomic::AtomicUsize::new(0);
+    let cancel = || asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= stop;
+    if engine.step_cancellable(&[(b, &ids[4..7])], LogitsMode::All, &cancel).is_err() {
+        assert_eq!((engine.session_len(b), engine.pool().pages_in_use()), (len, pages));
+    }
     let _ = engine.free_session(a);
 }
