@@ -148,7 +148,7 @@ def llama3_rope_factors(config: dict) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
-def _tokenizer_metadata(d: Path, config: dict, add_bos: bool) -> dict:
+def tokenizer_metadata(d: Path, config: dict, add_bos: bool) -> dict:
     tok = json.loads((d / "tokenizer.json").read_text())
     tc = json.loads((d / "tokenizer_config.json").read_text())
     vocab = tok["model"]["vocab"]
@@ -219,7 +219,7 @@ def hf_fixture_to_gguf(
         # This fixture's layer pattern is not llama.cpp's default of 6, so spell it out.
         sliding = [t == "sliding_attention" for t in config["layer_types"]]
         md[f"{arch}.attention.sliding_window_pattern"] = sliding
-    md.update(_tokenizer_metadata(d, config, add_bos=arch in ("llama", "gemma3")))
+    md.update(tokenizer_metadata(d, config, add_bos=arch in ("llama", "gemma3")))
 
     tensors = []
     if _rope(config)["rope_type"] == "llama3":

@@ -56,7 +56,8 @@ def test_bad_gguf_raises_and_cli_exits_2(case, tmp_path):
 
 
 def test_unsupported_arch_names_the_supported_ones(tmp_path):
-    with pytest.raises(UnsupportedArchitecture, match=r"'mamba'.*gemma3, llama, qwen2"):
+    supported = "gemma3, granite, lfm2, llama, qwen2, qwen3"
+    with pytest.raises(UnsupportedArchitecture, match=rf"'mamba'.*{supported}"):
         convert_gguf(_tiny_gguf(tmp_path / "g.gguf", "mamba"), tmp_path / "o.cellm")
 
 

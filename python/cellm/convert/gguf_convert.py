@@ -64,8 +64,15 @@ _GGUF_KEYS = {
     "sliding_window": "attention.sliding_window",
     "attn_logit_softcapping": "attn_logit_softcapping",
     "final_logit_softcapping": "final_logit_softcapping",
+    "norm_eps": "attention.layer_norm_rms_epsilon",
+    "conv_L_cache": "shortconv.l_cache",
+    "attention_multiplier": "attention.scale",
+    "embedding_multiplier": "embedding_scale",
+    "residual_multiplier": "residual_scale",
+    "logits_scaling": "logit_scale",
 }
-_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# A layer tensor's short name may hold dots (lfm2's `shortconv.in_proj`).
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
 # Tensors consumed by conversion itself rather than copied.
 _ROPE_FREQS = "rope_freqs.weight"
 _FLOAT_FORMATS = ("f32", "f16", "bf16")
@@ -75,10 +82,15 @@ def _layer_names(arch: Optional[GGUFArch]) -> Mapping[str, str]:
     return {**_LAYER_NAMES, **arch.layer_names} if arch else _LAYER_NAMES
 
 
+def _global_names(arch: Optional[GGUFArch]) -> Mapping[str, str]:
+    return {**_GLOBAL_NAMES, **arch.global_names} if arch else _GLOBAL_NAMES
+
+
 def hf_tensor_name(name: str, arch: Optional[GGUFArch] = None) -> Optional[str]:
     """The HF name of a GGUF tensor name, or None for names outside the table."""
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+    global_names = _global_names(arch)
+    if name in global_names:
+        return global_names[name]
     m = _LAYER_TENSOR.match(name)
     names = _layer_names(arch)
     if m and m.group(2) in names:
@@ -180,7 +192,6 @@ def gguf_to_hf_config(
     if embed is None:
         raise FormatError(f"{source}: GGUF file has no token_embd.weight tensor")
     heads = get("attention.head_count", required=True)
-    kv_heads = _uniform(get("attention.head_count_kv"), "attention.head_count_kv", source)
     config: dict[str, Any] = {
         "model_type": arch.model_type,
         "vocab_size": embed.shape[0],
@@ -190,7 +201,8 @@ def gguf_to_hf_config(
         ),
         "num_hidden_layers": get("block_count", required=True),
         "num_attention_heads": _uniform(heads, "attention.head_count", source),
-        "num_key_value_heads": kv_heads,
+        # Per-layer counts (lfm2's are 0 on its convolution layers) are the family's to read.
+        "num_key_value_heads": get("attention.head_count_kv"),
         "head_dim": get("attention.key_length"),
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
         "max_position_embeddings": get("context_length"),
@@ -218,6 +230,9 @@ def gguf_to_hf_config(
     if arch.config_keys is not None:
         # The family's keys may depend on the head width the metadata implies.
         config.update(arch.config_keys(get, {**config, "head_dim": head_dim}))
+    config["num_key_value_heads"] = _uniform(
+        config["num_key_value_heads"], "attention.head_count_kv", source
+    )
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):
         config["rope_scaling"] = {
@@ -363,7 +378,7 @@ def _requantized(entry: TensorEntry, fmt: str) -> TensorEntry:
 
 
 def _gguf_name(hf: str, arch: GGUFArch) -> str:
-    for gguf_name, name in _GLOBAL_NAMES.items():
+    for gguf_name, name in _global_names(arch).items():
         if name == hf:
             return gguf_name
     m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf)

@@ -150,6 +150,8 @@ class GGUFArch:
     permuted_qk: bool
     # Layer tensor names that differ from the common table in `cellm.convert.gguf_convert`.
     layer_names: Mapping[str, str] = field(default_factory=dict)
+    # Whole-model tensor names (outside `blk.N.`) that differ from or add to the common table.
+    global_names: Mapping[str, str] = field(default_factory=dict)
     # HF config keys the architecture's metadata holds beyond the common ones.
     config_keys: Optional[Callable[[MetadataGetter, Mapping[str, Any]], dict[str, Any]]] = None
 

@@ -5,10 +5,11 @@ is one more `ModelType` here."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import FormatError
-from .base import ConfigReader, Dims, Family, GGUFArch, ModelType
+from .base import ConfigReader, Dims, Family, GGUFArch, MetadataGetter, ModelType
 
 COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "rope_theta": 10000.0}
 
@@ -59,6 +60,16 @@ def _granite_scaling(r: ConfigReader, dims: Dims) -> dict[str, Any]:
     }
 
 
+def _granite_gguf_keys(get: MetadataGetter, config: Mapping[str, Any]) -> dict[str, Any]:
+    """llama.cpp's names for Granite's multipliers and logits divisor."""
+    return {
+        "attention_multiplier": get("attention.scale"),
+        "embedding_multiplier": get("embedding_scale"),
+        "residual_multiplier": get("residual_scale"),
+        "logits_scaling": get("logit_scale"),
+    }
+
+
 # Defaults from transformers 5's config classes.
 FAMILY = Family(
     architecture="llama",
@@ -102,5 +113,9 @@ FAMILY = Family(
     gguf={
         "llama": GGUFArch("llama", permuted_qk=True),
         "qwen2": GGUFArch("qwen2", permuted_qk=False),
+        # llama.cpp runs qwen3 with NEOX (half-split) RoPE, so its rows stay in HF's order;
+        # granite inherits llama's permutation.
+        "qwen3": GGUFArch("qwen3", permuted_qk=False),
+        "granite": GGUFArch("granite", permuted_qk=True, config_keys=_granite_gguf_keys),
     },
 )
