@@ -175,6 +175,101 @@ def test_a_vlm_conversation_interleaved_with_a_text_one_gets_its_own_results(fx)
     assert mixed_vlm == alone_vlm and mixed_text == alone_text
 
 
+# --- many requests at once (cellm.scheduler) ---
+
+
+def test_chat_batch_with_images_equals_each_chat_alone(fx):
+    """Image, text-only and two-image conversations in one batch: the image one gives the HF
+    greedy ids, each the same ids as chat() alone, and the batch's images are encoded once."""
+    conversations = [
+        fx.messages,
+        [user("Hello there")],
+        [user(image(small_bird()), "and", image(), "compare them")],
+    ]
+    batch = fx.llm.chat_batch(conversations, max_tokens=6, ignore_eos=True)
+    assert batch[0].token_ids == fx.ref["greedy_ids"][:6]
+    for messages, result in zip(conversations, batch):
+        assert result.token_ids == fx.llm.chat(messages, max_tokens=6, ignore_eos=True).token_ids
+    assert [r.timings.images for r in batch] == [1, 0, 2]
+    assert batch[0].timings.image_encode_s == batch[2].timings.image_encode_s > 0
+
+
+def test_chunked_prefill_splits_an_image_between_steps(fx):
+    """A step budget of 7 tokens cuts the image's 20 tokens over several prompt chunks; the
+    answer is still the HF greedy one, beside a text request sharing the steps."""
+    from cellm.sampling import SamplingParams
+    from cellm.scheduler import Request, Scheduler
+
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    scheduler = Scheduler(fx.llm, token_budget=7)
+    images = fx.llm.vision.process([BIRD])
+    vlm = scheduler.submit(Request(fx.ref["input_ids"], params, images=images))
+    text_ids = fx.llm.prompt_ids([user("Hello there")])
+    text = scheduler.submit(Request(text_ids, params))
+    steps = 0
+    while scheduler.step():
+        steps += 1
+    assert steps > len(fx.ref["input_ids"]) // 7
+    assert drain(vlm.stream()).token_ids == fx.ref["greedy_ids"]
+    assert drain(text.stream()).token_ids == fx.llm.generate(text_ids, params=params).token_ids
+    with pytest.raises(InvalidArgument, match="image tokens but its images make 0"):
+        scheduler.submit(Request(fx.ref["input_ids"], params))
+
+
+def test_astream_takes_messages_with_images(fx):
+    import asyncio
+
+    async def answer() -> list[int]:
+        stream = fx.llm.astream(fx.messages, max_tokens=12, ignore_eos=True)
+        async for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result.token_ids
+
+    try:
+        assert asyncio.run(answer()) == fx.ref["greedy_ids"]
+    finally:
+        fx.llm.close()
+
+
+def drain(events):
+    while True:
+        try:
+            next(events)
+        except StopIteration as done:
+            return done.value
+
+
+# --- the chat REPL ---
+
+
+def test_the_repl_attaches_images_to_the_next_message(fx, tmp_path, capsys):
+    import io
+
+    from cellm.repl import chat_loop
+    from cellm.sampling import SamplingParams
+
+    not_an_image = tmp_path / "notes.png"
+    not_an_image.write_text("not pixels")
+    lines = iter([
+        f"/image {not_an_image}\n",
+        "What is in this image?\n",  # dropped with its bad image
+        "/image /no/such/file.png\n",
+        f"/image '{BIRD}'\n",
+        "What is in this image?\n",
+        "/exit\n",
+    ])  # fmt: skip
+    out = io.StringIO()
+    conversation = fx.llm.conversation(params=SamplingParams(max_tokens=12, ignore_eos=True))
+    chat_loop(conversation, lambda: next(lines, None), out)
+    err = capsys.readouterr().err
+    assert "not an image Pillow can read" in err and "/no/such/file.png: no such file" in err
+    want = fx.llm.chat(fx.messages, max_tokens=12, ignore_eos=True).text
+    assert out.getvalue() == "\n" + want + "\n"  # the failed turn's line, then the answer
+    assert len(conversation.messages) == 2  # the failed turn left nothing behind
+    conversation.close()
+
+
 # --- bad input ---
 
 
@@ -230,6 +325,8 @@ def test_a_text_only_model_refuses_images(converted):
         llm.chat([user(image(), "hi")], max_tokens=1)
     with pytest.raises(InvalidArgument, match="text-only model"):
         llm.encode_images([BIRD])
+    with pytest.raises(InvalidArgument, match="text-only model"):
+        llm.chat_batch([[user(image(), "hi")]], max_tokens=1)
 
 
 # --- the command line ---

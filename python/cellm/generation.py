@@ -83,7 +83,8 @@ class KvSession:
     ) -> np.ndarray:
         """Next-token logits after feeding `ids` to the session; `embeds` (positions among
         `ids`, rows) replaces those tokens' embeddings (image features)."""
-        row: np.ndarray = step_sessions(self._engine, self._lock, [(self, ids)], embeds)[0]
+        given = [] if embeds is None else [(0, *embeds)]
+        row: np.ndarray = step_sessions(self._engine, self._lock, [(self, ids)], given)[0]
         return row
 
     def close(self) -> None:
@@ -102,12 +103,12 @@ def step_sessions(
     engine: _core.Engine,
     lock: threading.RLock,
     batch: Sequence[tuple[KvSession, list[int]]],
-    embeds: Optional[tuple[list[int], np.ndarray]] = None,
+    embeds: Sequence[tuple[int, list[int], np.ndarray]] = (),
 ) -> np.ndarray:
     """One engine step over several sessions' new ids; row i holds the next-token logits of
-    `batch[i]`. Each session then holds its ids. `embeds` are the first session's given
-    embeddings (see KvSession.step)."""
-    given = None if embeds is None else [(0, embeds[0], embeds[1])]
+    `batch[i]`. Each session then holds its ids. `embeds` replace some tokens' embeddings
+    (image features): (index in `batch`, positions among its ids, rows)."""
+    given = list(embeds) or None
     with lock:
         logits: np.ndarray = engine.step([(kv.live(), ids) for kv, ids in batch], embeds=given)
     for kv, ids in batch:

@@ -19,7 +19,7 @@ from cellm.errors import ContextOverflow, FormatError, InvalidArgument, Template
 from cellm.families import by_architecture
 from cellm.fetch import registry_entry_for
 from cellm.generation import Decoding, GenerationResult, KvSession, Timings
-from cellm.multimodal import ImagePrompt, Vision, split_messages
+from cellm.multimodal import ANY_FILE, ImageFiles, ImagePrompt, Vision, split_messages
 from cellm.resolve import resolve_model
 from cellm.sampling import SamplingParams
 from cellm.scheduler import AsyncStream, Request, Scheduler
@@ -383,17 +383,12 @@ class LLM:
         prompt = self._chat_prompt(messages, tools, chat_format, template_vars)
         return (yield from self._run(prompt.ids, _sampling(params, keywords), images=prompt.images))
 
-    def _chat_ids(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Optional[Sequence[Mapping[str, Any]]],
-        chat_format: str,
-        template_vars: Optional[Mapping[str, Any]],
-    ) -> list[int]:
-        prompt = self._chat_prompt(messages, tools, chat_format, template_vars)
-        if prompt.images:
-            raise InvalidArgument("batched chats take no images (use chat() for each)")
-        return prompt.ids
+    def _image_prompt(self, prompt: Union[Prompt, Sequence[Mapping[str, Any]]]) -> ImagePrompt:
+        """`prompt` (text, token ids, or chat messages) as ids and the processed images of
+        its image parts."""
+        if _is_messages(prompt):
+            return self._chat_prompt(prompt)  # type: ignore[arg-type]
+        return ImagePrompt(self.prompt_ids(prompt))
 
     def _chat_prompt(
         self,
@@ -401,9 +396,11 @@ class LLM:
         tools: Optional[Sequence[Mapping[str, Any]]] = None,
         chat_format: str = "auto",
         template_vars: Optional[Mapping[str, Any]] = None,
+        files: ImageFiles = ANY_FILE,
     ) -> ImagePrompt:
-        """The rendered, tokenized chat, each image's placeholder expanded into its tokens."""
-        messages, sources = split_messages(messages)
+        """The rendered, tokenized chat, each image's placeholder expanded into its tokens;
+        `files` says which local files its image parts may name."""
+        messages, sources = split_messages(messages, files)
         text = self.apply_chat_template(
             messages, tools=tools, chat_format=chat_format, **(template_vars or {})
         )
@@ -436,7 +433,7 @@ class LLM:
         running prompt (see `cellm.scheduler`). Results come in the prompts' order; greedy
         results equal each prompt run alone."""
         sampling = _sampling(params, _keywords(locals()))
-        return self._run_batch([self.prompt_ids(p) for p in prompts], sampling)
+        return self._run_batch([ImagePrompt(self.prompt_ids(p)) for p in prompts], sampling)
 
     def chat_batch(
         self,
@@ -458,20 +455,21 @@ class LLM:
         ignore_eos: Optional[bool] = None,
         skip_special_tokens: Optional[bool] = None,
     ) -> list[GenerationResult]:
-        """chat() for several conversations in one batched run, results in order."""
+        """chat() for several conversations in one batched run, results in order (images
+        included: those of all the conversations are encoded in one batch)."""
         keywords = _chat_keywords(_keywords(locals()), tools, params)
         sampling = _sampling(params, keywords)
-        ids = [self._chat_ids(m, tools, chat_format, template_vars) for m in conversations]
-        results = self._run_batch(ids, sampling)
+        prompts = [self._chat_prompt(m, tools, chat_format, template_vars) for m in conversations]
+        results = self._run_batch(prompts, sampling)
         for result in results:
             result.text, result.tool_calls = self.split_tool_calls(result)
         return results
 
     def _run_batch(
-        self, prompts: list[list[int]], params: SamplingParams
+        self, prompts: list[ImagePrompt], params: SamplingParams
     ) -> list[GenerationResult]:
         scheduler = Scheduler(self, max_running=max(1, len(prompts)))
-        requests = [scheduler.submit(Request(ids, params)) for ids in prompts]
+        requests = [scheduler.submit(self._request(p, params)) for p in prompts]
         scheduler.run_until_idle()
         return [_drain(request.stream()) for request in requests]
 
@@ -515,8 +513,13 @@ class LLM:
         """stream() for asyncio: `async for piece in llm.astream(...)`; the stream's `result`
         holds the GenerationResult once it ends. Concurrent callers share the model's batches;
         leaving the loop early cancels the request."""
-        request = Request(self.prompt_ids(prompt), _sampling(params, _keywords(locals())))
+        request = self._request(self._image_prompt(prompt), _sampling(params, _keywords(locals())))
         return AsyncStream(self.shared_scheduler(), request)
+
+    def _request(self, prompt: ImagePrompt, params: SamplingParams) -> Request:
+        """A scheduler request for `prompt` (see `_image_prompt`): its ids checked against the
+        context length, its images with it."""
+        return Request(self.prompt_ids(prompt.ids), params, images=prompt.images)
 
     def kv_stats(self) -> tuple[int, int, int]:
         """KV pool usage: pages in use, pages allocated so far, bytes per page."""

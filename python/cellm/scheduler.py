@@ -10,6 +10,10 @@ request therefore never runs out of pages: nothing is preempted or recomputed. R
 not fit yet wait in a bounded queue; past its bound `submit` raises `Busy`. A request that
 could never fit (its worst case exceeds the whole pool) is refused at once. Cancelling a
 request frees its pages at the next step.
+
+Images (a vision-language model's): a request carries its processed images; they are encoded
+at the step that starts its prefill, together with those of the other requests starting there
+(one batched encode), and each prompt chunk gets the features of the image tokens it holds.
 """
 
 from __future__ import annotations
@@ -23,9 +27,13 @@ from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
+import numpy as np
+
 from cellm.errors import Busy, ContextOverflow
 from cellm.generation import Decoding, GenerationResult, KvSession, Timings, step_sessions
+from cellm.multimodal import PromptFeatures
 from cellm.sampling import SamplingParams
+from cellm.vision import ProcessedImage
 
 if TYPE_CHECKING:
     from cellm.llm import LLM
@@ -44,6 +52,8 @@ class Request:
 
     ids: list[int]
     params: SamplingParams
+    # The images whose tokens `ids` hold, in order (a vision-language model's).
+    images: list[ProcessedImage] = field(default_factory=list)
     on_event: Optional[Callable[[Event], None]] = None
     events: queue.SimpleQueue[Event] = field(default_factory=queue.SimpleQueue)
     cancelled: bool = False
@@ -51,6 +61,7 @@ class Request:
     decoding: Optional[Decoding] = None
     kv: Optional[KvSession] = None
     pending: list[int] = field(default_factory=list)  # ids to feed at the next steps
+    features: Optional[PromptFeatures] = None  # the images' features, while prefilling
     reserved: int = 0
     timings: Timings = field(default_factory=Timings)
     submitted: float = field(default_factory=time.perf_counter)
@@ -113,6 +124,10 @@ class Scheduler:
     # -- requests ----------------------------------------------------------------------------
 
     def submit(self, request: Request) -> Request:
+        """Queues `request`; InvalidArgument when its images do not fill its image tokens,
+        ContextOverflow when it could never fit, Busy when the queue is full."""
+        if request.images or self.llm.vision is not None:
+            self.llm._vision().positions(request.ids, request.images)
         need = self._worst_case(request)
         if need > self.capacity:
             raise ContextOverflow(
@@ -144,13 +159,14 @@ class Scheduler:
             self._drop_cancelled()
             self._admit()
             batch = self._batch()
+        batch = self._encode_images(batch)
         if not batch:
             return False
         llm = self.llm
         t0 = time.perf_counter()
         try:
             sessions = [(r.session, ids) for r, ids in batch]
-            logits = step_sessions(llm._engine, llm._lock, sessions)
+            logits = step_sessions(llm._engine, llm._lock, sessions, _embeds(batch))
         except Exception as e:  # noqa: BLE001 - the step's requests end with its error
             for r, _ in batch:
                 self._end(r, e)
@@ -167,6 +183,7 @@ class Scheduler:
                 continue
             if r.first_token is None:
                 r.first_token = time.perf_counter()
+                r.images, r.features = [], None  # prefilled: the pixels are no longer needed
             assert r.decoding is not None
             try:
                 token, pieces = r.decoding.advance(row)
@@ -252,6 +269,29 @@ class Scheduler:
                 budget -= len(chunk)
         return batch
 
+    def _encode_images(
+        self, batch: list[tuple[Request, list[int]]]
+    ) -> list[tuple[Request, list[int]]]:
+        """Encodes the images of the requests whose prefill starts in `batch`, all in one
+        call; the batch without the requests that failed (the error ends them)."""
+        starting = [r for r, _ in batch if r.images and r.features is None]
+        if not starting:
+            return batch
+        t0 = time.perf_counter()
+        try:
+            prompts = [(r.ids, r.images) for r in starting]
+            features = self.llm._vision().prompt_features(prompts)
+        except Exception as e:  # noqa: BLE001 - the encode's requests end with its error
+            with self._wake:
+                for r in starting:
+                    self._end(r, e)
+            return [(r, ids) for r, ids in batch if r not in starting]
+        elapsed = time.perf_counter() - t0
+        for r, f in zip(starting, features):
+            r.features = f
+            r.timings.images, r.timings.image_encode_s = len(r.images), elapsed
+        return batch
+
     def _drop_cancelled(self) -> None:
         for r in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(r)
@@ -313,6 +353,18 @@ class AsyncStream:
             pass
         assert self.result is not None
         return self.result
+
+
+def _embeds(batch: list[tuple[Request, list[int]]]) -> list[tuple[int, list[int], np.ndarray]]:
+    """The image features of the prompt chunks in `batch`, as `step_sessions` takes them."""
+    out = []
+    for i, (r, ids) in enumerate(batch):
+        if r.features is not None:
+            start = len(r.ids) - len(r.pending)  # the chunk's place in the prompt
+            rows = r.features.chunk(start, start + len(ids))
+            if rows is not None:
+                out.append((i, *rows))
+    return out
 
 
 def _cancelled_result(request: Request) -> GenerationResult:

@@ -5,12 +5,17 @@ events when `stream` is true), `GET /v1/models`, `GET /health`. Every request jo
 continuous batch (`cellm.scheduler`). Bad requests get OpenAI error objects with 4xx codes
 (429 when the queue is full); a client that disconnects cancels its request.
 
+A vision-language model takes images as OpenAI `image_url` content parts holding data: URLs
+(base64). The server fetches nothing from the network, and reads local files only when started
+with `--image-root DIR`, then only those under DIR.
+
 Built on Starlette and uvicorn (the `serve` extra: `pip install "cellm[serve]"`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import uuid
@@ -21,11 +26,13 @@ from typing import Any, Optional
 from cellm.errors import Busy, CellmError
 from cellm.generation import GenerationResult
 from cellm.llm import LLM
+from cellm.multimodal import NO_FILES, ImageFiles, ImagePrompt
 from cellm.sampling import SamplingParams
-from cellm.scheduler import AsyncStream, Request, Scheduler
+from cellm.scheduler import AsyncStream, Scheduler
 
 try:
     from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -49,6 +56,7 @@ class Server:
     llm: LLM
     model_name: str
     scheduler: Scheduler
+    files: ImageFiles = NO_FILES  # the local image files clients may name
 
     # -- routes ------------------------------------------------------------------------------
 
@@ -81,9 +89,13 @@ class Server:
         try:
             body = await _json_body(http)
             tools = _tools(body) if chat else None
-            ids = self._chat_ids(body, tools) if chat else self._prompt_ids(body)
             params = _sampling(body, chat, tools is not None)
-            request = Request(ids, params)
+            # Off the event loop: images are decoded and resized there.
+            if chat:
+                prompt = await run_in_threadpool(self._chat_prompt, body, tools)
+            else:
+                prompt = await run_in_threadpool(self._prompt, body)
+            request = self.llm._request(prompt, params)
             stream = AsyncStream(self.scheduler, request)
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -99,20 +111,19 @@ class Server:
         except CellmError as e:  # a prompt too long, a template refusing the messages, ...
             return _error(400, str(e), "invalid_request_error")
 
-    def _prompt_ids(self, body: Mapping[str, Any]) -> list[int]:
+    def _prompt(self, body: Mapping[str, Any]) -> ImagePrompt:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if not isinstance(prompt, (str, list)):
             raise BadRequest("prompt must be a string or a list of token ids", "prompt")
-        return self.llm.prompt_ids(prompt)
+        return ImagePrompt(self.llm.prompt_ids(prompt))
 
-    def _chat_ids(self, body: Mapping[str, Any], tools: Optional[list[Any]]) -> list[int]:
+    def _chat_prompt(self, body: Mapping[str, Any], tools: Optional[list[Any]]) -> ImagePrompt:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list", "messages")
-        ids = self.llm._chat_ids(messages, tools, "auto", None)
-        return self.llm.prompt_ids(ids)
+        return self.llm._chat_prompt(messages, tools, "auto", None, self.files)
 
     async def _sse(
         self,
@@ -294,12 +305,18 @@ def _error(status: int, message: str, kind: str, param: Optional[str] = None) ->
     return JSONResponse(_error_body(message, kind, param), status_code=status)
 
 
-def build_app(llm: LLM, model_name: str, scheduler: Optional[Scheduler] = None) -> Starlette:
+def build_app(
+    llm: LLM,
+    model_name: str,
+    scheduler: Optional[Scheduler] = None,
+    image_root: Optional[str] = None,
+) -> Starlette:
     """The ASGI app serving `llm` as `model_name`, on `scheduler` (default: the model's
-    shared one)."""
+    shared one). Image parts may name local files under `image_root` only (none without)."""
     if Starlette is None:
         raise ImportError('cellm serve needs Starlette and uvicorn: pip install "cellm[serve]"')
-    server = Server(llm, model_name, scheduler or llm.shared_scheduler())
+    files = NO_FILES if image_root is None else ImageFiles(anywhere=False, root=image_root)
+    server = Server(llm, model_name, scheduler or llm.shared_scheduler(), files)
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
@@ -319,7 +336,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--port", type=bounded(int, 1, 65535), default=8000)
     p.add_argument("--max-sessions", type=bounded(int, 1), default=16, help="requests per batch")
     p.add_argument("--kv-capacity", type=bounded(int, 1), default=None, help="KV tokens in all")
+    p.add_argument(
+        "--image-root",
+        metavar="DIR",
+        default=None,
+        help="let image parts name local files under DIR (default: data: URLs only)",
+    )
     args = p.parse_args(argv)
+    if args.image_root is not None and not os.path.isdir(args.image_root):
+        p.error(f"--image-root {args.image_root}: not a directory")
 
     def body() -> int:
         import uvicorn
@@ -330,7 +355,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         scheduler.start()
         name = args.model or llm.path.stem
         print(f"cellm serve: {name} on http://{args.host}:{args.port}", file=sys.stderr)
-        uvicorn.run(build_app(llm, name, scheduler), host=args.host, port=args.port)
+        app = build_app(llm, name, scheduler, args.image_root)
+        uvicorn.run(app, host=args.host, port=args.port)
         scheduler.close()
         return 0
 
