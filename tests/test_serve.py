@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import random
 import resource
-import socket
-import threading
 import time
 from types import SimpleNamespace
 
@@ -24,12 +22,7 @@ from cellm import LLM  # noqa: E402
 from cellm.generation import GenerationResult  # noqa: E402
 from cellm.scheduler import Scheduler  # noqa: E402
 from cellm.serve import Server, build_app  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from serve_helpers import serving  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -37,21 +30,8 @@ def server(converted):
     llm = LLM(converted("llama", "f32"), kv_encoding="f32", threads=1)
     scheduler = Scheduler(llm, max_running=8)
     scheduler.start()
-    port = free_port()
-    config = uvicorn.Config(
-        build_app(llm, "tiny", scheduler), host="127.0.0.1", port=port, log_level="warning"
-    )
-    http = uvicorn.Server(config)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not http.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert http.started, "the server did not start"
-    url = f"http://127.0.0.1:{port}/v1"
-    yield SimpleNamespace(url=url, llm=llm, scheduler=scheduler, port=port)
-    http.should_exit = True
-    thread.join(timeout=10)
+    with serving(build_app(llm, "tiny", scheduler)) as (url, port):
+        yield SimpleNamespace(url=url, llm=llm, scheduler=scheduler, port=port)
     scheduler.close()
 
 
