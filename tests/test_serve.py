@@ -107,12 +107,49 @@ def test_completions_with_stop_and_seed(client, server):
         ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
         ({"messages": MESSAGES, "stop": 3}, "stop"),
         ({"messages": MESSAGES, "tools": [{"function": {"name": "a"}}] * 2}, "tools"),
+        ({"messages": MESSAGES, "response_format": {"type": "yaml"}}, "response_format"),
+        (
+            {
+                "messages": MESSAGES,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "strin"}},
+                },
+            },
+            "response_format",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(client, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", **body)
     assert e.value.status_code == 400 and e.value.body["param"] == param
+
+
+def test_response_format_constrains_chats_and_streams(client):
+    import json
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "n": {"enum": [1, 2, 3]}},
+        "required": ["city", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    for seed in range(3):
+        answer = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, seed=seed, max_tokens=100, response_format=fmt
+        )
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    chunks = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, seed=7, response_format=fmt, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(text), schema)
 
 
 def test_malformed_json_too_long_prompts_and_a_full_queue(server):

@@ -14,6 +14,7 @@ import numpy as np
 from cellm import _core
 from cellm.errors import InvalidArgument
 from cellm.sampling import SamplingParams, make_sampler
+from cellm.structured import TokenConstraint, grammar_for
 from cellm.textstream import IncrementalDecoder, StopStringMatcher
 from cellm.tokenizer import Tokenizer
 
@@ -135,7 +136,15 @@ class Decoding:
         self.params, self.tokenizer, self.context_length = p, tokenizer, context_length
         self.prompt_tokens = len(ids)
         self.stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-        skip = True if p.skip_special_tokens is None else p.skip_special_tokens
+        grammar = grammar_for(p.response_format, p.regex, p.grammar)
+        self.constraint = (
+            None if grammar is None else TokenConstraint(grammar, tokenizer, eos_token_ids)
+        )
+        # A constrained text is every token the grammar matched: a vocabulary may mark pieces
+        # of text as special (Gemma's HF tokenizer.json does so with its byte tokens).
+        skip = p.skip_special_tokens
+        if skip is None:
+            skip = self.constraint is None
         self.decoder = IncrementalDecoder(tokenizer, skip_special_tokens=skip)
         self.matcher = StopStringMatcher(
             [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
@@ -148,10 +157,13 @@ class Decoding:
         self.done = False
 
     def advance(self, logits: np.ndarray) -> tuple[Optional[int], list[str]]:
-        token = self.sampler(logits[: self.tokenizer.vocab_size], self.context)
+        allowed = None if self.constraint is None else self.constraint.allowed()
+        token = self.sampler(logits[: self.tokenizer.vocab_size], self.context, allowed)
         if token in self.stops:
             self.finish_reason, self.stop_token_id = "stop", token
             return None, self._finish(cut=False)
+        if self.constraint is not None:
+            self.constraint.accept(token)
         self.out.append(token)
         self.context.append(token)
         piece, hit = self.matcher.feed(self.decoder.add(token))
@@ -160,6 +172,10 @@ class Decoding:
         if hit:  # a stop string ended the text mid-stream: what it held back is not text
             self.finish_reason = "stop"
             return None, pieces + self._finish(cut=True)
+        if self.constraint is not None and self.constraint.finished:
+            # The grammar is complete and allows only an end-of-turn token: end here.
+            self.finish_reason = "stop"
+            return None, pieces + self._finish(cut=False)
         full = self.prompt_tokens + len(self.out) >= self.context_length
         if len(self.out) >= self.params.max_tokens or full:
             return None, pieces + self._finish(cut=False)

@@ -289,12 +289,17 @@ class LLM:
         stop_token_ids: Optional[Sequence[int]] = None,
         ignore_eos: Optional[bool] = None,
         skip_special_tokens: Optional[bool] = None,
+        response_format: Optional[Mapping[str, Any]] = None,
+        regex: Optional[str] = None,
+        grammar: Optional[str] = None,
     ) -> GenerationResult:
         """Generate a completion of `prompt` (text, or token ids used as they are).
 
         The settings are `SamplingParams`' fields (see it for their defaults: greedy, up to
         256 tokens, special tokens skipped), given as keywords or as `params`; a keyword that
-        is not None overrides the same field of `params`."""
+        is not None overrides the same field of `params`. `response_format` (a JSON schema or
+        any JSON object, OpenAI's form), `regex` or `grammar` (Lark) constrain the output to
+        match (see `cellm.structured`)."""
         return _drain(self._run(prompt, _sampling(params, _keywords(locals()))))
 
     def stream(
@@ -313,6 +318,9 @@ class LLM:
         stop_token_ids: Optional[Sequence[int]] = None,
         ignore_eos: Optional[bool] = None,
         skip_special_tokens: Optional[bool] = None,
+        response_format: Optional[Mapping[str, Any]] = None,
+        regex: Optional[str] = None,
+        grammar: Optional[str] = None,
     ) -> Generator[str, None, GenerationResult]:
         """Like generate(), yielding text pieces as they are decoded; the generator's return
         value (`StopIteration.value`) is the GenerationResult."""
@@ -337,6 +345,9 @@ class LLM:
         stop_token_ids: Optional[Sequence[int]] = None,
         ignore_eos: Optional[bool] = None,
         skip_special_tokens: Optional[bool] = None,
+        response_format: Optional[Mapping[str, Any]] = None,
+        regex: Optional[str] = None,
+        grammar: Optional[str] = None,
     ) -> GenerationResult:
         """Answer the conversation `messages` (generate()'s settings apply).
 
@@ -376,6 +387,9 @@ class LLM:
         stop_token_ids: Optional[Sequence[int]] = None,
         ignore_eos: Optional[bool] = None,
         skip_special_tokens: Optional[bool] = None,
+        response_format: Optional[Mapping[str, Any]] = None,
+        regex: Optional[str] = None,
+        grammar: Optional[str] = None,
     ) -> Generator[str, None, GenerationResult]:
         """chat() streamed: yields text pieces; the generator's return value is the
         GenerationResult (tool calls are left in its text: see split_tool_calls)."""
@@ -428,6 +442,9 @@ class LLM:
         stop_token_ids: Optional[Sequence[int]] = None,
         ignore_eos: Optional[bool] = None,
         skip_special_tokens: Optional[bool] = None,
+        response_format: Optional[Mapping[str, Any]] = None,
+        regex: Optional[str] = None,
+        grammar: Optional[str] = None,
     ) -> list[GenerationResult]:
         """generate() for several prompts in one batched run: each engine step carries every
         running prompt (see `cellm.scheduler`). Results come in the prompts' order; greedy
@@ -454,6 +471,9 @@ class LLM:
         stop_token_ids: Optional[Sequence[int]] = None,
         ignore_eos: Optional[bool] = None,
         skip_special_tokens: Optional[bool] = None,
+        response_format: Optional[Mapping[str, Any]] = None,
+        regex: Optional[str] = None,
+        grammar: Optional[str] = None,
     ) -> list[GenerationResult]:
         """chat() for several conversations in one batched run, results in order (images
         included: those of all the conversations are encoded in one batch)."""
@@ -489,6 +509,9 @@ class LLM:
         stop_token_ids: Optional[Sequence[int]] = None,
         ignore_eos: Optional[bool] = None,
         skip_special_tokens: Optional[bool] = None,
+        response_format: Optional[Mapping[str, Any]] = None,
+        regex: Optional[str] = None,
+        grammar: Optional[str] = None,
     ) -> GenerationResult:
         """generate() for asyncio: concurrent callers share the model's batches."""
         return await self.astream(prompt, params=params, **_keywords(locals())).collect()
@@ -509,6 +532,9 @@ class LLM:
         stop_token_ids: Optional[Sequence[int]] = None,
         ignore_eos: Optional[bool] = None,
         skip_special_tokens: Optional[bool] = None,
+        response_format: Optional[Mapping[str, Any]] = None,
+        regex: Optional[str] = None,
+        grammar: Optional[str] = None,
     ) -> AsyncStream:
         """stream() for asyncio: `async for piece in llm.astream(...)`; the stream's `result`
         holds the GenerationResult once it ends. Concurrent callers share the model's batches;

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable
@@ -50,8 +50,15 @@ class SamplingParams:
     stop: str | Sequence[str] | None = None  # strings that end the text (not included in it)
     stop_token_ids: Sequence[int] = ()  # ids that end it, besides the end-of-turn ids
     ignore_eos: bool = False  # True: don't stop at the model's end-of-turn ids
-    # None: True (special tokens leave the text), except in chat() with tools: False.
+    # None: True (special tokens leave the text), except in chat() with tools and with a
+    # constraint (below): False.
     skip_special_tokens: bool | None = None
+    # Constrained decoding (cellm.structured), at most one of: OpenAI's response_format
+    # ({"type": "json_schema", "json_schema": {...}} or {"type": "json_object"}), a regular
+    # expression, or a Lark grammar that the whole output must match.
+    response_format: Mapping[str, Any] | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def validate(self) -> SamplingParams:
         """Raise InvalidArgument for an out-of-range value; return self."""
@@ -152,20 +159,31 @@ class Sampler:
     def greedy(self) -> bool:
         return self.params.temperature == 0.0
 
-    def __call__(self, logits: np.ndarray, context_ids: Sequence[int] = ()) -> int:
+    def __call__(
+        self,
+        logits: np.ndarray,
+        context_ids: Sequence[int] = (),
+        allowed: np.ndarray | None = None,
+    ) -> int:
         """The next token id for `logits` (vocab,), given every token id so far (prompt included,
-        for the repetition penalty). Never modifies `logits`."""
+        for the repetition penalty); with `allowed` (ascending ids, a grammar's mask), only
+        among those. Never modifies `logits`."""
         x = np.asarray(logits, dtype=np.float32)  # float32 like HF; float64 exp is ~10x slower
         if x.ndim != 1 or x.size == 0:
             raise InvalidArgument(f"logits must be a non-empty 1-D array, got shape {x.shape}")
         if self.params.repeat_penalty != 1.0:
             x = apply_repeat_penalty(x, context_ids, self.params.repeat_penalty)
-        if self.greedy:
+        if allowed is not None:  # the mask comes first: the filters see only what it allows
+            if self.greedy:
+                return int(allowed[np.argmax(x[allowed])])  # ascending: ties -> lowest id
+            ids, z = allowed, x[allowed] / np.float32(self.params.temperature)
+        elif self.greedy:
             return int(np.argmax(x))  # ties -> lowest id, like torch.argmax
-        if self._all_ids.size != x.size:  # made once per request, not per token
-            self._all_ids = np.arange(x.size)
-        ids = self._all_ids
-        z = x / np.float32(self.params.temperature)  # a new array: logits stay untouched
+        else:
+            if self._all_ids.size != x.size:  # made once per request, not per token
+                self._all_ids = np.arange(x.size)
+            ids = self._all_ids
+            z = x / np.float32(self.params.temperature)  # a new array: logits stay untouched
         for f in self._filters:
             ids, z = f(ids, z)
         return self._draw(ids, z)

@@ -3,7 +3,8 @@
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (each streaming over server-sent
 events when `stream` is true), `GET /v1/models`, `GET /health`. Every request joins the model's
 continuous batch (`cellm.scheduler`). Bad requests get OpenAI error objects with 4xx codes
-(429 when the queue is full); a client that disconnects cancels its request.
+(429 when the queue is full); a client that disconnects cancels its request. `response_format`
+(json_schema / json_object) constrains the answer (`cellm.structured`).
 
 A vision-language model takes images as OpenAI `image_url` content parts holding data: URLs
 (base64). The server fetches nothing from the network, and reads local files only when started
@@ -29,6 +30,7 @@ from cellm.llm import LLM
 from cellm.multimodal import NO_FILES, ImageFiles, ImagePrompt
 from cellm.sampling import SamplingParams
 from cellm.scheduler import AsyncStream, Scheduler
+from cellm.structured import GrammarError, grammar_for
 
 try:
     from starlette.applications import Starlette
@@ -253,14 +255,21 @@ def _sampling(body: Mapping[str, Any], chat: bool, with_tools: bool) -> Sampling
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise BadRequest("seed must be a non-negative integer", "seed")
+    response_format = body.get("response_format")
+    try:  # checked here, so that a bad schema is refused before the request is queued
+        grammar_for(response_format)
+    except GrammarError as e:
+        raise BadRequest(str(e), "response_format") from None
     return SamplingParams(
         temperature=number("temperature", 1.0, 0.0, 2.0) or 0.0,
         top_p=number("top_p", 1.0, 0.0, 1.0) or 1.0,
         max_tokens=max_tokens,
         stop=stop,
         seed=seed,
-        # Call markers are special tokens: keep them so the calls can be parsed.
-        skip_special_tokens=not with_tools,
+        # Call markers are special tokens: keep them so the calls can be parsed (and keep
+        # every token a constraint matched: see Decoding).
+        skip_special_tokens=None if response_format else not with_tools,
+        response_format=response_format,
     )
 
 
