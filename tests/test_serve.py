@@ -72,8 +72,9 @@ def test_streamed_chat_joins_to_the_same_text(client, server):
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == server.llm.chat(MESSAGES, max_tokens=8).text
-    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-    assert chunks[-1].usage.completion_tokens > 0
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    # OpenAI's usage chunk: the last one, with no choices.
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
 
 
 def test_completions_with_stop_and_seed(client, server):
@@ -103,7 +104,12 @@ def test_completions_with_stop_and_seed(client, server):
     [
         ({"messages": MESSAGES, "temperature": 5}, "temperature"),
         ({"messages": []}, "messages"),
-        ({"messages": MESSAGES, "n": 2}, "n"),
+        ({"messages": MESSAGES, "n": 0}, "n"),
+        ({"messages": MESSAGES, "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"messages": MESSAGES, "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"messages": MESSAGES, "presence_penalty": 2.5}, "presence_penalty"),
+        ({"messages": MESSAGES, "top_logprobs": 3}, "top_logprobs"),
+        ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
         ({"messages": MESSAGES, "stop": 3}, "stop"),
         ({"messages": MESSAGES, "tools": [{"function": {"name": "a"}}] * 2}, "tools"),

@@ -5,11 +5,12 @@ from cellm.errors import (
     CellmError,
     ContextOverflow,
     FormatError,
+    GrammarError,
     InvalidArgument,
     TemplateError,
     UnsupportedArchitecture,
 )
-from cellm.generation import GenerationResult, Timings
+from cellm.generation import GenerationResult, Piece, Timings, TokenLogprob
 from cellm.llm import LLM
 from cellm.sampling import SamplingParams
 
@@ -18,12 +19,15 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "GenerationResult",
+    "Piece",
     "SamplingParams",
     "Timings",
+    "TokenLogprob",
     "Busy",
     "CellmError",
     "ContextOverflow",
     "FormatError",
+    "GrammarError",
     "InvalidArgument",
     "TemplateError",
     "UnsupportedArchitecture",

@@ -21,6 +21,11 @@ class InvalidArgument(CellmError):
     """An argument or flag value is out of range."""
 
 
+class GrammarError(InvalidArgument):
+    """A JSON schema, regular expression or grammar that is invalid, or that the model's
+    tokenizer cannot produce; raised before any token is generated."""
+
+
 class TemplateError(CellmError):
     """A chat template failed to compile or render, or rejected the messages (raise_exception)."""
 
@@ -36,5 +41,6 @@ __all__ = [
     "UnsupportedArchitecture",
     "ContextOverflow",
     "InvalidArgument",
+    "GrammarError",
     "TemplateError",
 ]

@@ -13,7 +13,7 @@ import numpy as np
 
 from cellm import _core
 from cellm.errors import InvalidArgument
-from cellm.sampling import SamplingParams, make_sampler
+from cellm.sampling import SamplingParams, log_softmax, make_sampler, top_entries
 from cellm.structured import TokenConstraint, grammar_for
 from cellm.textstream import IncrementalDecoder, StopStringMatcher
 from cellm.tokenizer import Tokenizer
@@ -39,6 +39,30 @@ class Timings:
 
 
 @dataclass
+class TokenLogprob:
+    """A generated token's log-probability and the best alternatives at its position, from
+    the logits after the penalties and logit_bias, before the grammar mask, the temperature
+    and top-k/top-p/min-p (see `cellm.sampling`)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # (id, logprob), best first
+
+
+class Piece(str):
+    """A piece of streamed text, with the log-probabilities of the tokens that completed it
+    (empty unless logprobs were asked for; a piece may span several tokens, and the tokens
+    whose text is held back at the end come with the result only)."""
+
+    logprobs: tuple[TokenLogprob, ...]
+
+    def __new__(cls, text: str, logprobs: Sequence[TokenLogprob] = ()) -> Piece:
+        piece = super().__new__(cls, text)
+        piece.logprobs = tuple(logprobs)
+        return piece
+
+
+@dataclass
 class GenerationResult:
     text: str
     token_ids: list[int]
@@ -48,6 +72,8 @@ class GenerationResult:
     stop_token_id: Optional[int] = None  # the end-of-turn/stop id that ended it, if one did
     # chat() only: the parsed tool calls ({"name", "arguments"}), removed from `text`.
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    # With logprobs=True: one entry per token of `token_ids`.
+    logprobs: Optional[list[TokenLogprob]] = None
 
 
 class KvSession:
@@ -136,6 +162,12 @@ class Decoding:
         self.params, self.tokenizer, self.context_length = p, tokenizer, context_length
         self.prompt_tokens = len(ids)
         self.stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        outside = [t for t in p.logit_bias or {} if t >= tokenizer.vocab_size]
+        if outside:
+            raise InvalidArgument(
+                f"logit_bias names token {min(outside)}, outside the vocabulary "
+                f"({tokenizer.vocab_size})"
+            )
         grammar = grammar_for(p.response_format, p.regex, p.grammar)
         self.constraint = (
             None if grammar is None else TokenConstraint(grammar, tokenizer, eos_token_ids)
@@ -150,25 +182,31 @@ class Decoding:
             [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
         )
         self.out: list[int] = []
+        self.logprobs: Optional[list[TokenLogprob]] = [] if p.logprobs else None
+        self._sent = 0  # logprobs already attached to a piece
         self.context = list(ids)  # prompt + output, grown in place for the repetition penalty
         self.text: list[str] = []
         self.finish_reason = "length"
         self.stop_token_id: Optional[int] = None
         self.done = False
 
-    def advance(self, logits: np.ndarray) -> tuple[Optional[int], list[str]]:
+    def advance(self, logits: np.ndarray) -> tuple[Optional[int], list[Piece]]:
+        x = self.sampler.adjust(logits[: self.tokenizer.vocab_size], self.context, self.out)
         allowed = None if self.constraint is None else self.constraint.allowed()
-        token = self.sampler(logits[: self.tokenizer.vocab_size], self.context, allowed)
+        token = self.sampler.pick(x, allowed)
         if token in self.stops:
             self.finish_reason, self.stop_token_id = "stop", token
             return None, self._finish(cut=False)
         if self.constraint is not None:
             self.constraint.accept(token)
+        if self.logprobs is not None:
+            lp = log_softmax(x)
+            top = top_entries(lp, self.params.top_logprobs)
+            self.logprobs.append(TokenLogprob(token, float(lp[token]), top))
         self.out.append(token)
         self.context.append(token)
-        piece, hit = self.matcher.feed(self.decoder.add(token))
-        pieces = [piece] if piece else []
-        self.text.extend(pieces)
+        text, hit = self.matcher.feed(self.decoder.add(token))
+        pieces = self._pieces(text)
         if hit:  # a stop string ended the text mid-stream: what it held back is not text
             self.finish_reason = "stop"
             return None, pieces + self._finish(cut=True)
@@ -181,15 +219,21 @@ class Decoding:
             return None, pieces + self._finish(cut=False)
         return token, pieces
 
-    def _finish(self, cut: bool) -> list[str]:
+    def _pieces(self, text: str) -> list[Piece]:
+        """`text` as the next piece (none if empty), carrying the logprobs not yet sent."""
+        if not text:
+            return []
+        self.text.append(text)
+        sent, self._sent = self._sent, len(self.logprobs or ())
+        return [Piece(text, (self.logprobs or [])[sent:])]
+
+    def _finish(self, cut: bool) -> list[Piece]:
         self.done = True
         if cut:
             return []
         # Text held back (partial UTF-8, a possible stop prefix) is real text.
         tail, _ = self.matcher.feed(self.decoder.flush())
-        tail += self.matcher.flush()
-        self.text.extend([tail] if tail else [])
-        return [tail] if tail else []
+        return self._pieces(tail + self.matcher.flush())
 
     def result(self, timings: Timings) -> GenerationResult:
         return GenerationResult(
@@ -199,4 +243,5 @@ class Decoding:
             self.prompt_tokens,
             timings,
             self.stop_token_id,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
         )

@@ -284,6 +284,9 @@ class LLM:
         top_p: Optional[float] = None,
         min_p: Optional[float] = None,
         repeat_penalty: Optional[float] = None,
+        presence_penalty: Optional[float] = None,
+        frequency_penalty: Optional[float] = None,
+        logit_bias: Optional[Mapping[int, float]] = None,
         seed: Optional[int] = None,
         stop: Union[str, Sequence[str], None] = None,
         stop_token_ids: Optional[Sequence[int]] = None,
@@ -292,6 +295,8 @@ class LLM:
         response_format: Optional[Mapping[str, Any]] = None,
         regex: Optional[str] = None,
         grammar: Optional[str] = None,
+        logprobs: Optional[bool] = None,
+        top_logprobs: Optional[int] = None,
     ) -> GenerationResult:
         """Generate a completion of `prompt` (text, or token ids used as they are).
 
@@ -313,6 +318,9 @@ class LLM:
         top_p: Optional[float] = None,
         min_p: Optional[float] = None,
         repeat_penalty: Optional[float] = None,
+        presence_penalty: Optional[float] = None,
+        frequency_penalty: Optional[float] = None,
+        logit_bias: Optional[Mapping[int, float]] = None,
         seed: Optional[int] = None,
         stop: Union[str, Sequence[str], None] = None,
         stop_token_ids: Optional[Sequence[int]] = None,
@@ -321,6 +329,8 @@ class LLM:
         response_format: Optional[Mapping[str, Any]] = None,
         regex: Optional[str] = None,
         grammar: Optional[str] = None,
+        logprobs: Optional[bool] = None,
+        top_logprobs: Optional[int] = None,
     ) -> Generator[str, None, GenerationResult]:
         """Like generate(), yielding text pieces as they are decoded; the generator's return
         value (`StopIteration.value`) is the GenerationResult."""
@@ -340,6 +350,9 @@ class LLM:
         top_p: Optional[float] = None,
         min_p: Optional[float] = None,
         repeat_penalty: Optional[float] = None,
+        presence_penalty: Optional[float] = None,
+        frequency_penalty: Optional[float] = None,
+        logit_bias: Optional[Mapping[int, float]] = None,
         seed: Optional[int] = None,
         stop: Union[str, Sequence[str], None] = None,
         stop_token_ids: Optional[Sequence[int]] = None,
@@ -348,6 +361,8 @@ class LLM:
         response_format: Optional[Mapping[str, Any]] = None,
         regex: Optional[str] = None,
         grammar: Optional[str] = None,
+        logprobs: Optional[bool] = None,
+        top_logprobs: Optional[int] = None,
     ) -> GenerationResult:
         """Answer the conversation `messages` (generate()'s settings apply).
 
@@ -382,6 +397,9 @@ class LLM:
         top_p: Optional[float] = None,
         min_p: Optional[float] = None,
         repeat_penalty: Optional[float] = None,
+        presence_penalty: Optional[float] = None,
+        frequency_penalty: Optional[float] = None,
+        logit_bias: Optional[Mapping[int, float]] = None,
         seed: Optional[int] = None,
         stop: Union[str, Sequence[str], None] = None,
         stop_token_ids: Optional[Sequence[int]] = None,
@@ -390,12 +408,18 @@ class LLM:
         response_format: Optional[Mapping[str, Any]] = None,
         regex: Optional[str] = None,
         grammar: Optional[str] = None,
+        logprobs: Optional[bool] = None,
+        top_logprobs: Optional[int] = None,
     ) -> Generator[str, None, GenerationResult]:
         """chat() streamed: yields text pieces; the generator's return value is the
-        GenerationResult (tool calls are left in its text: see split_tool_calls)."""
+        GenerationResult, whose tool calls are parsed as chat()'s are (the streamed pieces
+        hold the calls' text as the model wrote it)."""
         keywords = _chat_keywords(_keywords(locals()), tools, params)
         prompt = self._chat_prompt(messages, tools, chat_format, template_vars)
-        return (yield from self._run(prompt.ids, _sampling(params, keywords), images=prompt.images))
+        sampling = _sampling(params, keywords)
+        result = yield from self._run(prompt.ids, sampling, images=prompt.images)
+        result.text, result.tool_calls = self.split_tool_calls(result)
+        return result
 
     def _image_prompt(self, prompt: Union[Prompt, Sequence[Mapping[str, Any]]]) -> ImagePrompt:
         """`prompt` (text, token ids, or chat messages) as ids and the processed images of
@@ -437,6 +461,9 @@ class LLM:
         top_p: Optional[float] = None,
         min_p: Optional[float] = None,
         repeat_penalty: Optional[float] = None,
+        presence_penalty: Optional[float] = None,
+        frequency_penalty: Optional[float] = None,
+        logit_bias: Optional[Mapping[int, float]] = None,
         seed: Optional[int] = None,
         stop: Union[str, Sequence[str], None] = None,
         stop_token_ids: Optional[Sequence[int]] = None,
@@ -445,6 +472,8 @@ class LLM:
         response_format: Optional[Mapping[str, Any]] = None,
         regex: Optional[str] = None,
         grammar: Optional[str] = None,
+        logprobs: Optional[bool] = None,
+        top_logprobs: Optional[int] = None,
     ) -> list[GenerationResult]:
         """generate() for several prompts in one batched run: each engine step carries every
         running prompt (see `cellm.scheduler`). Results come in the prompts' order; greedy
@@ -466,6 +495,9 @@ class LLM:
         top_p: Optional[float] = None,
         min_p: Optional[float] = None,
         repeat_penalty: Optional[float] = None,
+        presence_penalty: Optional[float] = None,
+        frequency_penalty: Optional[float] = None,
+        logit_bias: Optional[Mapping[int, float]] = None,
         seed: Optional[int] = None,
         stop: Union[str, Sequence[str], None] = None,
         stop_token_ids: Optional[Sequence[int]] = None,
@@ -474,6 +506,8 @@ class LLM:
         response_format: Optional[Mapping[str, Any]] = None,
         regex: Optional[str] = None,
         grammar: Optional[str] = None,
+        logprobs: Optional[bool] = None,
+        top_logprobs: Optional[int] = None,
     ) -> list[GenerationResult]:
         """chat() for several conversations in one batched run, results in order (images
         included: those of all the conversations are encoded in one batch)."""
@@ -504,6 +538,9 @@ class LLM:
         top_p: Optional[float] = None,
         min_p: Optional[float] = None,
         repeat_penalty: Optional[float] = None,
+        presence_penalty: Optional[float] = None,
+        frequency_penalty: Optional[float] = None,
+        logit_bias: Optional[Mapping[int, float]] = None,
         seed: Optional[int] = None,
         stop: Union[str, Sequence[str], None] = None,
         stop_token_ids: Optional[Sequence[int]] = None,
@@ -512,6 +549,8 @@ class LLM:
         response_format: Optional[Mapping[str, Any]] = None,
         regex: Optional[str] = None,
         grammar: Optional[str] = None,
+        logprobs: Optional[bool] = None,
+        top_logprobs: Optional[int] = None,
     ) -> GenerationResult:
         """generate() for asyncio: concurrent callers share the model's batches."""
         return await self.astream(prompt, params=params, **_keywords(locals())).collect()
@@ -527,6 +566,9 @@ class LLM:
         top_p: Optional[float] = None,
         min_p: Optional[float] = None,
         repeat_penalty: Optional[float] = None,
+        presence_penalty: Optional[float] = None,
+        frequency_penalty: Optional[float] = None,
+        logit_bias: Optional[Mapping[int, float]] = None,
         seed: Optional[int] = None,
         stop: Union[str, Sequence[str], None] = None,
         stop_token_ids: Optional[Sequence[int]] = None,
@@ -535,6 +577,8 @@ class LLM:
         response_format: Optional[Mapping[str, Any]] = None,
         regex: Optional[str] = None,
         grammar: Optional[str] = None,
+        logprobs: Optional[bool] = None,
+        top_logprobs: Optional[int] = None,
     ) -> AsyncStream:
         """stream() for asyncio: `async for piece in llm.astream(...)`; the stream's `result`
         holds the GenerationResult once it ends. Concurrent callers share the model's batches;

@@ -1,8 +1,13 @@
-"""Logits -> next token, with the semantics of Hugging Face ``generate()``.
+"""Logits -> next token, with the semantics of Hugging Face ``generate()`` and OpenAI's
+penalties.
 
-``make_sampler`` builds the pipeline once per request (like mlx-lm's ``make_sampler``):
-repetition penalty, then either greedy argmax (temperature 0) or
-temperature -> top-k -> top-p -> min-p -> one draw from a PCG64 generator seeded per request.
+``make_sampler`` builds the pipeline once per request (like mlx-lm's ``make_sampler``), in this
+order: repetition penalty (HF) -> presence and frequency penalties (OpenAI) -> logit_bias
+(`Sampler.adjust`); then, among the ids a grammar allows (all without one), either greedy
+argmax (temperature 0) or temperature -> top-k -> top-p -> min-p -> one draw from a PCG64
+generator seeded per request (`Sampler.pick`). Log-probabilities (`log_softmax`) are those of
+the adjusted logits: after the penalties and logit_bias, before the grammar mask, the
+temperature and the truncations.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from cellm.errors import InvalidArgument
 # A filter maps (candidate ids, their scaled logits) to a subset of them.
 Filter = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
+# OpenAI's bound on top_logprobs.
+MAX_TOP_LOGPROBS = 20
 # top-p first looks at this many best candidates, growing it only if their mass is < top_p,
 # so the usual case costs an O(vocab) partition instead of a full O(vocab log vocab) sort.
 _TOP_P_FIRST_GUESS = 64
@@ -53,6 +60,14 @@ class SamplingParams:
     # None: True (special tokens leave the text), except in chat() with tools and with a
     # constraint (below): False.
     skip_special_tokens: bool | None = None
+    # OpenAI's penalties over the generated tokens (not the prompt): each logit drops by
+    # presence_penalty if its token was generated and by frequency_penalty per time it was.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit
+    # Each generated token's log-probability, and its top_logprobs best alternatives.
+    logprobs: bool = False
+    top_logprobs: int = 0
     # Constrained decoding (cellm.structured), at most one of: OpenAI's response_format
     # ({"type": "json_schema", "json_schema": {...}} or {"type": "json_object"}), a regular
     # expression, or a Lark grammar that the whole output must match.
@@ -77,7 +92,37 @@ class SamplingParams:
             raise InvalidArgument(f"repeat_penalty must be a finite number > 0, got {r!r}")
         if self.seed is not None and not (_is_int(self.seed) and self.seed >= 0):
             raise InvalidArgument(f"seed must be an integer >= 0 or None, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (_is_real(v) and -2 <= v <= 2):
+                raise InvalidArgument(f"{name} must be a number in [-2, 2], got {v!r}")
+        _check_logit_bias(self.logit_bias)
+        if not isinstance(self.logprobs, bool):
+            raise InvalidArgument(f"logprobs must be True or False, got {self.logprobs!r}")
+        n = self.top_logprobs
+        if not (_is_int(n) and 0 <= n <= MAX_TOP_LOGPROBS):
+            raise InvalidArgument(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n!r}"
+            )
+        if n and not self.logprobs:
+            raise InvalidArgument("top_logprobs needs logprobs=True")
         return self
+
+
+def _check_logit_bias(bias: object) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, Mapping):
+        raise InvalidArgument(f"logit_bias must map token ids to numbers, got {bias!r}")
+    for token, value in bias.items():
+        if not (_is_int(token) and token >= 0):
+            raise InvalidArgument(
+                f"logit_bias keys must be token ids (integers >= 0), got {token!r}"
+            )
+        if not (_is_real(value) and -100 <= value <= 100):
+            raise InvalidArgument(
+                f"logit_bias values must be numbers in [-100, 100], got {value!r} for {token}"
+            )
 
 
 def apply_repeat_penalty(
@@ -94,6 +139,42 @@ def apply_repeat_penalty(
     s = out[ids]
     out[ids] = np.where(s < 0, s * penalty, s / penalty)
     return out
+
+
+def apply_presence_frequency(
+    logits: np.ndarray, output_ids: Sequence[int], presence: float, frequency: float
+) -> np.ndarray:
+    """OpenAI's penalties on a copy: each generated token's logit drops by
+    presence + frequency * (times it was generated)."""
+    ids, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
+    if ids.size == 0:
+        return logits
+    if ids[-1] >= logits.size:
+        raise InvalidArgument(f"generated token id out of range for a vocabulary of {logits.size}")
+    out: np.ndarray = logits.copy()
+    out[ids] -= np.float32(presence) + np.float32(frequency) * counts.astype(np.float32)
+    return out
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log p over the vocabulary, in float64 (a float32 sum over 150k entries loses digits)."""
+    x = np.asarray(logits, dtype=np.float64)
+    top = x.max()
+    if not np.isfinite(top):
+        raise InvalidArgument("logits contain NaN or are all -inf")
+    shifted = x - top
+    out: np.ndarray = shifted - np.log(np.exp(shifted).sum())
+    return out
+
+
+def top_entries(values: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k largest (index, value) pairs, largest first (ties: lowest index first)."""
+    if k <= 0:
+        return []
+    k = min(k, values.size)
+    best = np.argpartition(-values, k - 1)[:k]
+    best = best[np.lexsort((best, -values[best]))]
+    return [(int(i), float(values[i])) for i in best]
 
 
 def _best(z: np.ndarray, k: int) -> np.ndarray:
@@ -144,9 +225,12 @@ class Sampler:
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = replace(params).validate()  # a copy: later edits to params don't leak in
+        if self.params.logit_bias:
+            self.params.logit_bias = dict(self.params.logit_bias)
         self._rng = np.random.Generator(np.random.PCG64(self.params.seed))
         self._filters: list[Filter] = []
         self._all_ids = np.arange(0)
+        self._bias = np.zeros(0, dtype=np.float32)
         # Same order and on/off conditions as HF's _get_logits_processor.
         if self.params.top_k > 0:
             self._filters.append(partial(_top_k, k=self.params.top_k))
@@ -164,15 +248,46 @@ class Sampler:
         logits: np.ndarray,
         context_ids: Sequence[int] = (),
         allowed: np.ndarray | None = None,
+        output_ids: Sequence[int] = (),
     ) -> int:
         """The next token id for `logits` (vocab,), given every token id so far (prompt included,
-        for the repetition penalty); with `allowed` (ascending ids, a grammar's mask), only
-        among those. Never modifies `logits`."""
+        for the repetition penalty) and the generated ones (for the presence and frequency
+        penalties); with `allowed` (ascending ids, a grammar's mask), only among those. Never
+        modifies `logits`."""
+        return self.pick(self.adjust(logits, context_ids, output_ids), allowed)
+
+    def adjust(
+        self, logits: np.ndarray, context_ids: Sequence[int] = (), output_ids: Sequence[int] = ()
+    ) -> np.ndarray:
+        """`logits` as float32 after the penalties and logit_bias (a copy if any applies)."""
         x = np.asarray(logits, dtype=np.float32)  # float32 like HF; float64 exp is ~10x slower
         if x.ndim != 1 or x.size == 0:
             raise InvalidArgument(f"logits must be a non-empty 1-D array, got shape {x.shape}")
-        if self.params.repeat_penalty != 1.0:
-            x = apply_repeat_penalty(x, context_ids, self.params.repeat_penalty)
+        p = self.params
+        if p.repeat_penalty != 1.0:
+            x = apply_repeat_penalty(x, context_ids, p.repeat_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            x = apply_presence_frequency(x, output_ids, p.presence_penalty, p.frequency_penalty)
+        if p.logit_bias:
+            x = x + self._dense_bias(x.size)  # a new array: logits stay untouched
+        return x
+
+    def _dense_bias(self, vocab: int) -> np.ndarray:
+        # Made once per request: adding a dense vector beats a scattered add of a copy.
+        if self._bias.size != vocab:
+            bias = self.params.logit_bias or {}
+            bad = [t for t in bias if t >= vocab]
+            if bad:
+                raise InvalidArgument(
+                    f"logit_bias names token {min(bad)}, outside the vocabulary ({vocab})"
+                )
+            self._bias = np.zeros(vocab, dtype=np.float32)
+            for token, value in bias.items():
+                self._bias[token] = value
+        return self._bias
+
+    def pick(self, x: np.ndarray, allowed: np.ndarray | None = None) -> int:
+        """The token drawn from adjusted logits `x` (see `adjust`); only among `allowed`."""
         if allowed is not None:  # the mask comes first: the filters see only what it allows
             if self.greedy:
                 return int(allowed[np.argmax(x[allowed])])  # ascending: ties -> lowest id
@@ -206,4 +321,13 @@ def make_sampler(params: SamplingParams | None = None) -> Sampler:
     return Sampler(params if params is not None else SamplingParams())
 
 
-__all__ = ["SamplingParams", "Sampler", "apply_repeat_penalty", "make_sampler"]
+__all__ = [
+    "MAX_TOP_LOGPROBS",
+    "SamplingParams",
+    "Sampler",
+    "apply_presence_frequency",
+    "apply_repeat_penalty",
+    "log_softmax",
+    "make_sampler",
+    "top_entries",
+]

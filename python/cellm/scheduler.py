@@ -347,6 +347,13 @@ class AsyncStream:
             if self.result is None:
                 self.scheduler.cancel(self.request)
 
+    async def aclose(self) -> None:
+        """Cancels the request if it is still running (its pages are freed at the next step)."""
+        if self._iter is not None:
+            await self._iter.aclose()  # type: ignore[attr-defined]
+        elif self.result is None:
+            self.scheduler.cancel(self.request)
+
     async def collect(self) -> GenerationResult:
         """Runs the request to its end and returns its result."""
         async for _ in self:

@@ -15,22 +15,23 @@ Built on Starlette and uvicorn (the `serve` extra: `pip install "cellm[serve]"`)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from cellm.errors import Busy, CellmError
-from cellm.generation import GenerationResult
+from cellm.generation import GenerationResult, Piece, TokenLogprob
 from cellm.llm import LLM
 from cellm.multimodal import NO_FILES, ImageFiles, ImagePrompt
-from cellm.sampling import SamplingParams
+from cellm.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from cellm.scheduler import AsyncStream, Scheduler
-from cellm.structured import GrammarError, grammar_for
+from cellm.structured import GrammarError, grammar_for, token_bytes
 
 try:
     from starlette.applications import Starlette
@@ -43,6 +44,8 @@ except ImportError:  # pragma: no cover - the optional extra
 
 # OpenAI's defaults where a request leaves a setting out.
 DEFAULT_COMPLETION_TOKENS = 16
+# Choices per request (OpenAI allows 128; each one is a sequence in the batch).
+MAX_CHOICES = 16
 
 
 class BadRequest(Exception):
@@ -97,15 +100,19 @@ class Server:
                 prompt = await run_in_threadpool(self._chat_prompt, body, tools)
             else:
                 prompt = await run_in_threadpool(self._prompt, body)
-            request = self.llm._request(prompt, params)
-            stream = AsyncStream(self.scheduler, request)
+            n = _choices(body)
+            streams = [
+                AsyncStream(self.scheduler, self.llm._request(prompt, choice_params))
+                for choice_params in _per_choice(params, n)
+            ]
+            want = _logprobs_wanted(body, chat)
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                first = await _first_event(stream)
-                events = self._sse(stream, first, chat, tools is not None, include_usage)
+                firsts = await _start(streams)
+                events = self._sse(streams, firsts, chat, tools is not None, include_usage, want)
                 return StreamingResponse(events, media_type="text/event-stream")
-            result = await stream.collect()
-            return JSONResponse(self._response(result, chat, tools is not None))
+            results = await _collect(streams)
+            return JSONResponse(self._response(results, chat, tools is not None, want))
         except BadRequest as e:
             return _error(400, str(e), "invalid_request_error", e.param)
         except Busy as e:
@@ -129,61 +136,116 @@ class Server:
 
     async def _sse(
         self,
-        stream: AsyncStream,
-        first: Optional[str],
+        streams: list[AsyncStream],
+        firsts: list[Optional[str]],
         chat: bool,
         with_tools: bool,
         include_usage: bool,
+        logprobs: bool,
     ) -> AsyncIterator[str]:
         ident, created = _ident(chat), int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(choice: dict[str, Any], usage: Optional[dict[str, int]] = None) -> str:
+        def chunk(choices: list[dict[str, Any]], usage: Optional[dict[str, int]] = None) -> str:
             body = {"id": ident, "object": kind, "created": created, "model": self.model_name}
-            body["choices"] = [{"index": 0, "logprobs": None, **choice}]
+            body["choices"] = choices
             if usage is not None:
                 body["usage"] = usage
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         if chat:
-            yield chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-        pieces = [] if first is None else [first]
-
-        async def all_pieces() -> AsyncIterator[str]:
-            for piece in pieces:
-                yield piece
-            async for piece in stream:
-                yield piece
-
-        async for piece in all_pieces():
-            if with_tools:
-                continue  # calls are parsed from the whole answer: sent at the end
-            delta: dict[str, Any] = {"delta": {"content": piece}} if chat else {"text": piece}
-            yield chunk({**delta, "finish_reason": None})
-        result = stream.result
-        if result is None:  # the request failed after it started
-            yield f"data: {json.dumps(_error_body('generation failed', 'server_error'))}\n\n"
-            return
-        final = self._choice(result, chat, with_tools)
-        if chat:
-            message = final.pop("message")
-            delta = {k: v for k, v in message.items() if k != "role" and v is not None}
-            if not with_tools:
-                delta.pop("content", None)  # already streamed
-            final = {"delta": delta, **final}
-        else:
-            final["text"] = ""
-        yield chunk(final, _usage(result) if include_usage else None)
+            for i in range(len(streams)):
+                delta = {"role": "assistant", "content": ""}
+                yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+        sent = [0] * len(streams)  # logprobs entries sent, per choice
+        offsets = [0] * len(streams)  # text sent, per choice (completions' text_offset)
+        async for i, piece in _merge(streams, firsts):
+            stream = streams[i]
+            if piece is not None:
+                if with_tools:
+                    continue  # calls are parsed from the whole answer: sent at the end
+                entries = piece.logprobs if isinstance(piece, Piece) else ()
+                choice: dict[str, Any] = {"index": i, "finish_reason": None}
+                if chat:
+                    choice["delta"] = {"content": str(piece)}
+                else:
+                    choice["text"] = str(piece)
+                choice["logprobs"] = self._logprobs(entries, chat, offsets[i]) if logprobs else None
+                sent[i] += len(entries)
+                offsets[i] += len(piece)
+                yield chunk([choice])
+                continue
+            result = stream.result
+            if result is None:  # the request failed after it started
+                yield f"data: {json.dumps(_error_body('generation failed', 'server_error'))}\n\n"
+                return
+            final = {"index": i, **self._choice(result, chat, with_tools)}
+            final["logprobs"] = None
+            if logprobs and result.logprobs is not None:
+                rest = result.logprobs if with_tools else result.logprobs[sent[i] :]
+                final["logprobs"] = self._logprobs(rest, chat, 0 if with_tools else offsets[i])
+            if chat:
+                message = final.pop("message")
+                delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+                if not with_tools:
+                    delta.pop("content", None)  # already streamed
+                final["delta"] = delta
+            else:
+                final["text"] = ""
+            yield chunk([final])
+        if include_usage:  # OpenAI's last chunk: no choices, the usage of all of them
+            done = [s.result for s in streams if s.result is not None]
+            yield chunk([], _usage(done))
         yield "data: [DONE]\n\n"
 
-    def _response(self, result: GenerationResult, chat: bool, with_tools: bool) -> dict[str, Any]:
+    def _response(
+        self, results: list[GenerationResult], chat: bool, with_tools: bool, logprobs: bool
+    ) -> dict[str, Any]:
+        choices = []
+        for i, result in enumerate(results):
+            entries = result.logprobs if logprobs else None
+            lp = None if entries is None else self._logprobs(entries, chat, 0)
+            choices.append({"index": i, "logprobs": lp, **self._choice(result, chat, with_tools)})
         return {
             "id": _ident(chat),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
-            "choices": [{"index": 0, "logprobs": None, **self._choice(result, chat, with_tools)}],
-            "usage": _usage(result),
+            "choices": choices,
+            "usage": _usage(results),
+        }
+
+    def _logprobs(self, entries: Sequence[TokenLogprob], chat: bool, offset: int) -> dict[str, Any]:
+        """OpenAI's logprobs object: chat's `content` list, or completions' parallel lists."""
+        tokenizer, eos = self.llm.tokenizer, self.llm.eos_token_ids
+
+        def token(token_id: int) -> tuple[str, bytes]:
+            raw = token_bytes(tokenizer, eos, token_id)
+            return raw.decode("utf-8", errors="replace"), raw
+
+        if chat:
+            content = []
+            for e in entries:
+                text, raw = token(e.token_id)
+                top = []
+                for alt, lp in e.top_logprobs:
+                    alt_text, alt_raw = token(alt)
+                    top.append({"token": alt_text, "logprob": lp, "bytes": list(alt_raw)})
+                content.append(
+                    {"token": text, "logprob": e.logprob, "bytes": list(raw), "top_logprobs": top}
+                )
+            return {"content": content}
+        tokens, offsets = [], []
+        for e in entries:
+            text = token(e.token_id)[0]
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token(a)[0]: lp for a, lp in e.top_logprobs} for e in entries],
+            "text_offset": offsets,
         }
 
     def _choice(self, result: GenerationResult, chat: bool, with_tools: bool) -> dict[str, Any]:
@@ -208,9 +270,28 @@ async def _json_body(http: HttpRequest) -> dict[str, Any]:
         raise BadRequest("the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    if body.get("n", 1) != 1:
-        raise BadRequest("only n=1 is supported", "n")
     return body
+
+
+def _choices(body: Mapping[str, Any]) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"n must be an integer from 1 to {MAX_CHOICES}", "n")
+    return int(n)
+
+
+def _per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """Each choice's settings: with a seed, choice i draws with seed + i (so that choices
+    differ and the request stays reproducible)."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=params.seed + i) for i in range(n)]
+
+
+def _logprobs_wanted(body: Mapping[str, Any], chat: bool) -> bool:
+    return bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
 
 
 def _tools(body: Mapping[str, Any]) -> Optional[list[Any]]:
@@ -239,9 +320,9 @@ def _sampling(body: Mapping[str, Any], chat: bool, with_tools: bool) -> Sampling
             raise BadRequest(f"{key} must be between {low} and {high}", key)
         return float(value)
 
-    for key in ("presence_penalty", "frequency_penalty"):
-        if number(key, 0.0, -2.0, 2.0):
-            raise BadRequest(f"{key} is not supported yet", key)
+    presence = number("presence_penalty", 0.0, -2.0, 2.0) or 0.0
+    frequency = number("frequency_penalty", 0.0, -2.0, 2.0) or 0.0
+    logprobs, top_logprobs = _logprobs_settings(body, chat)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
         max_tokens = 1 << 30 if chat else DEFAULT_COMPLETION_TOKENS
@@ -270,7 +351,56 @@ def _sampling(body: Mapping[str, Any], chat: bool, with_tools: bool) -> Sampling
         # every token a constraint matched: see Decoding).
         skip_special_tokens=None if response_format else not with_tools,
         response_format=response_format,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        logit_bias=_logit_bias(body),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
+
+
+def _logit_bias(body: Mapping[str, Any]) -> Optional[dict[int, float]]:
+    """OpenAI's logit_bias: token ids (JSON object keys, so strings) -> -100..100."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise BadRequest("logit_bias must map token ids to numbers", "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else None
+        if token is None or token >= 1 << 31:
+            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadRequest(f"logit_bias values must be numbers, got {value!r}", "logit_bias")
+        if not -100 <= value <= 100:
+            raise BadRequest("logit_bias values must be between -100 and 100", "logit_bias")
+        out[token] = float(value)
+    return out
+
+
+def _logprobs_settings(body: Mapping[str, Any], chat: bool) -> tuple[bool, int]:
+    """(logprobs, top_logprobs): chat takes `logprobs` (bool) and `top_logprobs` (0..20);
+    completions take `logprobs` as the number of alternatives (0..5)."""
+    value = body.get("logprobs")
+    if chat:
+        if value is not None and not isinstance(value, bool):
+            raise BadRequest("logprobs must be true or false", "logprobs")
+        top = body.get("top_logprobs")
+        if top is None:
+            return bool(value), 0
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise BadRequest(
+                f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs"
+            )
+        if not value:
+            raise BadRequest("top_logprobs needs logprobs to be true", "top_logprobs")
+        return True, top
+    if value is None:
+        return False, 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 5:
+        raise BadRequest("logprobs must be an integer from 0 to 5", "logprobs")
+    return True, value
 
 
 async def _first_event(stream: AsyncStream) -> Optional[str]:
@@ -282,6 +412,57 @@ async def _first_event(stream: AsyncStream) -> Optional[str]:
         return None
 
 
+async def _start(streams: list[AsyncStream]) -> list[Optional[str]]:
+    """Each choice's first piece (see `_first_event`); if one fails, all are cancelled."""
+    firsts = await asyncio.gather(*(_first_event(s) for s in streams), return_exceptions=True)
+    for first in firsts:
+        if isinstance(first, BaseException):
+            for stream in streams:
+                await stream.aclose()
+            raise first
+    return [f for f in firsts if not isinstance(f, BaseException)]
+
+
+async def _collect(streams: list[AsyncStream]) -> list[GenerationResult]:
+    results = await asyncio.gather(*(s.collect() for s in streams), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            for stream in streams:
+                await stream.aclose()
+            raise result
+    return [r for r in results if not isinstance(r, BaseException)]
+
+
+async def _merge(
+    streams: list[AsyncStream], firsts: list[Optional[str]]
+) -> AsyncIterator[tuple[int, Optional[str]]]:
+    """(choice, piece) as the choices' pieces come, then (choice, None) when one ends.
+    Closing this generator (a client gone) cancels every choice still running."""
+    events: asyncio.Queue[tuple[int, Optional[str]]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            if firsts[i] is not None:
+                events.put_nowait((i, firsts[i]))
+            async for piece in streams[i]:
+                events.put_nowait((i, piece))
+        except CellmError:
+            pass  # the choice ends without a result: reported as an error event
+        finally:
+            events.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+    running = len(streams)
+    try:
+        while running:
+            i, piece = await events.get()
+            running -= piece is None
+            yield i, piece
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 # -- responses ---------------------------------------------------------------------------------
 
 
@@ -289,12 +470,14 @@ def _ident(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def _usage(result: GenerationResult) -> dict[str, int]:
-    completion = len(result.token_ids)
+def _usage(results: Sequence[GenerationResult]) -> dict[str, int]:
+    """The prompt counts once however many choices were generated from it."""
+    prompt = results[0].prompt_tokens if results else 0
+    completion = sum(len(r.token_ids) for r in results)
     return {
-        "prompt_tokens": result.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": result.prompt_tokens + completion,
+        "total_tokens": prompt + completion,
     }
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from cellm.errors import InvalidArgument
+from cellm.errors import GrammarError, InvalidArgument
 
 if TYPE_CHECKING:
     import llguidance
@@ -38,11 +38,6 @@ _JSON_OPTIONS: dict[str, Any] = {
     "key_separator": ": ",
 }
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-
-
-class GrammarError(InvalidArgument):
-    """A schema, regular expression or grammar that is invalid or that the model's tokenizer
-    cannot produce; raised before any token is generated."""
 
 
 def _llguidance() -> Any:
@@ -178,6 +173,12 @@ def ll_tokenizer(tokenizer: Tokenizer, eos_token_ids: frozenset[int]) -> llguida
     return result
 
 
+def token_bytes(tokenizer: Tokenizer, eos_token_ids: frozenset[int], token_id: int) -> bytes:
+    """The bytes token `token_id` stands for (a special token: its text), whatever the
+    vocabulary's kind: byte-level pieces, byte-fallback `<0xNN>`, SentencePiece's spaces."""
+    return bytes(ll_tokenizer(tokenizer, eos_token_ids).decode_bytes([token_id]))
+
+
 class TokenConstraint:
     """One request's matcher: which tokens may come next, and the tokens that came."""
 
@@ -230,4 +231,4 @@ class TokenConstraint:
         self._check()
 
 
-__all__ = ["GrammarError", "TokenConstraint", "grammar_for", "ll_tokenizer"]
+__all__ = ["GrammarError", "TokenConstraint", "grammar_for", "ll_tokenizer", "token_bytes"]
