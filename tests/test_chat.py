@@ -201,6 +201,19 @@ def test_builtin_gemma_folds_system_into_first_user_turn() -> None:
     assert out == "<start_of_turn>user\nhi<end_of_turn>\n"
 
 
+def test_builtin_gemma4() -> None:
+    """Gemma 4's turns (its model card's "Prompt Formatting": `<|turn>role` ... `<turn|>`),
+    the system message a turn of its own."""
+    out = render_chat_template(BUILTIN_TEMPLATES["gemma4"], CHAT, bos_token="<bos>")
+    assert out == (
+        "<bos><|turn>system\nYou are terse.<turn|>\n"
+        "<|turn>user\nhi<turn|>\n"
+        "<|turn>model\nhello<turn|>\n"
+        "<|turn>user\nbye<turn|>\n"
+        "<|turn>model\n"
+    )
+
+
 def test_builtin_plain() -> None:
     out = render_chat_template(BUILTIN_TEMPLATES["plain"], CHAT)
     assert out == "System: You are terse.\nUser: hi\nAssistant: hello\nUser: bye\nAssistant:"
@@ -212,7 +225,7 @@ def test_resolve_template() -> None:
     assert resolve_template("auto", "") == BUILTIN_TEMPLATES["chatml"]
     for name in BUILTIN_TEMPLATES:
         assert resolve_template(name, "EMBEDDED") == BUILTIN_TEMPLATES[name]
-    assert set(CHAT_FORMATS) == {"auto", "chatml", "llama3", "gemma", "plain"}
+    assert set(CHAT_FORMATS) == {"auto", "chatml", "llama3", "gemma", "gemma4", "plain"}
     with pytest.raises(InvalidArgument, match="unknown chat format 'vicuna'"):
         resolve_template("vicuna", None)
 

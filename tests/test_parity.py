@@ -68,7 +68,9 @@ def test_chat_template_renders_reference(case):
 F16_NEAR_TIE = 0.1
 # Qwen3.5's fixture (ill-conditioned, see ATOL_BY_FIXTURE) has 5 near-ties among 474 positions
 # (gaps 0.008-0.065): 98.9% agreement, every miss a near-tie.
-F16_ARGMAX_BY_FIXTURE = {"qwen3_5": 0.985}
+# Gemma 4's (final soft-cap 30 over random weights) has 162 near-ties among 509 positions;
+# f16 flips 8 of them (gaps 0.002-0.07): 98.4% agreement, every miss a near-tie.
+F16_ARGMAX_BY_FIXTURE = {"qwen3_5": 0.985, "gemma4": 0.98}
 
 
 @pytest.mark.parametrize("name", MODEL_FIXTURES)

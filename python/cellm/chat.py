@@ -409,6 +409,16 @@ BUILTIN_TEMPLATES: dict[str, str] = {
         "{% endfor %}"
         "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
     ),
+    # Gemma 4: every role (system included) is a turn, `<|turn>role\n...<turn|>\n`; the
+    # generation prompt opens the model's turn without a thought channel, as E2B/E4B do.
+    "gemma4": (
+        "{% if bos_token %}{{ bos_token }}{% endif %}"
+        "{% for message in messages %}"
+        "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+        "{{ '<|turn>' + role + '\\n' + message['content'] | trim + '<turn|>\\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}{% endif %}"
+    ),
     # For base models: "System: ...\nUser: ...\nAssistant:" (no space after the colon, since
     # BPE vocabularies carry the space on the next word's token).
     "plain": (

@@ -15,10 +15,8 @@ impl AttentionCall<'_> {
     /// (`rows x n_heads*head_dim`, as `q`) the causal attention of every query row over its
     /// own session's cache.
     pub fn run(&self, pool: &mut PagePool, out: &mut [f32]) {
-        let kv_width = self.shape.n_kv_heads * self.shape.head_dim;
-        assert_eq!(kv_width, pool.config().kv_heads * pool.config().head_dim, "KV shape");
-        let mut row_of = Vec::new();
-        for (si, s) in self.spans.iter().enumerate() {
+        let kv_width = self.kv_width(pool);
+        for s in self.spans {
             for i in 0..s.len {
                 let r = s.row0 + i;
                 pool.write(
@@ -28,9 +26,20 @@ impl AttentionCall<'_> {
                     &self.k[r * kv_width..][..kv_width],
                     self.v.get(r * kv_width..(r + 1) * kv_width).unwrap_or(&[]),
                 );
-                if s.len < MIN_TILED_ROWS {
-                    row_of.push((r, si, s.start + i));
-                }
+            }
+        }
+        self.attend(pool, out);
+    }
+
+    /// Writes into `out` the attention of every query row over keys and values the layer's
+    /// cache already holds for positions up to the row's own (`k` and `v` are not read):
+    /// layers that read the cache another layer wrote (Gemma 4's KV-shared layers).
+    pub fn attend(&self, pool: &PagePool, out: &mut [f32]) {
+        self.kv_width(pool);
+        let mut row_of = Vec::new();
+        for (si, s) in self.spans.iter().enumerate() {
+            if s.len < MIN_TILED_ROWS {
+                row_of.extend((0..s.len).map(|i| (s.row0 + i, si, s.start + i)));
             }
         }
         let tiled: Vec<SeqSpan> =
@@ -41,6 +50,14 @@ impl AttentionCall<'_> {
         if !row_of.is_empty() {
             query_rows::attend(pool, self, row_of, out);
         }
+    }
+
+    /// The layer's key row width, which must fit the pool's rows (a pool shared by layers
+    /// of several head widths has rows as wide as the widest; narrower layers use a prefix).
+    fn kv_width(&self, pool: &PagePool) -> usize {
+        let kv_width = self.shape.n_kv_heads * self.shape.head_dim;
+        assert!(kv_width <= pool.config().kv_heads * pool.config().head_dim, "KV shape");
+        kv_width
     }
 }
 
@@ -56,6 +73,8 @@ mod tests {
     fn matches_dense_attention() {
         for (window, softcap) in [(None, None), (Some(6), None), (None, Some(0.5))] {
             check_dense(window, softcap, false, (4, 2));
+            // Rows of a pool wider than the layer's (a model with wider layers elsewhere).
+            check_dense_in(window, softcap, false, (4, 2), 24);
             // The last token alone on four threads: its context is split into page chunks.
             let pool = cellm_kernels::pool::ThreadPool::new(4).unwrap();
             pool.install(|| check_dense(window, softcap, true, (4, 2)));
@@ -82,13 +101,24 @@ mod tests {
         window: Option<usize>,
         softcap: Option<f32>,
         last_alone: bool,
+        heads: (usize, usize),
+    ) {
+        check_dense_in(window, softcap, last_alone, heads, 8);
+    }
+
+    /// As [`check_dense`], the layer's heads 8 wide in a pool whose heads are `pool_hd` wide.
+    fn check_dense_in(
+        window: Option<usize>,
+        softcap: Option<f32>,
+        last_alone: bool,
         (n_heads, n_kv): (usize, usize),
+        pool_hd: usize,
     ) {
         let (hd, len) = (8, 11);
         let mut pool = PagePool::new(KvConfig {
             num_layers: 1,
             kv_heads: n_kv,
-            head_dim: hd,
+            head_dim: pool_hd,
             page_size: 4,
             max_pages: 16,
             encoding: KvEncoding::F32,
@@ -156,6 +186,15 @@ mod tests {
                     assert!((want - got).abs() < 1e-5, "t={t} h={h} d={d}: {want} vs {got}");
                 }
             }
+        }
+        // A layer that reads this cache without writing (a KV-shared layer) sees the same.
+        let spans = [SeqSpan { kv: &seq, start: 0, len, row0: 0 }];
+        let call = AttentionCall { layer: 0, spans: &spans, q: &q, k: &[], v: &[], shape: &shape };
+        let mut again = vec![0.0; q.len()];
+        call.attend(&pool, &mut again);
+        let w = n_heads * hd;
+        for (a, b) in again[first_row * w..].iter().zip(&out[first_row * w..]) {
+            assert!((a - b).abs() < 1e-5, "attend alone: {a} vs {b}");
         }
     }
 }

@@ -9,6 +9,7 @@ mod decoder;
 mod deepseek;
 mod delta_rule;
 mod gemma;
+mod gemma4;
 mod lfm2;
 mod llama;
 mod moe;

@@ -4,13 +4,14 @@
 use cellm_format::{CellmFile, Error, Result};
 
 use crate::weights::{TensorSpec, Weights};
-use crate::{deepseek, gemma, lfm2, llama, qwen35, vision, CausalLm, ModelConfig};
+use crate::{deepseek, gemma, gemma4, lfm2, llama, qwen35, vision, CausalLm, ModelConfig};
 
 type Loader = fn(&Weights, ModelConfig) -> Result<Box<dyn CausalLm>>;
 
 const FAMILIES: &[(&str, Loader)] = &[
     ("llama", llama::load),
     ("gemma3", gemma::load),
+    ("gemma4", gemma4::load),
     ("lfm2", lfm2::load),
     ("qwen3_5", qwen35::load),
     ("deepseek_v3", deepseek::load),
@@ -82,6 +83,18 @@ mod tests {
         with(llama(), edits)
     }
 
+    /// Gemma 4: two sliding layers (heads 16 wide) around a full one (32 wide); the last
+    /// layer reads the first's cache.
+    fn gemma4() -> Value {
+        let layers = json!(["sliding_attention", "full_attention", "sliding_attention"]);
+        let g = json!({"head_dims": [16, 32, 16], "mlp_widths": [160, 160, 320],
+            "kv_from": [null, null, 0], "per_layer_input": {"width": 8, "embed_scale": 2.8}});
+        let edits = json!({"architecture": "gemma4", "num_layers": 3, "head_dim": 32,
+            "layer_types": layers, "sliding_window": 4, "gemma4": g,
+            "rope": {"inv_freq": vec![0.5; 16]}, "rope_local": {"inv_freq": vec![0.5; 8]}});
+        with(llama(), edits)
+    }
+
     /// `model` with `section.field` set to `value`.
     fn edit(mut model: Value, section: &str, field: &str, value: Value) -> Value {
         model[section][field] = value;
@@ -98,7 +111,7 @@ mod tests {
     /// Family sections are checked when read, by field name, before any tensor is asked for.
     #[test]
     fn family_sections_are_checked() {
-        for model in [lfm2(), qwen35(), deepseek()] {
+        for model in [lfm2(), qwen35(), deepseek(), gemma4()] {
             expected_tensors(&model).unwrap();
         }
         let huge = json!(1usize << 20);
@@ -118,6 +131,11 @@ mod tests {
                 "v_heads * k_dim * v_dim makes a session state of 4 * 1048576 * 1048576 floats",
             ),
             (edit(deepseek(), "mla", "rope_dim", json!(0)), "mla.rope_dim is 0"),
+            (edit(gemma4(), "gemma4", "kv_from", json!([null, null, 1])), "kv_from[2] is 1"),
+            (edit(gemma4(), "gemma4", "kv_from", json!([2, null, null])), "kv_from[0] is 2"),
+            (edit(gemma4(), "gemma4", "head_dims", json!([16, 64, 16])), "head_dims[1] is 64"),
+            (edit(gemma4(), "gemma4", "head_dims", json!([16, 16, 16])), "RoPE turns 32"),
+            (edit(gemma4(), "gemma4", "mlp_widths", json!([1])), "has 1 entries for 3"),
             (edit(deepseek(), "mla", "q_lora_rank", json!(0)), "mla.q_lora_rank is 0"),
             (edit(deepseek(), "moe", "groups", json!(3)), "moe.groups 3 do not split 8"),
             (edit(deepseek(), "moe", "groups", json!(0)), "moe.groups is 0"),

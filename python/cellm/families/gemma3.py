@@ -36,7 +36,7 @@ def _extras(r: ConfigReader, dims: Dims) -> dict[str, Any]:
     out: dict[str, Any] = {
         "attention_scale": r.get_float("query_pre_attn_scalar", positive=True) ** -0.5,
         # HF casts sqrt(hidden) to the embedding's dtype before scaling.
-        "embedding_multiplier": _round_to(dims.hidden**0.5, dims.embedding_dtype),
+        "embedding_multiplier": round_to(dims.hidden**0.5, dims.embedding_dtype),
         "rope_local": rope_description(local, r.model_type, dims.head_dim, dims.max_pos, r.source),
     }
     for key, name in (
@@ -48,7 +48,8 @@ def _extras(r: ConfigReader, dims: Dims) -> dict[str, Any]:
     return out
 
 
-def _round_to(value: float, dtype: str) -> float:
+def round_to(value: float, dtype: str) -> float:
+    """`value` as the checkpoint's dtype `dtype` holds it (HF casts Gemma's scales so)."""
     numpy_dtype = {"BF16": None, "F16": np.float16}.get(dtype, np.float32)
     if numpy_dtype is None:  # bfloat16: keep the top 16 bits, rounding to nearest even
         bits = int(np.array(value, dtype=np.float32).view(np.uint32))

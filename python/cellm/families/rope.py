@@ -20,7 +20,7 @@ from ..errors import FormatError, UnsupportedArchitecture
 from .base import ModelType
 
 F32 = np.float32
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "proportional")
 # Rope parameters that must be finite numbers where given, and those that must also be > 0.
 _NUMBERS = ("low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow",
             "mscale", "mscale_all_dim")  # fmt: skip
@@ -131,6 +131,19 @@ def yarn_inv_freq(
     return blended.astype(np.float32)
 
 
+def proportional_inv_freq(base: float, head_dim: int, partial: float, factor: float) -> np.ndarray:
+    """Gemma 4's `proportional` RoPE: the first `int(partial * head_dim // 2)` frequencies of
+    a default RoPE over the whole head (exponents over `head_dim`), then zeros up to
+    `head_dim / 2`, so the head still pairs dim `i` with `i + head_dim / 2`."""
+    angles = int(partial * head_dim // 2)
+    exps = np.arange(0, 2 * angles, 2, dtype=np.int64).astype(np.float32) / F32(head_dim)
+    rotated = _recip(_pow32(base, exps))
+    inv_freq = np.concatenate([rotated, np.zeros(head_dim // 2 - angles, dtype=np.float32)])
+    if factor != 1.0:
+        inv_freq = inv_freq / F32(factor)
+    return inv_freq.astype(np.float32)
+
+
 def compute_inv_freq(
     rope_type: str, params: Mapping[str, Any], dim: int, max_position_embeddings: int
 ) -> tuple[np.ndarray, float]:
@@ -180,6 +193,11 @@ def compute_inv_freq(
             bool(params.get("truncate", True)),
         )
         return inv, attention
+    if rope_type == "proportional":
+        inv = proportional_inv_freq(
+            base, dim, float(params.get("partial_rotary_factor", 1.0)), float(params["factor"])
+        )
+        return inv, 1.0
     raise ValueError(rope_type)
 
 
@@ -238,8 +256,12 @@ def rope_description(
         partial = model_type.defaults.get("partial_rotary_factor", 1.0)
     if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
         raise FormatError(f"{source}: partial_rotary_factor must be in (0, 1], got {partial!r}")
-    # HF rotates the first int(head_dim * factor) dims of each head.
-    rotary_dim = int(head_dim * partial)
+    # HF rotates the first int(head_dim * factor) dims of each head; proportional RoPE keeps
+    # the whole head, with frequency 0 past them.
+    proportional = rope_type == "proportional"
+    if proportional:
+        params = {"factor": 1.0, **params, "partial_rotary_factor": partial}
+    rotary_dim = head_dim if proportional else int(head_dim * partial)
     if rotary_dim < 2 or rotary_dim % 2:
         raise UnsupportedArchitecture(
             f"{source}: a rotary dimension of {rotary_dim} (head_dim {head_dim} x "
@@ -254,7 +276,8 @@ def rope_description(
         raise FormatError(f"{source}: {rope_type} rope parameters lack {e.args[0]!r}") from None
     except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
         raise FormatError(f"{source}: invalid {rope_type} rope parameters ({e})") from None
-    if not (np.all(np.isfinite(inv_freq)) and np.all(inv_freq > 0)):
+    turned = int(partial * head_dim // 2) if proportional else len(inv_freq)
+    if not (np.all(np.isfinite(inv_freq)) and np.all(inv_freq[:turned] > 0) and turned >= 1):
         raise FormatError(
             f"{source}: the {rope_type} rope parameters give inverse frequencies that are not "
             f"finite positive numbers ({_summary(params)})"
