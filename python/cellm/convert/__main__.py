@@ -87,6 +87,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         source = read_header(path)["source"]
         kind = source.get("quantize") or source.get("dtype") or "from GGUF, formats kept"
         print(f"wrote {path} ({size / (1 << 20):,.1f} MiB, {kind})")
+        for why, count in source.get("left_out", {}).items():
+            print(f"note: left out {count} checkpoint tensors: {why}")
         return 0
 
     return run(body)

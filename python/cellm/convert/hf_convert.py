@@ -20,7 +20,7 @@ from .progress import conversion_bar
 from .quantize import Quantization, plan_quantization, quantize_rows
 from .safetensors import Checkpoint, open_checkpoint
 from .tokenizer_files import TOKENIZER_BLOB, load_tokenizer_files
-from .weights import PlannedTensor, layers_present, plan_tensors
+from .weights import PlannedTensor, layers_present, left_out, plan_tensors
 from .writer import TensorEntry, check_output_is_not_input, write_cellm
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -77,7 +77,7 @@ def convert_hf(
         entries = []
         for tensor in plan_tensors(model, family, checkpoint):
             source = family.tensor_source(model, tensor.name) or (
-                family.checkpoint_name(tensor.name),
+                family.checkpoint_name(model, tensor.name),
                 tensor.shape,
             )
             transform = family.tensor_transform(model, tensor.name)
@@ -99,6 +99,8 @@ def convert_hf(
                 "dtype": dtype,
                 **(quantization.source_record() if quantization else {}),
                 **({"vision_quantize": vision_quantize} if vision_quantize else {}),
+                # Checkpoint tensors left out on purpose: {reason: count}.
+                **({"left_out": unused} if (unused := left_out(model, family, checkpoint)) else {}),
             },
         }
         total = sum(e.nbytes for e in entries)

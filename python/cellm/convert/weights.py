@@ -56,6 +56,16 @@ def expected_tensors(model: Mapping[str, Any]) -> list[PlannedTensor]:
     ]
 
 
+def left_out(model: Mapping[str, Any], family: Family, checkpoint: Checkpoint) -> dict[str, int]:
+    """How many checkpoint tensors the family leaves out on purpose, by its reason."""
+    counts: dict[str, int] = {}
+    for name in checkpoint:
+        why = family.unused_tensor(model, name)
+        if why:
+            counts[why] = counts.get(why, 0) + 1
+    return counts
+
+
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(d for d in shape if d != 1)
 
@@ -73,7 +83,7 @@ def plan_tensors(
     sources = []
     for tensor in plan:
         name, shape = family.tensor_source(model, tensor.name) or (
-            family.checkpoint_name(tensor.name),
+            family.checkpoint_name(model, tensor.name),
             tensor.shape,
         )
         sources.append(name)
@@ -98,7 +108,12 @@ def plan_tensors(
     # A tied model's lm_head.weight (when a checkpoint stores it anyway) is the embedding.
     skipped = {"lm_head.weight"} if model["tie_word_embeddings"] else set()
     extra = sorted(
-        n for n in checkpoint if n not in wanted and n not in skipped and not _IGNORED.match(n)
+        n
+        for n in checkpoint
+        if n not in wanted
+        and n not in skipped
+        and not _IGNORED.match(n)
+        and not family.unused_tensor(model, n)
     )
     if extra:
         more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""

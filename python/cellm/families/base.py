@@ -183,8 +183,12 @@ def _same_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return dict(config)
 
 
-def _same_name(name: str) -> str:
+def _same_name(model: Mapping[str, Any], name: str) -> str:
     return name
+
+
+def _nothing_unused(model: Mapping[str, Any], name: str) -> Optional[str]:
+    return None
 
 
 @dataclass(frozen=True)
@@ -208,7 +212,10 @@ class Family:
     # with what its rules need from the outer config.
     flat_config: Callable[[Mapping[str, Any]], dict[str, Any]] = _same_config
     # The checkpoint's name of a stored tensor (a VLM's text model sits under its own prefix).
-    checkpoint_name: Callable[[str], str] = _same_name
+    checkpoint_name: Callable[[Mapping[str, Any], str], str] = _same_name
+    # Why a checkpoint tensor the engine does not read is left out on purpose (a tower the
+    # engine does not run yet), or None: then an unread tensor is an error.
+    unused_tensor: Callable[[Mapping[str, Any], str], Optional[str]] = _nothing_unused
     # The builtin chat template (`cellm.chat.BUILTIN_TEMPLATES`) for models without their own.
     chat_format: str = "chatml"
     # Moves the family's tool calls out of an answer: (text, stop token text) -> (text, calls).

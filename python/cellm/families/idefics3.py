@@ -81,5 +81,5 @@ FAMILY = Family(
     tensor_source=_patch_embedding,
     tensor_transform=_conv_as_linear,
     flat_config=flat_config("idefics3"),
-    checkpoint_name=checkpoint_name,
+    checkpoint_name=lambda model, name: checkpoint_name(name),
 )

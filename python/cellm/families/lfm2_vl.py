@@ -74,5 +74,5 @@ FAMILY = Family(
     },
     settle_from_weights=_settle_from_weights,
     flat_config=flat_config("lfm2_vl"),
-    checkpoint_name=checkpoint_name,
+    checkpoint_name=lambda model, name: checkpoint_name(name),
 )
