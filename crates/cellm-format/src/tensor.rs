@@ -20,6 +20,9 @@ pub enum TensorFormat {
     Q4K,
     Q5K,
     Q6K,
+    /// GGUF's 1-bit blocks of 128 (type 41, PrismML's Q1_0_g128): an f16 scale `d`, then one
+    /// bit per value, LSB first (`w = +d` where the bit is set, `-d` where it is clear).
+    Q1_0,
     /// cellm int8 per row: an f32 scale, then the row's int8 values (`w = s * q`).
     I8Row,
     /// cellm int4, symmetric, groups of 64 / 128: per group an f16 scale `d`, then its 4-bit
@@ -59,6 +62,7 @@ const FORMATS: &[FormatInfo] = &[
     FormatInfo(TensorFormat::Q4K, "q4_k", 256, 144, 0),
     FormatInfo(TensorFormat::Q5K, "q5_k", 256, 176, 0),
     FormatInfo(TensorFormat::Q6K, "q6_k", 256, 210, 0),
+    FormatInfo(TensorFormat::Q1_0, "q1_0", 128, 18, 0),
     FormatInfo(TensorFormat::I8Row, "i8_row", 32, 32, 4),
     FormatInfo(TensorFormat::I4G64, "i4_g64", 64, 34, 0),
     FormatInfo(TensorFormat::I4G128, "i4_g128", 128, 66, 0),
@@ -99,7 +103,7 @@ const INTERLEAVED: &[(TensorFormat, Interleaved)] = &[
 
 impl TensorFormat {
     /// The block formats (GGUF's, then cellm's), in one order other tables can index by.
-    pub const BLOCKS: [TensorFormat; 12] = [
+    pub const BLOCKS: [TensorFormat; 13] = [
         Self::Q8_0,
         Self::Q4_0,
         Self::Q4_1,
@@ -107,6 +111,7 @@ impl TensorFormat {
         Self::Q4K,
         Self::Q5K,
         Self::Q6K,
+        Self::Q1_0,
         Self::I8Row,
         Self::I4G64,
         Self::I4G128,

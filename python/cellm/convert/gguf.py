@@ -59,10 +59,14 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     13: ("q5_k", 256, 176),
     14: ("q6_k", 256, 210),
     30: ("bf16", 1, 2),
+    # ggml's Q1_0 (1 bit + an f16 scale per 128); PrismML's fork gave its Q1_0_g128 the same
+    # id and layout, so Bonsai's GGUFs read as this.
+    41: ("q1_0", 128, 18),
 }
 _GGML_NAMES = {7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 15: "Q8_K", 16: "IQ2_XXS",
                17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
-               23: "IQ4_XS", 29: "IQ1_M"}  # fmt: skip
+               23: "IQ4_XS", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
+               40: "NVFP4"}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,14 @@ def q4_k(b: np.ndarray) -> np.ndarray:
     return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scale_bytes, packed], axis=1)
 
 
+def q1_0(b: np.ndarray) -> np.ndarray:
+    """ggml's quantize_row_q1_0_ref on 128-value blocks: `d` = mean |x| (summed left to right
+    in float32), one bit per value, set where the value is >= 0."""
+    d = _seq_sum(np.abs(b)) / np.float32(b.shape[1])
+    bits = np.packbits(b >= 0, axis=1, bitorder="little")
+    return np.concatenate([_f16_bytes(d), bits], axis=1)
+
+
 def i8_row(x: np.ndarray) -> np.ndarray:
     """Whole rows: an f32 scale `max|w| / 127`, then the int8 values, rounded to nearest."""
     s = np.abs(x).max(axis=1, keepdims=True) / np.float32(127)
@@ -185,6 +193,7 @@ _FORMATS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], Optional[int]]] = 
     "q4_1": (q4_1, BLOCK),
     "q5_0": (q5_0, BLOCK),
     "q4_k": (q4_k, 256),
+    "q1_0": (q1_0, 128),
     "i8_row": (i8_row, None),
     "i4_g64": (lambda g: _int4_groups(g, 64, False), 64),
     "i4_g128": (lambda g: _int4_groups(g, 128, False), 128),
@@ -193,7 +202,7 @@ _FORMATS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], Optional[int]]] = 
 }
 
 # User-facing schemes: cellm's by kind, and the GGUF formats by name.
-SCHEMES = ("int8", "int4", "int4-affine", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k")
+SCHEMES = ("int8", "int4", "int4-affine", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q1_0")
 GROUP_SIZES = (32, 64, 128)
 
 

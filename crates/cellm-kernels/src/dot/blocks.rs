@@ -118,6 +118,13 @@ fn q6_k(b: &[u8], _: &[u8], y: &mut [f32]) {
     }
 }
 
+fn q1_0(b: &[u8], _: &[u8], y: &mut [f32]) {
+    let d = half_at(b, 0);
+    for (j, y) in y.iter_mut().enumerate() {
+        *y = if (b[2 + j / 8] >> (j % 8)) & 1 == 1 { d } else { -d };
+    }
+}
+
 fn i8_row(b: &[u8], header: &[u8], y: &mut [f32]) {
     let s = f32::from_le_bytes([header[0], header[1], header[2], header[3]]);
     for (y, &q) in y.iter_mut().zip(b) {
@@ -156,6 +163,7 @@ fn block_decoder(format: TensorFormat) -> Option<DecodeBlock> {
         TensorFormat::Q4K => q4_k,
         TensorFormat::Q5K => q5_k,
         TensorFormat::Q6K => q6_k,
+        TensorFormat::Q1_0 => q1_0,
         TensorFormat::I8Row => i8_row,
         TensorFormat::I4G64 | TensorFormat::I4G128 => i4_sym,
         TensorFormat::I4AG64 | TensorFormat::I4AG128 => i4_affine,
@@ -224,6 +232,7 @@ block_kernels! {
     k_q4_k => TensorFormat::Q4K,
     k_q5_k => TensorFormat::Q5K,
     k_q6_k => TensorFormat::Q6K,
+    k_q1_0 => TensorFormat::Q1_0,
     k_i8_row => TensorFormat::I8Row,
     k_i4_g64 => TensorFormat::I4G64,
     k_i4_g128 => TensorFormat::I4G128,

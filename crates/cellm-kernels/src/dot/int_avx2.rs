@@ -223,6 +223,24 @@ unsafe fn q5_0<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; 
     unsigned_blocks::<D, N>(row, x, 22, unpack, |b| unsafe { scale_and_multiple(b, -16.0) })
 }
 
+/// 1-bit blocks of 128: each 32-value sub-block unpacks to its bits `u` (1 where set), and
+/// `w = 2d * u - d`, so the block is `[2d, -d]` in the unsigned form.
+#[inline(always)]
+unsafe fn q1_0<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    unsigned_groups::<D, N>(
+        row,
+        x,
+        18,
+        4,
+        |g, j| unsafe {
+            let bits = std::slice::from_raw_parts(g.add(2 + 4 * j), 4);
+            _mm256_and_si256(bits32(bits), _mm256_set1_epi8(1))
+        },
+        // [d, -d/2] doubled: exact, powers of two.
+        |g| unsafe { _mm_mul_ps(scale_and_multiple(g, -0.5), _mm_set1_ps(2.0)) },
+    )
+}
+
 /// K-quant activations (the Q8K scheme) share one scale per 256 values, so a super-block's
 /// sub-block products can be summed as integers, weighted by their integer 6-bit scales
 /// (`vpmaddwd` with the scale in place of ones), and turned into floats once.

@@ -82,12 +82,33 @@ unsafe fn q4_1<D: NeonDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; 
     )
 }
 
+/// 0xFF in byte `i` where bit `i` of `bits` is set, else 0.
+#[inline(always)]
+unsafe fn bit_mask16(bits: u16) -> uint8x16_t {
+    let spread = vcombine_u8(vdup_n_u8(bits as u8), vdup_n_u8((bits >> 8) as u8));
+    vtstq_u8(spread, vreinterpretq_u8_u64(vdupq_n_u64(0x8040_2010_0804_0201)))
+}
+
 /// 0x10 in byte `i` where bit `i` of the 16 bits at `bits` is set: q5_0's fifth bits.
 #[inline(always)]
 unsafe fn fifth_bits16(bits: u16) -> uint8x16_t {
-    let spread = vcombine_u8(vdup_n_u8(bits as u8), vdup_n_u8((bits >> 8) as u8));
-    let masks = vreinterpretq_u8_u64(vdupq_n_u64(0x8040_2010_0804_0201));
-    vandq_u8(vtstq_u8(spread, masks), vdupq_n_u8(0x10))
+    vandq_u8(bit_mask16(bits), vdupq_n_u8(0x10))
+}
+
+/// The 32 bits at `p` (LSB first) as +1 where set and -1 where clear: q1_0's weights.
+#[inline(always)]
+unsafe fn signs32(p: *const u8) -> [int8x16_t; 2] {
+    let bits = p.cast::<u32>().read_unaligned();
+    [bits as u16, (bits >> 16) as u16].map(|h| {
+        let set = vreinterpretq_s8_u8(bit_mask16(h)); // -1 where set
+        vsubq_s8(vdupq_n_s8(-1), vaddq_s8(set, set))
+    })
+}
+
+/// 1-bit blocks of 128: four 32-value sub-blocks of signs sharing the block's `d`.
+#[inline(always)]
+unsafe fn q1_0<D: NeonDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    groups::<D, N>(row, x, 18, 4, |g, j| signs32(g.add(2 + 4 * j)), |g| (load_f16(g), 0.0))
 }
 
 #[inline(always)]

@@ -128,6 +128,20 @@ pub fn q6_k(row: &[u8], x: Q8Row) -> f32 {
     sum
 }
 
+/// 1-bit blocks of 128: per 32-value sub-block, `d * dx * sum(+-x)` (+ where the bit is set).
+pub fn q1_0(row: &[u8], x: Q8Row) -> f32 {
+    let mut sum = 0.0;
+    for (g, blk) in row.chunks_exact(18).enumerate() {
+        for (j, bits) in blk[2..].chunks_exact(4).enumerate() {
+            let xb = 4 * g + j;
+            let w = (0..32).map(|i| if (bits[i / 8] >> (i % 8)) & 1 == 1 { 1 } else { -1 });
+            let s = idot(w, &x.qs[32 * xb..32 * xb + 32]);
+            sum += half(blk, 0) * x.ds[xb][0] * s as f32;
+        }
+    }
+    sum
+}
+
 /// cellm int8 per row: the f32 row scale, then 32-value blocks.
 pub fn i8_row(row: &[u8], x: Q8Row) -> f32 {
     let (scale, blocks) = row.split_at(4);
@@ -173,17 +187,17 @@ pub fn i4a_g128(row: &[u8], x: Q8Row) -> f32 {
 }
 
 /// The single-row kernels, in `TensorFormat::BLOCKS` order.
-const ONE: [QDotFn; 12] =
-    [q8_0, q4_0, q4_1, q5_0, q4_k, q5_k, q6_k, i8_row, i4_g64, i4_g128, i4a_g64, i4a_g128];
+const ONE: [QDotFn; 13] =
+    [q8_0, q4_0, q4_1, q5_0, q4_k, q5_k, q6_k, q1_0, i8_row, i4_g64, i4_g128, i4a_g64, i4a_g128];
 
 /// Four rows as four single-row calls: the reference the SIMD four-row kernels match.
 fn four<const I: usize>(row: &[u8], x: &[Q8Row; 4]) -> [f32; 4] {
     x.map(|r| ONE[I](row, r))
 }
 
-const FOUR: [QDot4Fn; 12] = [
+const FOUR: [QDot4Fn; 13] = [
     four::<0>, four::<1>, four::<2>, four::<3>, four::<4>, four::<5>, four::<6>, four::<7>,
-    four::<8>, four::<9>, four::<10>, four::<11>,
+    four::<8>, four::<9>, four::<10>, four::<11>, four::<12>,
 ];
 
 pub fn qdot(format: TensorFormat) -> Option<(QDotFn, QDot4Fn)> {

@@ -118,6 +118,7 @@ macro_rules! with_integer_kernels {
             e_q4_k => q4_k, TensorFormat::Q4K;
             e_q5_k => q5_k, TensorFormat::Q5K;
             e_q6_k => q6_k, TensorFormat::Q6K;
+            e_q1_0 => q1_0, TensorFormat::Q1_0;
             e_i8_row => i8_row, TensorFormat::I8Row;
             e_i4_g64 => i4_g64, TensorFormat::I4G64;
             e_i4_g128 => i4_g128, TensorFormat::I4G128;
