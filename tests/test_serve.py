@@ -174,9 +174,12 @@ def test_malformed_json_too_long_prompts_and_a_full_queue(server):
 
 def test_tool_calls_come_back_in_openai_form(server):
     from cellm.families import by_architecture
+    from cellm.tool_formats import FORMATS
 
     gemma_like = SimpleNamespace(
-        split_tool_calls=lambda r: by_architecture("gemma3").tool_call_parser(r.text, None)
+        split_tool_calls=lambda r: FORMATS[by_architecture("gemma3").tool_call_format].parse(
+            r.text, None
+        )
     )
     answer = (
         "ok <start_function_call>call:get_weather{city:<escape>Accra<escape>}<end_function_call>"

@@ -19,6 +19,7 @@ from cellm.tool_calls import (
     close_call_cut_by_stop,
     parse_tool_calls,
 )
+from cellm.tool_formats import format_for
 from conftest import ROOT
 
 TEMPLATE_WITH_TOOLS = (
@@ -263,6 +264,7 @@ def templated(llm, monkeypatch):
     family whose tool calls are FunctionGemma's (its vocabulary has their markers)."""
     monkeypatch.setattr(llm, "chat_template", TEMPLATE_WITH_TOOLS)
     monkeypatch.setattr(llm, "family", by_architecture("gemma3"))
+    monkeypatch.setattr(llm, "tool_format", format_for(None, llm.family.tool_call_format))
     return llm
 
 
@@ -303,6 +305,9 @@ def test_calls_are_parsed_only_in_the_familys_own_format(templated, monkeypatch)
         templated, "generate", lambda prompt, **kw: GenerationResult(answer, [1], "stop", 3)
     )
     monkeypatch.setattr(templated, "family", by_architecture("llama"))
+    monkeypatch.setattr(
+        templated, "tool_format", format_for(None, templated.family.tool_call_format)
+    )
     r = templated.chat([{"role": "user", "content": "x"}], tools=[WEATHER_TOOL])
     assert (r.text, r.tool_calls) == (answer, [])
 

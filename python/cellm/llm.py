@@ -24,6 +24,7 @@ from cellm.resolve import resolve_model
 from cellm.sampling import SamplingParams
 from cellm.scheduler import AsyncStream, Request, Scheduler
 from cellm.tokenizer import Tokenizer
+from cellm.tool_formats import check_tools, choice_tools, format_for
 from cellm.vision import ImageInput
 
 BACKENDS = ("cpu",)
@@ -180,6 +181,8 @@ class LLM:
             template = None
         self.chat_template: Optional[str] = template
         self.eos_token_ids: frozenset[int] = frozenset(self.header["generation"]["eos_token_ids"])
+        # How this model writes tool calls: its template's format, else its family's.
+        self.tool_format = format_for(template, self.family.tool_call_format)
         # A vision-language model's image side; `processor` overrides the file's processor
         # settings (HF processor keywords, e.g. use_image_special_tokens).
         self.vision: Optional[Vision] = None
@@ -341,6 +344,8 @@ class LLM:
         messages: Sequence[Mapping[str, Any]],
         *,
         tools: Optional[Sequence[Mapping[str, Any]]] = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
         chat_format: str = "auto",
         template_vars: Optional[Mapping[str, Any]] = None,
         params: Optional[SamplingParams] = None,
@@ -372,7 +377,9 @@ class LLM:
         changes): they go to `tool_calls` and leave `text`. With `tools`,
         special tokens are kept in the text unless skip_special_tokens=True is given, since
         call markers are special tokens in the vocabularies that use them."""
-        keywords = _chat_keywords(_keywords(locals()), tools, params)
+        keywords = self._tool_keywords(
+            _keywords(locals()), tools, tool_choice, parallel_tool_calls, params
+        )
         prompt = self._chat_prompt(messages, tools, chat_format, template_vars)
         if prompt.images:
             result = _drain(
@@ -388,6 +395,8 @@ class LLM:
         messages: Sequence[Mapping[str, Any]],
         *,
         tools: Optional[Sequence[Mapping[str, Any]]] = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
         chat_format: str = "auto",
         template_vars: Optional[Mapping[str, Any]] = None,
         params: Optional[SamplingParams] = None,
@@ -414,7 +423,9 @@ class LLM:
         """chat() streamed: yields text pieces; the generator's return value is the
         GenerationResult, whose tool calls are parsed as chat()'s are (the streamed pieces
         hold the calls' text as the model wrote it)."""
-        keywords = _chat_keywords(_keywords(locals()), tools, params)
+        keywords = self._tool_keywords(
+            _keywords(locals()), tools, tool_choice, parallel_tool_calls, params
+        )
         prompt = self._chat_prompt(messages, tools, chat_format, template_vars)
         sampling = _sampling(params, keywords)
         result = yield from self._run(prompt.ids, sampling, images=prompt.images)
@@ -486,6 +497,8 @@ class LLM:
         conversations: Sequence[Sequence[Mapping[str, Any]]],
         *,
         tools: Optional[Sequence[Mapping[str, Any]]] = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
         chat_format: str = "auto",
         template_vars: Optional[Mapping[str, Any]] = None,
         params: Optional[SamplingParams] = None,
@@ -511,7 +524,9 @@ class LLM:
     ) -> list[GenerationResult]:
         """chat() for several conversations in one batched run, results in order (images
         included: those of all the conversations are encoded in one batch)."""
-        keywords = _chat_keywords(_keywords(locals()), tools, params)
+        keywords = self._tool_keywords(
+            _keywords(locals()), tools, tool_choice, parallel_tool_calls, params
+        )
         sampling = _sampling(params, keywords)
         prompts = [self._chat_prompt(m, tools, chat_format, template_vars) for m in conversations]
         results = self._run_batch(prompts, sampling)
@@ -624,13 +639,50 @@ class LLM:
             self, system, chat_format=chat_format, params=params, template_vars=template_vars
         )
 
+    def tool_grammar(
+        self,
+        tools: Optional[Sequence[Mapping[str, Any]]],
+        tool_choice: Any,
+        parallel_tool_calls: bool = True,
+    ) -> Optional[str]:
+        """The Lark grammar that makes the model call a tool in its own format, when
+        `tool_choice` is "required" or names a function (None for "auto", "none" or None);
+        with parallel_tool_calls=False, exactly one call.
+        InvalidArgument for a bad tool list (duplicate names...) or a model without a known
+        tool-call format."""
+        if tools is not None:
+            check_tools(tools)
+        forced = choice_tools(tools or [], tool_choice)
+        if forced is None:
+            return None
+        if not forced:
+            raise InvalidArgument(f"tool_choice={tool_choice!r} needs tools")
+        if self.tool_format is None:
+            raise InvalidArgument(
+                f"{self.path.name} has no known tool-call format: tool_choice cannot force a call"
+            )
+        return self.tool_format.grammar(forced, self.tokenizer, parallel_tool_calls)
+
+    def _tool_keywords(
+        self,
+        keywords: dict[str, Any],
+        tools: Optional[Sequence[Mapping[str, Any]]],
+        tool_choice: Any,
+        parallel: bool,
+        params: Optional[SamplingParams],
+    ) -> dict[str, Any]:
+        keywords = _chat_keywords(keywords, tools, params)
+        grammar = self.tool_grammar(tools, tool_choice, parallel)
+        if grammar is not None:
+            keywords["grammar"] = grammar  # two constraints at once are refused (structured)
+        return keywords
+
     def split_tool_calls(self, result: GenerationResult) -> tuple[str, list[dict[str, Any]]]:
-        """`result.text` as (text, tool calls), read in the model family's tool-call format
-        (none for families without one: the text stays as it is)."""
-        parse = self.family.tool_call_parser
-        if parse is None:
+        """`result.text` as (text, tool calls), read in the model's tool-call format
+        (`tool_format`; without one the text stays as it is)."""
+        if self.tool_format is None:
             return result.text, []
-        return parse(result.text, self._token_text(result.stop_token_id))
+        return self.tool_format.parse(result.text, self._token_text(result.stop_token_id))
 
     def _token_text(self, token_id: Optional[int]) -> Optional[str]:
         return None if token_id is None else self.tokenizer.id_to_token(token_id)

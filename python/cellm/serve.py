@@ -25,13 +25,14 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from cellm.errors import Busy, CellmError
+from cellm.errors import Busy, CellmError, InvalidArgument
 from cellm.generation import GenerationResult, Piece, TokenLogprob
 from cellm.llm import LLM
 from cellm.multimodal import NO_FILES, ImageFiles, ImagePrompt
 from cellm.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from cellm.scheduler import AsyncStream, Scheduler
 from cellm.structured import GrammarError, grammar_for, token_bytes
+from cellm.tool_formats import check_tools
 
 try:
     from starlette.applications import Starlette
@@ -95,6 +96,8 @@ class Server:
             body = await _json_body(http)
             tools = _tools(body) if chat else None
             params = _sampling(body, chat, tools is not None)
+            if tools is not None:
+                params = self._tool_choice(body, tools, params)
             # Off the event loop: images are decoded and resized there.
             if chat:
                 prompt = await run_in_threadpool(self._chat_prompt, body, tools)
@@ -119,6 +122,23 @@ class Server:
             return _error(429, str(e), "server_busy")
         except CellmError as e:  # a prompt too long, a template refusing the messages, ...
             return _error(400, str(e), "invalid_request_error")
+
+    def _tool_choice(
+        self, body: Mapping[str, Any], tools: list[Any], params: SamplingParams
+    ) -> SamplingParams:
+        """`params` with the grammar that forces a call, when `tool_choice` asks for one."""
+        try:
+            parallel = body.get("parallel_tool_calls", True) is not False
+            grammar = self.llm.tool_grammar(tools, body.get("tool_choice"), parallel)
+        except InvalidArgument as e:
+            raise BadRequest(str(e), "tool_choice") from None
+        if grammar is None:
+            return params
+        if params.response_format is not None:
+            raise BadRequest(
+                "tool_choice cannot force a call with a response_format", "tool_choice"
+            )
+        return replace(params, grammar=grammar, skip_special_tokens=False)
 
     def _prompt(self, body: Mapping[str, Any]) -> ImagePrompt:
         prompt = body.get("prompt")
@@ -298,12 +318,11 @@ def _tools(body: Mapping[str, Any]) -> Optional[list[Any]]:
     tools = body.get("tools")
     if tools is None or body.get("tool_choice") == "none":
         return None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise BadRequest("tools must be a list of objects", "tools")
-    names = [(t.get("function") or {}).get("name") for t in tools]
-    if len(set(names)) != len(names):
-        raise BadRequest("tool names must be unique", "tools")
-    return tools
+    try:
+        check_tools(tools)
+    except InvalidArgument as e:
+        raise BadRequest(str(e), "tools") from None
+    return list(tools)
 
 
 def _sampling(body: Mapping[str, Any], chat: bool, with_tools: bool) -> SamplingParams:

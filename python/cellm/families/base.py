@@ -19,7 +19,6 @@ Transform = Callable[[np.ndarray], np.ndarray]
 MAX_INT = 2**31 - 1
 # Head widths past this are refused before RoPE tables of that size are computed.
 MAX_HEAD_DIM = 1 << 16
-ToolCallParser = Callable[[str, Optional[str]], "tuple[str, list[dict[str, Any]]]"]
 
 
 @dataclass(frozen=True)
@@ -218,5 +217,6 @@ class Family:
     unused_tensor: Callable[[Mapping[str, Any], str], Optional[str]] = _nothing_unused
     # The builtin chat template (`cellm.chat.BUILTIN_TEMPLATES`) for models without their own.
     chat_format: str = "chatml"
-    # Moves the family's tool calls out of an answer: (text, stop token text) -> (text, calls).
-    tool_call_parser: Optional[ToolCallParser] = None
+    # The family's tool-call format (a name in `cellm.tool_formats.FORMATS`), for a model
+    # whose chat template names none; a template's own markers decide otherwise.
+    tool_call_format: Optional[str] = None

@@ -9,7 +9,6 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..tool_calls import split_functiongemma_calls
 from .base import ConfigReader, Dims, Family, GGUFArch, MetadataGetter, ModelType, Transform
 from .rope import rope_description
 
@@ -125,5 +124,5 @@ FAMILY = Family(
     tensor_transform=_one_plus_norms,
     chat_format="gemma",
     # FunctionGemma (a gemma3_text checkpoint) writes `<start_function_call>call:...`.
-    tool_call_parser=split_functiongemma_calls,
+    tool_call_format="functiongemma",
 )

@@ -97,4 +97,6 @@ FAMILY = Family(
         ),
     },
     settle_from_weights=_settle_from_weights,
+    # <|tool_call_start|>[name(key=value)]<|tool_call_end|>
+    tool_call_format="lfm2",
 )
