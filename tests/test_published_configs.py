@@ -1,7 +1,9 @@
 """Checkpoints as their makers publish them: Qwen3.5's `Qwen3_5ForConditionalGeneration`
-(`qwen3_5`, the text model under `model.language_model.`, a vision tower beside it). Its
-logits are checked against transformers by tests/test_parity.py (fixture `qwen3_5_vlm`); here,
-what conversion leaves out and says."""
+(`qwen3_5`, the text model under `model.language_model.`, a vision tower beside it) and
+Granite 4.0 (`granitemoehybrid`, layer types spelled `mamba`/`attention`). Their logits are
+checked against transformers by tests/test_parity.py (fixtures `qwen3_5_vlm`,
+`granitemoehybrid`, `granitemoehybrid_attn`); here, what conversion leaves out and says, and
+the config rules against transformers' own config classes."""
 
 from __future__ import annotations
 
@@ -38,3 +40,50 @@ def test_a_text_checkpoint_with_stray_tensors_is_still_refused(tmp_path: Path) -
     save_file(tensors, src / "model.safetensors")
     with pytest.raises(FormatError, match="does not use: model.visual.pos_embed.weight"):
         convert_hf(src, tmp_path / "x.cellm", "f32")
+
+
+GRANITE = FIXTURES / "granitemoehybrid"
+
+
+def granite_config(**edits: object) -> dict:
+    import json
+
+    return {**json.loads((GRANITE / "config.json").read_text()), **edits}
+
+
+def test_granite_layer_spellings_and_mamba_shape_follow_transformers() -> None:
+    """Published Granite 4.0 configs say `mamba`/`attention` and `mamba_d_head: auto`;
+    transformers' config class remaps and derives them, and so must the description."""
+    from cellm.convert.hf_config import normalise_config
+
+    transformers = pytest.importorskip("transformers")
+    published = ["mamba", "attention", "mamba", "mamba", "attention", "mamba"]
+    config = granite_config(layer_types=published, mamba_d_head="auto")
+    hf = transformers.GraniteMoeHybridConfig(
+        **{k: v for k, v in config.items() if k not in ("model_type", "time_step_limit")}
+    )
+    model = normalise_config(config)
+    assert model["layer_types"] == hf.layer_types
+    assert model["mamba"]["head_dim"] == hf.mamba_d_head == 16
+    assert model["intermediate_size"] == hf.shared_intermediate_size
+    assert model["rope_layers"] == [False] * 6  # position_embedding_type "nope"
+    assert (model["mamba"]["dt_min"], model["mamba"]["dt_max"]) == (0.0, None)
+    limited = normalise_config(granite_config(time_step_limit=[0.001, 0.1]))["mamba"]
+    assert (limited["dt_min"], limited["dt_max"]) == (0.001, 0.1)
+
+
+@pytest.mark.parametrize(
+    ("edits", "needle"),
+    [
+        ({"num_local_experts": 4}, "routed experts"),
+        ({"mamba_d_head": 12}, "mamba_n_heads \\* mamba_d_head"),
+        ({"hidden_act": "gelu_pytorch_tanh"}, "need hidden_act silu"),
+        ({"time_step_limit": [0.0, "lots"]}, "time_step_limit holds"),
+    ],
+)
+def test_granite_refusals(edits: dict, needle: str) -> None:
+    from cellm.convert.hf_config import normalise_config
+    from cellm.errors import CellmError
+
+    with pytest.raises(CellmError, match=needle):
+        normalise_config(granite_config(**edits))

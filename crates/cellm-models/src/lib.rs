@@ -10,6 +10,7 @@ mod deepseek;
 mod delta_rule;
 mod gemma;
 mod gemma4;
+mod granite_hybrid;
 mod lfm2;
 mod llama;
 mod moe;

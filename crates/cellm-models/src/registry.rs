@@ -4,7 +4,9 @@
 use cellm_format::{CellmFile, Error, Result};
 
 use crate::weights::{TensorSpec, Weights};
-use crate::{deepseek, gemma, gemma4, lfm2, llama, qwen35, vision, CausalLm, ModelConfig};
+use crate::{
+    deepseek, gemma, gemma4, granite_hybrid, lfm2, llama, qwen35, vision, CausalLm, ModelConfig,
+};
 
 type Loader = fn(&Weights, ModelConfig) -> Result<Box<dyn CausalLm>>;
 
@@ -14,6 +16,7 @@ const FAMILIES: &[(&str, Loader)] = &[
     ("gemma4", gemma4::load),
     ("lfm2", lfm2::load),
     ("qwen3_5", qwen35::load),
+    ("granitemoehybrid", granite_hybrid::load),
     ("deepseek_v3", deepseek::load),
     ("idefics3", vision::load_idefics3),
     ("lfm2_vl", vision::load_lfm2_vl),
@@ -95,6 +98,18 @@ mod tests {
         with(llama(), edits)
     }
 
+    /// Granite 4.0-H: Mamba-2 layers around an attention layer.
+    fn granite() -> Value {
+        let layers =
+            json!(["linear_attention", "full_attention", "linear_attention", "linear_attention"]);
+        let mamba = json!({"heads": 8, "head_dim": 16, "state": 16, "groups": 2, "conv_taps": 4,
+            "conv_bias": true});
+        with(
+            llama(),
+            json!({"architecture": "granitemoehybrid", "layer_types": layers, "mamba": mamba}),
+        )
+    }
+
     /// `model` with `section.field` set to `value`.
     fn edit(mut model: Value, section: &str, field: &str, value: Value) -> Value {
         model[section][field] = value;
@@ -111,7 +126,7 @@ mod tests {
     /// Family sections are checked when read, by field name, before any tensor is asked for.
     #[test]
     fn family_sections_are_checked() {
-        for model in [lfm2(), qwen35(), deepseek(), gemma4()] {
+        for model in [lfm2(), qwen35(), deepseek(), gemma4(), granite()] {
             expected_tensors(&model).unwrap();
         }
         let huge = json!(1usize << 20);
@@ -131,6 +146,10 @@ mod tests {
                 "v_heads * k_dim * v_dim makes a session state of 4 * 1048576 * 1048576 floats",
             ),
             (edit(deepseek(), "mla", "rope_dim", json!(0)), "mla.rope_dim is 0"),
+            (edit(granite(), "mamba", "groups", json!(3)), "mamba.heads 8 cannot share 3"),
+            (edit(granite(), "mamba", "state", json!(0)), "mamba.state is 0"),
+            (edit(granite(), "mamba", "conv_taps", json!(0)), "mamba.conv_taps is 0"),
+            (edit(granite(), "mamba", "dt_max", json!(-1.0)), "dt_max must be finite"),
             (edit(gemma4(), "gemma4", "kv_from", json!([null, null, 1])), "kv_from[2] is 1"),
             (edit(gemma4(), "gemma4", "kv_from", json!([2, null, null])), "kv_from[0] is 2"),
             (edit(gemma4(), "gemma4", "head_dims", json!([16, 64, 16])), "head_dims[1] is 64"),

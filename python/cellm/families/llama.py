@@ -50,7 +50,7 @@ def _smollm3_layer_types(r: ConfigReader, num_layers: int) -> list[str]:
     return ["full_attention" if rope else "sliding_attention" for rope in uses_rope]
 
 
-def _granite_scaling(r: ConfigReader, dims: Dims) -> dict[str, Any]:
+def granite_scaling(r: ConfigReader, dims: Dims) -> dict[str, Any]:
     """Granite's embedding, residual and attention multipliers and its logits divisor."""
     return {
         "embedding_multiplier": r.get_float("embedding_multiplier", 1.0, positive=True),
@@ -96,7 +96,7 @@ FAMILY = Family(
         ),
         "granite": ModelType(
             {**COMMON_DEFAULTS, "max_position_embeddings": 2048, "tie_word_embeddings": False},
-            extras=_granite_scaling,
+            extras=granite_scaling,
         ),
         "smollm3": ModelType(
             {
