@@ -58,6 +58,12 @@ def add_model_arguments(p: Parser) -> None:
     )
     p.add_argument("--tokenizer", help="tokenizer.json to use instead of the embedded one")
     p.add_argument("--backend", choices=BACKENDS, default="cpu")
+    p.add_argument(
+        "--max-layers",
+        type=bounded(int, 1),
+        default=None,
+        help="run only the model's first N layers (a debugging aid)",
+    )
     p.add_argument("--kv-encoding", choices=KV_ENCODINGS, default="f16")
     p.add_argument("--threads", type=bounded(int, 1), default=None, help="default: physical cores")
     p.add_argument(
@@ -102,6 +108,7 @@ def load_model(args: argparse.Namespace) -> LLM:
         context_length=args.context_length,
         tokenizer=args.tokenizer,
         kv_capacity_tokens=getattr(args, "kv_capacity_tokens", None),
+        max_layers=args.max_layers,
     )
 
 

@@ -120,6 +120,7 @@ class LLM:
         convert_dtype: str = "f16",
         kv_capacity_tokens: Optional[int] = None,
         processor: Optional[Mapping[str, Any]] = None,
+        max_layers: Optional[int] = None,
     ) -> None:
         if backend not in BACKENDS:
             raise InvalidArgument(f"unknown backend {backend!r} (available: {', '.join(BACKENDS)})")
@@ -129,6 +130,7 @@ class LLM:
             ("threads", threads),
             ("context_length", context_length),
             ("kv_capacity_tokens", kv_capacity_tokens),
+            ("max_layers", max_layers),
         )
         for name, v in limits:
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -140,6 +142,7 @@ class LLM:
             kv_encoding=kv_encoding,
             context_length=context_length,
             kv_capacity_tokens=kv_capacity_tokens,
+            max_layers=max_layers,
         )
         # Held for each engine call: the engine is not reentrant (see the class docstring).
         self._lock = threading.RLock()

@@ -31,6 +31,8 @@ pub struct EngineOptions {
     pub context_length: Option<usize>,
     /// KV capacity in tokens over all sessions; default: 8 full contexts.
     pub kv_capacity_tokens: Option<usize>,
+    /// Run only the model's first this many layers (a debugging aid); default: all.
+    pub max_layers: Option<usize>,
 }
 
 impl Default for EngineOptions {
@@ -40,6 +42,7 @@ impl Default for EngineOptions {
             kv_encoding: KvEncoding::F16,
             context_length: None,
             kv_capacity_tokens: None,
+            max_layers: None,
         }
     }
 }
@@ -95,7 +98,7 @@ impl Engine {
 
     /// The engine of a file already opened (from a path or from bytes).
     pub fn from_file(file: CellmFile, opts: &EngineOptions) -> Result<Self> {
-        let model = cellm_models::load(&file)?;
+        let model = cellm_models::load_limited(&file, opts.max_layers)?;
         let cfg = model.config();
         let context_length = opts.context_length.unwrap_or(cfg.max_position_embeddings);
         if context_length == 0 || context_length > MAX_CONTEXT {

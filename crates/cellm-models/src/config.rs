@@ -93,6 +93,10 @@ pub struct ModelConfig {
     /// Attention outputs are gated by a sigmoid of a second half of `q_proj` (Qwen3.5).
     #[serde(default)]
     pub attn_output_gate: bool,
+    /// Run only the first this many layers, then the final norm and head (a debugging aid;
+    /// never in a file: set by [`crate::load_limited`]).
+    #[serde(skip)]
+    pub max_layers: Option<usize>,
     /// Family-specific sections (`conv`, `linear_attention`, `mla`, `moe`), read with
     /// [`ModelConfig::section`].
     #[serde(flatten)]
@@ -290,6 +294,11 @@ impl ModelConfig {
             .map_err(|e| Error::format(format!("bad model description: '{name}': {e}")))?;
         section.check(self)?;
         Ok(section)
+    }
+
+    /// How many layers a forward runs: all, or the first `max_layers`.
+    pub fn layers_run(&self) -> usize {
+        self.max_layers.map_or(self.num_layers, |n| n.clamp(1, self.num_layers))
     }
 
     pub fn layer_type(&self, layer: usize) -> LayerType {

@@ -62,8 +62,8 @@ impl<L: DecoderLayer + Send + Sync> CausalLm for Decoder<L> {
             x[row * c.hidden_size..(row + 1) * c.hidden_size].copy_from_slice(values);
         }
         let mut ctx = StepCtx { step, positions: &positions, kv, states };
-        let (mut x, rows) =
-            run_layers(&self.layers, x, c.hidden_size, c.residual_multiplier, &mut ctx)?;
+        let layers = &self.layers[..c.layers_run()];
+        let (mut x, rows) = run_layers(layers, x, c.hidden_size, c.residual_multiplier, &mut ctx)?;
         Ok(self.head.forward(&mut x, rows))
     }
 }

@@ -405,8 +405,9 @@ impl CausalLm for Gemma4 {
         }
         let mut per_layer = self.per_layer_inputs.as_ref().map(|p| p.compute(step.tokens, &x, h));
         let mut rows = step.tokens.len();
-        let last = self.layers.len() - 1;
-        for (i, layer) in self.layers.iter().enumerate() {
+        let layers = &self.layers[..c.layers_run()];
+        let last = layers.len() - 1;
+        for (i, layer) in layers.iter().enumerate() {
             if (step.cancel)() {
                 return Err(Cancelled);
             }

@@ -22,7 +22,7 @@ mod weights;
 use cellm_kv::{PagePool, SeqSpan, SeqState};
 
 pub use config::{Activation, LayerType, ModelConfig, RopeConfig, MAX_CONTEXT};
-pub use registry::{architectures, expected_tensors, load};
+pub use registry::{architectures, expected_tensors, load, load_limited};
 pub use vision::{ConnectorKind, VisionConfig, VisionEncoder};
 pub use weights::{Storage, TensorSpec, Weights};
 

@@ -29,7 +29,22 @@ pub fn architectures() -> impl Iterator<Item = &'static str> {
 
 /// Builds the model a validated file describes.
 pub fn load(file: &CellmFile) -> Result<Box<dyn CausalLm>> {
-    let config = ModelConfig::from_json(&file.header().model)?;
+    load_limited(file, None)
+}
+
+/// As [`load`], the model's forward running only its first `max_layers` layers (then the
+/// final norm and the head): a debugging aid. The caches stay sized for every layer.
+pub fn load_limited(file: &CellmFile, max_layers: Option<usize>) -> Result<Box<dyn CausalLm>> {
+    let mut config = ModelConfig::from_json(&file.header().model)?;
+    if let Some(n) = max_layers {
+        if n == 0 || n > config.num_layers {
+            return Err(Error::InvalidArgument(format!(
+                "max_layers must be 1 to {} (the model's layers), not {n}",
+                config.num_layers
+            )));
+        }
+        config.max_layers = Some(n);
+    }
     build(&Weights::from_file(file), config)
 }
 

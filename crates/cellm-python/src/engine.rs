@@ -23,7 +23,7 @@ pub struct Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (path, *, threads=None, kv_encoding="f16", context_length=None, kv_capacity_tokens=None))]
+    #[pyo3(signature = (path, *, threads=None, kv_encoding="f16", context_length=None, kv_capacity_tokens=None, max_layers=None))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -31,12 +31,14 @@ impl Engine {
         kv_encoding: &str,
         context_length: Option<usize>,
         kv_capacity_tokens: Option<usize>,
+        max_layers: Option<usize>,
     ) -> PyResult<Self> {
         let opts = EngineOptions {
             threads,
             kv_encoding: cellm_engine::KvEncoding::parse(kv_encoding).map_err(to_py)?,
             context_length,
             kv_capacity_tokens,
+            max_layers,
         };
         let inner = py.detach(|| Inner::open(&path, &opts)).map_err(to_py)?;
         Ok(Self { inner })
