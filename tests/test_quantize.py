@@ -1,10 +1,10 @@
 """Quantizing at conversion (--quantize, --group-size, --embedding).
 
 GGUF blocks are compared byte for byte with llama.cpp's own Python quantizer (gguf-py, an
-independent implementation of ggml's reference rounding). cellm's int8/int4 formats are read
-back by a numpy decoder written from docs/format.md, which the engine's decoder must match
-exactly and which bounds the rounding error. Quantized models run against HF's reference
-logits (8-bit) or against the same weights dequantized into an f32 file (4-bit)."""
+independent implementation of ggml's reference rounding). cellm's int8/int4/int3/int2 formats
+are read back by a numpy decoder written from docs/format.md, which the engine's decoder must
+match exactly and which bounds the rounding error. Quantized models run against HF's reference
+logits (8-bit) or against the same weights dequantized into an f32 file (2- to 5-bit)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ def test_rows_must_split_into_blocks():
 # -- cellm's int8 / int4 formats, decoded from their definition in docs/format.md -----------
 
 CELLM_FORMATS = ["i8_row", "i4_g64", "i4_g128", "i4a_g64", "i4a_g128"]
+LOW_BIT_FORMATS = ["i3a_g64", "i3a_g128", "i2a_g64", "i2a_g128"]
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -68,6 +69,8 @@ def decode_reference(fmt: str, data: np.ndarray, rows: int, cols: int) -> np.nda
         scale = data[:, :4].copy().view("<f4")
         return data[:, 4:].view(np.int8).astype(np.float32) * scale
     group = int(fmt.rsplit("_g", 1)[1])
+    if fmt in LOW_BIT_FORMATS:
+        return decode_low_bit(fmt, data, group).reshape(rows, cols)
     affine = fmt.startswith("i4a")
     head = 4 if affine else 2
     groups = data.reshape(-1, head + group // 2)
@@ -80,7 +83,22 @@ def decode_reference(fmt: str, data: np.ndarray, rows: int, cols: int) -> np.nda
     return w.reshape(rows, cols)
 
 
-@pytest.mark.parametrize("fmt", CELLM_FORMATS)
+def decode_low_bit(fmt: str, data: np.ndarray, group: int) -> np.ndarray:
+    """int3 / int2 affine groups: `d`, `m`, then per 32 values 8 bytes whose byte j holds
+    values j, j + 8, j + 16, j + 24 two bits each from bit 0 up, and (int3) 4 bytes whose bit
+    i is value i's third bit; `w = d * q + m`."""
+    three = fmt.startswith("i3")
+    sub = 12 if three else 8
+    groups = data.reshape(-1, 4 + group // 32 * sub)
+    d, m = _f16(groups[:, 0:2]), _f16(groups[:, 2:4])
+    subs = groups[:, 4:].reshape(-1, sub)
+    q = np.concatenate([(subs[:, :8] >> (2 * k)) & 3 for k in range(4)], axis=1)
+    if three:
+        q = q | (np.unpackbits(subs[:, 8:], axis=1, bitorder="little") << 2)
+    return d * q.reshape(len(groups), group).astype(np.float32) + m
+
+
+@pytest.mark.parametrize("fmt", CELLM_FORMATS + LOW_BIT_FORMATS)
 def test_cellm_formats_round_trip_within_half_a_step(fmt):
     """Each value is within half a quantization step of its source (plus the f16 rounding of
     the stored scale and bias), and the engine decodes the bytes exactly as specified."""
@@ -97,8 +115,9 @@ def test_cellm_formats_round_trip_within_half_a_step(fmt):
     group = int(fmt.rsplit("_g", 1)[1])
     g, w = x.reshape(-1, group), got.reshape(-1, group)
     half_steps = np.full(g.shape, 0.5)
-    if fmt.startswith("i4a"):
-        step = (g.max(axis=1, keepdims=True) - g.min(axis=1, keepdims=True)) / 15
+    levels = {"i4a": 15, "i3a": 7, "i2a": 3}.get(fmt[:3])
+    if levels:
+        step = (g.max(axis=1, keepdims=True) - g.min(axis=1, keepdims=True)) / levels
     else:
         # The largest magnitude maps to -8; values of the other sign beyond 7.5 steps clip to
         # +7, a full step away at most (as in q4_0).
@@ -111,7 +130,7 @@ def test_cellm_formats_round_trip_within_half_a_step(fmt):
     assert (np.abs(w - g) <= bound).all(), float((np.abs(w - g) - bound).max())
 
 
-@pytest.mark.parametrize("fmt", CELLM_FORMATS)
+@pytest.mark.parametrize("fmt", CELLM_FORMATS + LOW_BIT_FORMATS)
 def test_engine_matmul_on_cellm_formats(fmt):
     """The engine's integer kernels (int8 activations) against numpy on the decoded weights:
     int8 activations keep each product within ~1% of the row's magnitude."""
@@ -135,6 +154,9 @@ def test_engine_matmul_on_cellm_formats(fmt):
         ("int4-affine", 32, "q4_1"),
         ("int4-affine", 64, "i4a_g64"),
         ("q5_0", None, "q5_0"),
+        ("int3", None, "i3a_g64"),
+        ("int2", 128, "i2a_g128"),
+        ("q1_0", None, "q1_0"),
     ],
 )
 def test_schemes_name_their_stored_format(scheme, group, want):
@@ -154,8 +176,10 @@ def test_bad_scheme_options():
         stored_format("int8", 64)
     with pytest.raises(InvalidArgument, match="--group-size"):
         stored_format("int4", 48)
-    with pytest.raises(InvalidArgument, match="int3"):
-        stored_format("int3")
+    with pytest.raises(InvalidArgument, match="int5"):
+        stored_format("int5")
+    with pytest.raises(InvalidArgument, match="--group-size for int2"):
+        stored_format("int2", 32)
 
 
 def assert_close_where_clear(got: np.ndarray, want: np.ndarray) -> None:
@@ -183,10 +207,18 @@ def test_8_bit_models_against_hf_reference(scheme, stored, tmp_path):
 
 @pytest.mark.parametrize(
     "scheme,group",
-    [("q4_0", None), ("q4_1", None), ("q5_0", None), ("int4", 64), ("int4-affine", 128)],
+    [
+        ("q4_0", None),
+        ("q4_1", None),
+        ("q5_0", None),
+        ("int4", 64),
+        ("int4-affine", 128),
+        ("int3", 64),
+        ("int2", 64),
+    ],
 )
-def test_4_and_5_bit_models_run_their_blocks(scheme, group, tmp_path):
-    """4-bit blocks of random Gaussian weights lose too much to compare with HF, so the
+def test_2_to_5_bit_models_run_their_blocks(scheme, group, tmp_path):
+    """2- to 5-bit blocks of random Gaussian weights lose too much to compare with HF, so the
     quantized model is judged against the same blocks dequantized independently (gguf-py for
     GGUF formats, this file's decoder for cellm's) into an f32 file: only the engine's int8
     activations separate the two (logits within 0.25, as in test_gguf_convert's q8_0 model)."""
@@ -221,7 +253,7 @@ def test_cli_quantizes_and_rejects_unknown_formats(tmp_path):
     proc = cli(*args, "--quantize", "q4_1")
     assert proc.returncode == 0, proc.stderr
     assert read_header(out)["source"]["quantize"] == "q4_1"
-    assert_one_line_error(cli(*args, "--quantize", "int3"), "--quantize")
+    assert_one_line_error(cli(*args, "--quantize", "int5"), "--quantize")
 
 
 def test_cli_group_size_and_embedding(tmp_path):

@@ -28,6 +28,11 @@ REQUANTIZED = [
     ("q4_k", {"quantize": "q4_k"}),
     ("q4_1 (int4-affine g32)", {"quantize": "q4_1"}),
     ("q4_0 (int4 g32)", {"quantize": "q4_0"}),
+    ("int3 g64", {"quantize": "int3", "group_size": 64}),
+    ("int3 g128", {"quantize": "int3", "group_size": 128}),
+    ("int2 g64", {"quantize": "int2", "group_size": 64}),
+    ("int2 g128", {"quantize": "int2", "group_size": 128}),
+    ("q1_0", {"quantize": "q1_0"}),
 ]
 
 

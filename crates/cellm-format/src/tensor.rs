@@ -34,6 +34,14 @@ pub enum TensorFormat {
     /// then the values as above (`w = d * q + m`). Groups of 32 are `q4_1`.
     I4AG64,
     I4AG128,
+    /// cellm int2 / int3, affine, groups of 64 / 128: an f16 scale `d` and bias `m`, then
+    /// 32-value sub-blocks (`w = d * q + m`): int2's are 8 bytes, byte `j` holding values `j`,
+    /// `j + 8`, `j + 16`, `j + 24` in bits 0-1, 2-3, 4-5, 6-7; int3's add 4 bytes whose bit `i`
+    /// is value `i`'s third bit.
+    I2AG64,
+    I2AG128,
+    I3AG64,
+    I3AG128,
     /// Row-interleaved q8_0 / q4_0 / q4_1 / q5_0 / q4_k / q6_k: the same blocks, regrouped so that a kernel reads
     /// 8 rows at once (`docs/format.md`, "Interleaved formats"). The converter writes them;
     /// the row count must be a multiple of [`INTERLEAVE`].
@@ -68,6 +76,10 @@ const FORMATS: &[FormatInfo] = &[
     FormatInfo(TensorFormat::I4G128, "i4_g128", 128, 66, 0),
     FormatInfo(TensorFormat::I4AG64, "i4a_g64", 64, 36, 0),
     FormatInfo(TensorFormat::I4AG128, "i4a_g128", 128, 68, 0),
+    FormatInfo(TensorFormat::I2AG64, "i2a_g64", 64, 20, 0),
+    FormatInfo(TensorFormat::I2AG128, "i2a_g128", 128, 36, 0),
+    FormatInfo(TensorFormat::I3AG64, "i3a_g64", 64, 28, 0),
+    FormatInfo(TensorFormat::I3AG128, "i3a_g128", 128, 52, 0),
     FormatInfo(TensorFormat::Q8_0X8, "q8_0x8", 32, 34, 0),
     FormatInfo(TensorFormat::Q4_0X8, "q4_0x8", 32, 18, 0),
     FormatInfo(TensorFormat::Q4_1X8, "q4_1x8", 32, 20, 0),
@@ -103,7 +115,7 @@ const INTERLEAVED: &[(TensorFormat, Interleaved)] = &[
 
 impl TensorFormat {
     /// The block formats (GGUF's, then cellm's), in one order other tables can index by.
-    pub const BLOCKS: [TensorFormat; 13] = [
+    pub const BLOCKS: [TensorFormat; 17] = [
         Self::Q8_0,
         Self::Q4_0,
         Self::Q4_1,
@@ -117,6 +129,10 @@ impl TensorFormat {
         Self::I4G128,
         Self::I4AG64,
         Self::I4AG128,
+        Self::I2AG64,
+        Self::I2AG128,
+        Self::I3AG64,
+        Self::I3AG128,
     ];
 
     /// The interleaved formats, in one order other tables can index by.

@@ -37,15 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SCHEMES,
         default=None,
         help="store every matrix whose rows split into its units in this format: int8 (per "
-        "row), int4 / int4-affine (groups of --group-size), or a GGUF block format (ggml's "
-        "reference rounding). A GGUF input is dequantized and requantized",
+        "row), int4 / int4-affine / int3 / int2 (groups of --group-size; int3 and int2 are "
+        "affine), or a GGUF block format (ggml's reference rounding; q1_0 is 1 bit per value). "
+        "A GGUF input is dequantized and requantized",
     )
     p.add_argument(
         "--group-size",
         type=int,
         choices=GROUP_SIZES,
         default=None,
-        help="values per int4 scale (default 64)",
+        help="values per int4 / int3 / int2 scale (default 64; int3 and int2: 64 or 128)",
     )
     p.add_argument(
         "--embedding",

@@ -34,6 +34,10 @@ BLOCK_FORMATS = {
     "i4_g128": (128, 66),
     "i4a_g64": (64, 36),
     "i4a_g128": (128, 68),
+    "i2a_g64": (64, 20),
+    "i2a_g128": (128, 36),
+    "i3a_g64": (64, 28),
+    "i3a_g128": (128, 52),
     # The same blocks with 8 rows interleaved (interleave.py), for the engine's group kernels.
     "q8_0x8": (32, 34),
     "q4_0x8": (32, 18),

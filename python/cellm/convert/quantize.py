@@ -185,6 +185,30 @@ def _int4_groups(x: np.ndarray, group: int, affine: bool) -> np.ndarray:
     return np.concatenate([*head, packed], axis=1)
 
 
+def _pack_crumbs(q: np.ndarray) -> np.ndarray:
+    """Values 0..3 of each 32-value sub-block -> 8 bytes: byte j holds values j, j + 8, j + 16,
+    j + 24 in bits 0-1, 2-3, 4-5, 6-7."""
+    packed: np.ndarray = q[:, 0:8] | (q[:, 8:16] << 2) | (q[:, 16:24] << 4) | (q[:, 24:32] << 6)
+    return packed
+
+
+def _low_bit_groups(x: np.ndarray, group: int, bits: int) -> np.ndarray:
+    """cellm int2 / int3, affine (MLX style) groups of `group`: `d` = range / (2^bits - 1) and
+    `m` = minimum as the f16s the file stores, values rounded with them; per 32-value
+    sub-block the two low bits of each value, then (int3) the third bits as 4 bytes."""
+    g = x.reshape(-1, group)
+    top = 2**bits - 1
+    lo, hi = g.min(axis=1, keepdims=True), g.max(axis=1, keepdims=True)
+    d = ((hi - lo) / np.float32(top)).astype(np.float16).astype(np.float32)
+    m = lo.astype(np.float16).astype(np.float32)
+    q = np.rint((g - m) * _inverse(d)).clip(0, top).astype(np.uint8).reshape(-1, BLOCK)
+    packed = _pack_crumbs(q & 3)
+    if bits == 3:
+        third = np.packbits(q >> 2, axis=1, bitorder="little")
+        packed = np.concatenate([packed, third], axis=1)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(m), packed.reshape(len(g), -1)], axis=1)
+
+
 # Stored format -> (quantizer over rows, values per unit it works on): 32-value blocks for the
 # GGUF formats and groups, whole rows (None) for i8_row.
 _FORMATS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], Optional[int]]] = {
@@ -199,17 +223,42 @@ _FORMATS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], Optional[int]]] = 
     "i4_g128": (lambda g: _int4_groups(g, 128, False), 128),
     "i4a_g64": (lambda g: _int4_groups(g, 64, True), 64),
     "i4a_g128": (lambda g: _int4_groups(g, 128, True), 128),
+    "i2a_g64": (lambda g: _low_bit_groups(g, 64, 2), 64),
+    "i2a_g128": (lambda g: _low_bit_groups(g, 128, 2), 128),
+    "i3a_g64": (lambda g: _low_bit_groups(g, 64, 3), 64),
+    "i3a_g128": (lambda g: _low_bit_groups(g, 128, 3), 128),
 }
 
 # User-facing schemes: cellm's by kind, and the GGUF formats by name.
-SCHEMES = ("int8", "int4", "int4-affine", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q1_0")
+SCHEMES = (
+    "int8",
+    "int4",
+    "int4-affine",
+    "int3",
+    "int2",
+    "q8_0",
+    "q4_0",
+    "q4_1",
+    "q5_0",
+    "q4_k",
+    "q1_0",
+)
 GROUP_SIZES = (32, 64, 128)
+# int3 and int2 are affine groups of 64 or 128 values.
+LOW_BIT_GROUP_SIZES = (64, 128)
 
 
 def stored_format(scheme: str, group_size: Optional[int] = None) -> str:
-    """The file format of `scheme` (with `group_size` for int4; default 64, MLX's)."""
+    """The file format of `scheme` (with `group_size` for int4, int3 and int2; default 64,
+    MLX's)."""
     if scheme not in SCHEMES:
         raise InvalidArgument(f"cannot quantize to {scheme!r} (available: {', '.join(SCHEMES)})")
+    if scheme in ("int3", "int2"):
+        group = 64 if group_size is None else group_size
+        if group not in LOW_BIT_GROUP_SIZES:
+            sizes = ", ".join(map(str, LOW_BIT_GROUP_SIZES))
+            raise InvalidArgument(f"--group-size for {scheme} must be one of {sizes}, got {group}")
+        return f"i{scheme[-1]}a_g{group}"
     if scheme in ("int4", "int4-affine"):
         group = 64 if group_size is None else group_size
         if group not in GROUP_SIZES:
@@ -219,7 +268,9 @@ def stored_format(scheme: str, group_size: Optional[int] = None) -> str:
             return "q4_0" if scheme == "int4" else "q4_1"
         return f"i4{'a' if scheme == 'int4-affine' else ''}_g{group}"
     if group_size is not None:
-        raise InvalidArgument(f"--group-size applies to int4 and int4-affine, not {scheme}")
+        raise InvalidArgument(
+            f"--group-size applies to int4, int4-affine, int3 and int2, not {scheme}"
+        )
     return "i8_row" if scheme == "int8" else scheme
 
 
@@ -272,7 +323,8 @@ def plan_quantization(
     elif embedding in FLOAT_DTYPES:
         embed = embedding
     else:
-        embed = stored_format(embedding, group_size if embedding.startswith("int4") else None)
+        grouped = embedding.startswith(("int4", "int3", "int2"))
+        embed = stored_format(embedding, group_size if grouped else None)
     return Quantization(scheme, group_size, matrices, embed)
 
 

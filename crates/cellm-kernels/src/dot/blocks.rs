@@ -154,6 +154,35 @@ fn i4_affine(b: &[u8], _: &[u8], y: &mut [f32]) {
     int4_group(b, y, true);
 }
 
+/// Value `i` (0..32) of a cellm int2 / int3 sub-block (`docs/format.md`).
+pub(super) fn low_bit_value(sub: &[u8], i: usize, three: bool) -> u8 {
+    let low = (sub[i % 8] >> (2 * (i / 8))) & 3;
+    if three {
+        low | (((sub[8 + i / 8] >> (i % 8)) & 1) << 2)
+    } else {
+        low
+    }
+}
+
+/// A cellm int2 / int3 affine group: `d`, `m` as f16, then its 32-value sub-blocks.
+fn low_bit_group(b: &[u8], y: &mut [f32], three: bool) {
+    let (d, m) = (half_at(b, 0), half_at(b, 2));
+    let sub_bytes = if three { 12 } else { 8 };
+    for (sub, out) in b[4..].chunks_exact(sub_bytes).zip(y.chunks_exact_mut(32)) {
+        for (i, y) in out.iter_mut().enumerate() {
+            *y = f32::from(low_bit_value(sub, i, three)) * d + m;
+        }
+    }
+}
+
+fn i2_affine(b: &[u8], _: &[u8], y: &mut [f32]) {
+    low_bit_group(b, y, false);
+}
+
+fn i3_affine(b: &[u8], _: &[u8], y: &mut [f32]) {
+    low_bit_group(b, y, true);
+}
+
 fn block_decoder(format: TensorFormat) -> Option<DecodeBlock> {
     Some(match format {
         TensorFormat::Q8_0 => q8_0,
@@ -167,6 +196,8 @@ fn block_decoder(format: TensorFormat) -> Option<DecodeBlock> {
         TensorFormat::I8Row => i8_row,
         TensorFormat::I4G64 | TensorFormat::I4G128 => i4_sym,
         TensorFormat::I4AG64 | TensorFormat::I4AG128 => i4_affine,
+        TensorFormat::I2AG64 | TensorFormat::I2AG128 => i2_affine,
+        TensorFormat::I3AG64 | TensorFormat::I3AG128 => i3_affine,
         TensorFormat::F32
         | TensorFormat::F16
         | TensorFormat::BF16
@@ -238,6 +269,10 @@ block_kernels! {
     k_i4_g128 => TensorFormat::I4G128,
     k_i4a_g64 => TensorFormat::I4AG64,
     k_i4a_g128 => TensorFormat::I4AG128,
+    k_i2a_g64 => TensorFormat::I2AG64,
+    k_i2a_g128 => TensorFormat::I2AG128,
+    k_i3a_g64 => TensorFormat::I3AG64,
+    k_i3a_g128 => TensorFormat::I3AG128,
 }
 
 #[cfg(test)]
@@ -271,7 +306,11 @@ mod tests {
             | TensorFormat::Q4K
             | TensorFormat::Q5K
             | TensorFormat::I4AG64
-            | TensorFormat::I4AG128 => &[0, 2],
+            | TensorFormat::I4AG128
+            | TensorFormat::I2AG64
+            | TensorFormat::I2AG128
+            | TensorFormat::I3AG64
+            | TensorFormat::I3AG128 => &[0, 2],
             TensorFormat::I8Row => &[],
             _ => &[0],
         };
@@ -298,7 +337,11 @@ mod tests {
             | TensorFormat::Q4K
             | TensorFormat::Q5K
             | TensorFormat::I4AG64
-            | TensorFormat::I4AG128 => &[0, 2],
+            | TensorFormat::I4AG128
+            | TensorFormat::I2AG64
+            | TensorFormat::I2AG128
+            | TensorFormat::I3AG64
+            | TensorFormat::I3AG128 => &[0, 2],
             _ => &[0],
         };
         for block in row[header..].chunks_exact_mut(format.block_bytes()) {

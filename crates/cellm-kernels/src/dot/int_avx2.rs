@@ -241,6 +241,61 @@ unsafe fn q1_0<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; 
     )
 }
 
+/// 8 bytes of 2-bit values -> 32 bytes: byte `j` of 8-byte lane `k` is bits `2k..2k + 2` of
+/// byte `j` (value `j + 8k` of a cellm int2 / int3 sub-block). A 64-bit shift per lane moves
+/// bits across bytes, but the mask keeps only each byte's own two.
+#[inline(always)]
+unsafe fn crumbs32(p: *const u8) -> __m256i {
+    let v = _mm256_set1_epi64x(p.cast::<i64>().read_unaligned());
+    let shifted = _mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 2, 4, 6));
+    _mm256_and_si256(shifted, _mm256_set1_epi8(3))
+}
+
+/// cellm int2 / int3 affine groups of `GROUP`: unsigned values 0..3 / 0..7 and `[d, m]`.
+#[inline(always)]
+unsafe fn low_bit_groups<D: ByteDot, const N: usize, const GROUP: usize, const THREE: bool>(
+    row: &[u8],
+    x: &[Q8Row; N],
+) -> [f32; N] {
+    let sub = if THREE { 12 } else { 8 };
+    unsigned_groups::<D, N>(
+        row,
+        x,
+        4 + GROUP / 32 * sub,
+        GROUP / 32,
+        |g, j| unsafe {
+            let p = g.add(4 + sub * j);
+            if THREE {
+                let high = bits32(std::slice::from_raw_parts(p.add(8), 4));
+                _mm256_or_si256(crumbs32(p), _mm256_and_si256(high, _mm256_set1_epi8(4)))
+            } else {
+                crumbs32(p)
+            }
+        },
+        |g| unsafe { _mm_cvtph_ps(_mm_cvtsi32_si128(g.cast::<i32>().read_unaligned())) },
+    )
+}
+
+#[inline(always)]
+unsafe fn i2a_g64<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    low_bit_groups::<D, N, 64, false>(row, x)
+}
+
+#[inline(always)]
+unsafe fn i2a_g128<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    low_bit_groups::<D, N, 128, false>(row, x)
+}
+
+#[inline(always)]
+unsafe fn i3a_g64<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    low_bit_groups::<D, N, 64, true>(row, x)
+}
+
+#[inline(always)]
+unsafe fn i3a_g128<D: ByteDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    low_bit_groups::<D, N, 128, true>(row, x)
+}
+
 /// K-quant activations (the Q8K scheme) share one scale per 256 values, so a super-block's
 /// sub-block products can be summed as integers, weighted by their integer 6-bit scales
 /// (`vpmaddwd` with the scale in place of ones), and turned into floats once.

@@ -175,6 +175,66 @@ unsafe fn i4a_g128<D: NeonDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f
     int4_groups::<D, N, 128, true>(row, x)
 }
 
+/// 8 bytes of 2-bit values -> 32 values: value `j + 8k` is bits `2k..2k + 2` of byte `j`
+/// (a cellm int2 / int3 sub-block).
+#[inline(always)]
+unsafe fn crumbs32(p: *const u8) -> [uint8x16_t; 2] {
+    let (v, m) = (vld1_u8(p), vdup_n_u8(3));
+    [
+        vcombine_u8(vand_u8(v, m), vand_u8(vshr_n_u8::<2>(v), m)),
+        vcombine_u8(vand_u8(vshr_n_u8::<4>(v), m), vshr_n_u8::<6>(v)),
+    ]
+}
+
+/// cellm int2 / int3 affine groups of `GROUP`: values 0..3 / 0..7 (exact as i8), `d` and `m`.
+#[inline(always)]
+unsafe fn low_bit_groups<D: NeonDot, const N: usize, const GROUP: usize, const THREE: bool>(
+    row: &[u8],
+    x: &[Q8Row; N],
+) -> [f32; N] {
+    let sub = if THREE { 12 } else { 8 };
+    groups::<D, N>(
+        row,
+        x,
+        4 + GROUP / 32 * sub,
+        GROUP / 32,
+        |g, j| unsafe {
+            let p = g.add(4 + sub * j);
+            let mut q = crumbs32(p);
+            if THREE {
+                let bits = p.add(8).cast::<u32>().read_unaligned();
+                let third = |h: u16| vandq_u8(bit_mask16(h), vdupq_n_u8(4));
+                q = [
+                    vorrq_u8(q[0], third(bits as u16)),
+                    vorrq_u8(q[1], third((bits >> 16) as u16)),
+                ];
+            }
+            signed(q)
+        },
+        |g| unsafe { (load_f16(g), load_f16(g.add(2))) },
+    )
+}
+
+#[inline(always)]
+unsafe fn i2a_g64<D: NeonDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    low_bit_groups::<D, N, 64, false>(row, x)
+}
+
+#[inline(always)]
+unsafe fn i2a_g128<D: NeonDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    low_bit_groups::<D, N, 128, false>(row, x)
+}
+
+#[inline(always)]
+unsafe fn i3a_g64<D: NeonDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    low_bit_groups::<D, N, 64, true>(row, x)
+}
+
+#[inline(always)]
+unsafe fn i3a_g128<D: NeonDot, const N: usize>(row: &[u8], x: &[Q8Row; N]) -> [f32; N] {
+    low_bit_groups::<D, N, 128, true>(row, x)
+}
+
 /// q4_k and q5_k: the Q8K activations share one scale per super-block, so each sub-block's
 /// integer sum is weighted by its 6-bit scale as an integer and converted once.
 #[inline(always)]

@@ -3,6 +3,7 @@
 
 use cellm_format::TensorFormat;
 
+use super::blocks::low_bit_value;
 use super::kinds::{QDot4Fn, QDotFn};
 use crate::acts::Q8Row;
 
@@ -186,18 +187,54 @@ pub fn i4a_g128(row: &[u8], x: Q8Row) -> f32 {
     int4_groups(row, x, 128, true)
 }
 
+/// cellm int2 / int3 affine groups of `group`: per 32-value sub-block,
+/// `d * dx * sum(q x) + m * s`.
+fn low_bit_groups(row: &[u8], x: Q8Row, group: usize, three: bool) -> f32 {
+    let sub_bytes = if three { 12 } else { 8 };
+    let mut sum = 0.0;
+    for (g, blk) in row.chunks_exact(4 + group / 32 * sub_bytes).enumerate() {
+        let (d, m) = (half(blk, 0), half(blk, 2));
+        for (j, sub) in blk[4..].chunks_exact(sub_bytes).enumerate() {
+            let xb = g * group / 32 + j;
+            let q = (0..32).map(|i| i32::from(low_bit_value(sub, i, three)));
+            let s = idot(q, &x.qs[32 * xb..32 * xb + 32]);
+            sum += d * x.ds[xb][0] * s as f32 + m * x.ds[xb][1];
+        }
+    }
+    sum
+}
+
+pub fn i2a_g64(row: &[u8], x: Q8Row) -> f32 {
+    low_bit_groups(row, x, 64, false)
+}
+
+pub fn i2a_g128(row: &[u8], x: Q8Row) -> f32 {
+    low_bit_groups(row, x, 128, false)
+}
+
+pub fn i3a_g64(row: &[u8], x: Q8Row) -> f32 {
+    low_bit_groups(row, x, 64, true)
+}
+
+pub fn i3a_g128(row: &[u8], x: Q8Row) -> f32 {
+    low_bit_groups(row, x, 128, true)
+}
+
 /// The single-row kernels, in `TensorFormat::BLOCKS` order.
-const ONE: [QDotFn; 13] =
-    [q8_0, q4_0, q4_1, q5_0, q4_k, q5_k, q6_k, q1_0, i8_row, i4_g64, i4_g128, i4a_g64, i4a_g128];
+const ONE: [QDotFn; 17] = [
+    q8_0, q4_0, q4_1, q5_0, q4_k, q5_k, q6_k, q1_0, i8_row, i4_g64, i4_g128, i4a_g64, i4a_g128,
+    i2a_g64, i2a_g128, i3a_g64, i3a_g128,
+];
 
 /// Four rows as four single-row calls: the reference the SIMD four-row kernels match.
 fn four<const I: usize>(row: &[u8], x: &[Q8Row; 4]) -> [f32; 4] {
     x.map(|r| ONE[I](row, r))
 }
 
-const FOUR: [QDot4Fn; 13] = [
+const FOUR: [QDot4Fn; 17] = [
     four::<0>, four::<1>, four::<2>, four::<3>, four::<4>, four::<5>, four::<6>, four::<7>,
-    four::<8>, four::<9>, four::<10>, four::<11>, four::<12>,
+    four::<8>, four::<9>, four::<10>, four::<11>, four::<12>, four::<13>, four::<14>, four::<15>,
+    four::<16>,
 ];
 
 pub fn qdot(format: TensorFormat) -> Option<(QDotFn, QDot4Fn)> {

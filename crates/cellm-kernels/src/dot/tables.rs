@@ -124,6 +124,10 @@ macro_rules! with_integer_kernels {
             e_i4_g128 => i4_g128, TensorFormat::I4G128;
             e_i4a_g64 => i4a_g64, TensorFormat::I4AG64;
             e_i4a_g128 => i4a_g128, TensorFormat::I4AG128;
+            e_i2a_g64 => i2a_g64, TensorFormat::I2AG64;
+            e_i2a_g128 => i2a_g128, TensorFormat::I2AG128;
+            e_i3a_g64 => i3a_g64, TensorFormat::I3AG64;
+            e_i3a_g128 => i3a_g128, TensorFormat::I3AG128;
         }
     };
 }
