@@ -87,3 +87,48 @@ def test_granite_refusals(edits: dict, needle: str) -> None:
 
     with pytest.raises(CellmError, match=needle):
         normalise_config(granite_config(**edits))
+
+
+def test_gemma4_as_published_runs_its_text_model(tmp_path: Path) -> None:
+    """Gemma 4 as published (`Gemma4ForConditionalGeneration`): the gemma4_text fixture's
+    weights under `model.language_model.`, towers beside them and K/V projections on a
+    KV-shared layer (as transformers' checkpoints may hold), its config in `text_config`. The
+    text model's logits are the fixture's reference (transformers computes text-only input
+    through the same text model)."""
+    import json
+
+    import numpy as np
+
+    from cellm import LLM
+    from conftest import Reference
+
+    src = tmp_path / "gemma4"
+    shutil.copytree(FIXTURES / "gemma4", src)
+    text = json.loads((src / "config.json").read_text())
+    config = {"model_type": "gemma4", "text_config": text, "vision_config": {}}
+    (src / "config.json").write_text(json.dumps(config))
+    tensors = {
+        "model.language_model." + k[len("model.") :]: v
+        for k, v in load_file(src / "model.safetensors").items()
+    }
+    extra = {
+        "model.vision_tower.encoder.weight": tensors["model.language_model.norm.weight"],
+        "model.embed_audio.embedding_projection.weight": tensors[
+            "model.language_model.norm.weight"
+        ],
+        # Layer 4 reads layer 3's cache (the fixture's num_kv_shared_layers 2).
+        "model.language_model.layers.4.self_attn.k_proj.weight": tensors[
+            "model.language_model.layers.3.self_attn.k_proj.weight"
+        ],
+    }
+    save_file({**tensors, **extra}, src / "model.safetensors", metadata={"format": "pt"})
+    out = convert_hf(src, tmp_path / "g.cellm", "f32")
+    assert read_header(out)["source"]["left_out"] == {
+        "Gemma 4's vision tower; cellm runs its text model only": 1,
+        "Gemma 4's audio tower; cellm runs its text model only": 1,
+        "K/V projections of KV-shared layers, which read an earlier layer's cache": 1,
+    }
+    ref = Reference("gemma4")
+    llm = LLM(out, kv_encoding="f32")
+    for i in range(len(ref.prompts)):
+        assert np.abs(llm.logits(ref.sequence(i)) - ref.logits[i]).max() < 1e-3

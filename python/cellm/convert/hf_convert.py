@@ -69,7 +69,9 @@ def convert_hf(
 
     with open_checkpoint(src) as checkpoint:
         _check_layer_count(config, checkpoint, config_source)
-        embed_dtype = checkpoint.info(EMBEDDING).dtype if EMBEDDING in checkpoint else "F32"
+        # Where the family keeps it (a published multimodal checkpoint nests the text model).
+        embedding = family.checkpoint_name({"model_type": config.get("model_type")}, EMBEDDING)
+        embed_dtype = checkpoint.info(embedding).dtype if embedding in checkpoint else "F32"
         model = normalise_config(config, checkpoint, config_source, embed_dtype)
         family.settle_from_weights(model, checkpoint)
         if vision_quantize is not None and "vision" not in model:

@@ -1,10 +1,16 @@
 """Gemma 4's text model (`gemma4_text`): Gemma 3-like layers with per-layer input embeddings,
 head widths per layer, a `proportional` RoPE on full layers, KV-shared last layers and a
 per-layer residual scale (the engine's `gemma4` architecture). Its RMSNorms multiply by a
-plain `w`, so weights are stored as they are."""
+plain `w`, so weights are stored as they are.
+
+Checkpoints come as a text model (`gemma4_text`) or as published (`gemma4`:
+`Gemma4ForConditionalGeneration`, the text config in `text_config`, its tensors under
+`model.language_model.`); the published ones' vision and audio towers are left out (the engine
+does not run them yet), and so are the K/V projections KV-shared layers never use."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -143,35 +149,84 @@ def _extras(r: ConfigReader, dims: Dims) -> dict[str, Any]:
     return out
 
 
+WRAPPER = "gemma4"
+TEXT_PREFIX = "model.language_model."
+_SHARED_KV = re.compile(
+    r"^model\.(?:language_model\.)?layers\.(\d+)\.self_attn\.(?:k_proj|v_proj|k_norm|v_norm)\."
+)
+_TOWERS = {
+    "model.vision_tower.": "vision",
+    "model.embed_vision.": "vision",
+    "model.audio_tower.": "audio",
+    "model.embed_audio.": "audio",
+}
+
+
+def _flat_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The published config's `text_config` with the outer tying (Gemma4Config ties by
+    default); a text model's config as it is."""
+    if config.get("model_type") != WRAPPER:
+        return dict(config)
+    text = config.get("text_config")
+    if not isinstance(text, Mapping):
+        raise FormatError("a gemma4 config needs a text_config object")
+    return {
+        **text,
+        "model_type": WRAPPER,
+        "tie_word_embeddings": config.get("tie_word_embeddings", True),
+    }
+
+
+def _checkpoint_name(model: Mapping[str, Any], name: str) -> str:
+    if model["model_type"] == WRAPPER and name.startswith("model."):
+        return TEXT_PREFIX + name[len("model.") :]
+    return name
+
+
+def _unused(model: Mapping[str, Any], name: str) -> Optional[str]:
+    m = _SHARED_KV.match(name)
+    kv_from = model.get("gemma4", {}).get("kv_from", [])
+    if m and int(m.group(1)) < len(kv_from) and kv_from[int(m.group(1))] is not None:
+        return "K/V projections of KV-shared layers, which read an earlier layer's cache"
+    if model["model_type"] == WRAPPER:
+        for prefix, tower in _TOWERS.items():
+            if name.startswith(prefix):
+                return f"Gemma 4's {tower} tower; cellm runs its text model only"
+    return None
+
+
+_TEXT = ModelType(
+    {
+        "vocab_size": 262_144,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "sliding_window": 512,
+        "rope_theta": 1_000_000.0,
+        "vocab_size_per_layer_input": 262_144,
+        "hidden_size_per_layer_input": 256,
+        "num_kv_shared_layers": 0,
+    },
+    # Gemma4TextAttention always norms q and k; Gemma4TextMLP has no biases.
+    fixed={"mlp_bias": False, "qk_norm": True},
+    layer_types=_layer_types,
+    layer_kinds=frozenset(KINDS),
+    act_key="hidden_activation",
+    extras=_extras,
+)
+
 FAMILY = Family(
     architecture="gemma4",
-    model_types={
-        "gemma4_text": ModelType(
-            {
-                "vocab_size": 262_144,
-                "hidden_size": 2304,
-                "intermediate_size": 9216,
-                "num_hidden_layers": 30,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 4,
-                "head_dim": 256,
-                "hidden_activation": "gelu_pytorch_tanh",
-                "max_position_embeddings": 131_072,
-                "rms_norm_eps": 1e-6,
-                "tie_word_embeddings": True,
-                "sliding_window": 512,
-                "rope_theta": 1_000_000.0,
-                "vocab_size_per_layer_input": 262_144,
-                "hidden_size_per_layer_input": 256,
-                "num_kv_shared_layers": 0,
-            },
-            # Gemma4TextAttention always norms q and k; Gemma4TextMLP has no biases.
-            fixed={"mlp_bias": False, "qk_norm": True},
-            layer_types=_layer_types,
-            layer_kinds=frozenset(KINDS),
-            act_key="hidden_activation",
-            extras=_extras,
-        ),
-    },
+    model_types={"gemma4_text": _TEXT, WRAPPER: _TEXT},
+    flat_config=_flat_config,
+    checkpoint_name=_checkpoint_name,
+    unused_tensor=_unused,
     chat_format="gemma4",
 )
