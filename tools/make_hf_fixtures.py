@@ -1,6 +1,7 @@
 """Tiny random-weight HuggingFace checkpoints, with reference outputs from HF transformers, for
-the model types whose published configs have no fixture yet: Qwen3.5 as published (the
-`qwen3_5` wrapper of `Qwen3_5ForConditionalGeneration`, vision tower included), Granite 4.0
+the model types whose published configs have no fixture yet: Qwen3.5 and Gemma 4 as published
+(`qwen3_5` / `gemma4`: `Qwen3_5ForConditionalGeneration` / `Gemma4ForConditionalGeneration`,
+a vision tower included), Granite 4.0
 (`granitemoehybrid`: Mamba-2 + attention, and the all-attention variant) and a Gemma 4 text
 variant (double-wide MLP on KV-shared layers, values from the key projection, random layer
 scalars).
@@ -88,6 +89,33 @@ GRANITE = dict(
 )
 
 
+GEMMA4_TEXT = dict(
+    model_type="gemma4_text",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    # Full layers' heads 64 wide, not the default 512: unscaled attention over 512 random dims
+    # gives scores so far apart that f16 rounding flips which key wins (an ill-conditioned
+    # fixture, not a test of the engine).
+    global_head_dim=64,
+    sliding_window=32,
+    layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2,
+    hidden_size_per_layer_input=16,
+    num_kv_shared_layers=2,
+    final_logit_softcapping=30.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=2048,
+)
+# Published wrappers: (config class, model class) by model_type.
+WRAPPERS = {
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
+}
+
+
 def specs() -> Iterator[tuple[str, str, str, dict[str, Any], Any, str]]:
     """(name, tokenizer, chat template, config, bos, eos) of each fixture."""
     yield (
@@ -112,6 +140,28 @@ def specs() -> Iterator[tuple[str, str, str, dict[str, Any], Any, str]]:
         ),
         None,
         "<|im_end|>",
+    )
+    yield (
+        "gemma4_vlm",
+        "gemma4",
+        GEMMA,
+        dict(
+            model_type="gemma4",
+            text_config=GEMMA4_TEXT,
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                head_dim=16,
+                position_embedding_size=64,
+            ),
+            audio_config=None,
+            tie_word_embeddings=True,
+        ),
+        "<bos>",
+        "<end_of_turn>",
     )
     # Granite 4.0-H: Mamba-2 layers and attention layers without positions.
     yield (
@@ -222,13 +272,14 @@ def build(name: str, tok_dir: str, template: str, cfg: dict[str, Any], bos: Any,
         c["eos_token_id"] = special[eos]
         c["bos_token_id"] = special[bos] if bos else None
         c["pad_token_id"] = special["<pad>"]
-    if model_type == "qwen3_5":
-        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    if model_type in WRAPPERS:
+        import transformers
 
+        config_class, model_class = (getattr(transformers, n) for n in WRAPPERS[model_type])
         text.pop("model_type", None)
-        config = Qwen3_5Config(**cfg)
+        config = config_class(**cfg)
         torch.manual_seed(0)
-        model = Qwen3_5ForConditionalGeneration(config)
+        model = model_class(config)
     else:
         config = AutoConfig.for_model(model_type, **cfg)
         torch.manual_seed(0)
@@ -287,7 +338,7 @@ def main() -> int:
     here = Path(__file__).resolve().parent.parent
     p.add_argument("--tokenizers", type=Path, default=here / "tests" / "fixtures" / "hf-tiny")
     p.add_argument("names", nargs="*")
-    args = p.parse_args()
+    args = p.parse_intermixed_args()
     import torch
     import transformers
 
