@@ -1,15 +1,17 @@
 //! Float weights times a batch of tokens (prefill), as a GEMM in register tiles (`panel`).
 //!
 //! The activations are packed once per product: in blocks of BLOCK_COLS columns, and within
-//! a block six tokens side by side per column. Each task widens 16 stored rows at a time to
-//! f32 into a panel, 16 rows side by side per column, and multiplies it with every packed
-//! group of tokens: a register tile of 16 rows x 6 tokens takes a panel column (two vectors)
-//! times six broadcast activations, 12 multiply-adds per 8 loads and no horizontal sums.
-//! The panel is widened whole (rows read start to end, as the prefetcher likes) and then
-//! multiplied a column block at a time: the block's slice of the panel (16 KiB) stays in L1
-//! while the token groups' slices stream past it from L2, as in BLIS. Each stored row is read
-//! and widened once per product; the next panel's rows are prefetched while this one
-//! multiplies, and the last token group multiplies only the tokens it has.
+//! a block six tokens side by side per column. A task widens 16 stored rows at a time to f32
+//! into a panel, 16 rows side by side per column, and multiplies it with packed groups of
+//! tokens: a register tile of 16 rows x 6 tokens takes a panel column (two vectors) times six
+//! broadcast activations, 12 multiply-adds per 8 loads and no horizontal sums.
+//!
+//! The operands are blocked as in BLIS so that none comes from memory in the inner loop: a
+//! panel's slice of one column block (16 KiB) is widened into L1 and meets every group of a
+//! block of tokens, whose packed slice of that column block (192 KiB) stays in L2 while the
+//! panels of a block of rows pass; their accumulators (96 KiB) stay in L2 too. A stored row
+//! is read and widened once per token block; the next panel's slice is prefetched while this
+//! one multiplies, and the last token group multiplies only the tokens it has.
 
 use crate::cache::prefetch_line;
 use crate::dot::{DecodeFn, PanelFn, PathKernels};
@@ -20,6 +22,11 @@ use crate::rows::WeightRows;
 
 /// Columns multiplied per pass over the token groups: the panel's slice stays in L1.
 const BLOCK_COLS: usize = 256;
+/// Token groups (of PANEL_TOKENS) per token block: their packed slice of a column block
+/// (192 KiB) stays in L2 while the row block's panels pass.
+const TOKEN_BLOCK: usize = 32;
+/// Panels per row block: their accumulators for a token block take 96 KiB of L2.
+const ROW_BLOCK_PANELS: usize = 8;
 /// Columns widened per step by the row-by-row (scalar) widening, into a small row-major
 /// buffer before they are transposed into the panel.
 const WIDEN_COLS: usize = 64;
@@ -76,6 +83,13 @@ impl<'a> FloatGemm<'a> {
 
     /// For every token of `packed` ([`pack_tokens`] of `tokens` rows) and the stored rows
     /// `rows`, calls `store(t, r0, vals)` with `vals[i] = dot(x[t], row r0 + i)`.
+    ///
+    /// Loops, outermost first: blocks of ROW_BLOCK rows, blocks of TOKEN_BLOCK tokens,
+    /// column blocks, panels of PANEL_ROWS rows, token groups. A panel's slice of one column
+    /// block is widened into L1 and meets every group of the token block there; the token
+    /// block's packed slice of that column block and the row block's accumulators stay in
+    /// L2, so no operand of the register tile comes from memory however many tokens there
+    /// are.
     pub fn run(
         &self,
         packed: &[f32],
@@ -88,64 +102,75 @@ impl<'a> FloatGemm<'a> {
         assert_eq!(packed.len(), groups * PANEL_TOKENS * k, "gemm: packed activations");
         assert!(rows.end <= self.w.rows, "gemm: rows out of range");
         let stride = self.w.bytes.len() / self.w.rows.max(1);
-        let mut panel = vec![0.0f32; PANEL_ROWS * k];
-        let mut acc = vec![[[0.0f32; PANEL_ROWS]; PANEL_TOKENS]; groups];
-        let tile_calls = column_blocks(k).count() * groups;
-        for r0 in rows.clone().step_by(PANEL_ROWS) {
-            let count = (rows.end - r0).min(PANEL_ROWS);
-            let stored_rows = |r0: usize, count: usize| {
-                let mut stored: [&[u8]; PANEL_ROWS] = [&[]; PANEL_ROWS];
-                for (r, s) in stored.iter_mut().enumerate().take(count) {
-                    *s = &self.w.bytes[(r0 + r) * stride..][..stride];
-                }
-                stored
-            };
-            let stored = stored_rows(r0, count);
-            self.widen_panel(&stored[..count], &mut panel);
-            // The next panel's rows are requested while this one multiplies, so the widening
-            // finds them in cache instead of waiting on memory.
-            let next = (r0 + PANEL_ROWS).min(rows.end);
-            let next_count = (rows.end - next).min(PANEL_ROWS);
-            let mut ahead = RowPrefetch::new(stored_rows(next, next_count), next_count, tile_calls);
-            acc.iter_mut().for_each(|a| *a = [[0.0; PANEL_ROWS]; PANEL_TOKENS]);
-            for block in column_blocks(k) {
-                let width = block.len();
-                let slice = &panel[block.start * PANEL_ROWS..block.end * PANEL_ROWS];
-                let xs =
-                    &packed[block.start * groups * PANEL_TOKENS..][..groups * PANEL_TOKENS * width];
-                for (g, (x, a)) in xs.chunks_exact(PANEL_TOKENS * width).zip(&mut acc).enumerate() {
-                    ahead.step();
-                    // The last group's padding is not multiplied (128 tokens: 2 of 6 used).
-                    let live = (tokens - g * PANEL_TOKENS).min(PANEL_TOKENS);
-                    (self.tile)(slice, x, width, live, a);
-                }
+        let elem = stride / k.max(1);
+        let mut slice = vec![0.0f32; PANEL_ROWS * BLOCK_COLS];
+        let mut acc = vec![[[0.0f32; PANEL_ROWS]; PANEL_TOKENS]; ROW_BLOCK_PANELS * TOKEN_BLOCK];
+        // Stored rows r0.. (at most PANEL_ROWS, up to `end`), each cut to `cols`.
+        let stored_rows = |r0: usize, end: usize, cols: &std::ops::Range<usize>| {
+            let mut stored: [&[u8]; PANEL_ROWS] = [&[]; PANEL_ROWS];
+            let count = end.saturating_sub(r0).min(PANEL_ROWS);
+            for (r, s) in stored.iter_mut().enumerate().take(count) {
+                *s = &self.w.bytes[(r0 + r) * stride..][cols.start * elem..cols.end * elem];
             }
-            for (g, a) in acc.iter().enumerate() {
-                let t0 = g * PANEL_TOKENS;
-                for (t, vals) in a.iter().enumerate().take(tokens - t0) {
-                    store(t0 + t, r0, &vals[..count]);
+            (stored, count)
+        };
+        for row_block in rows.clone().step_by(ROW_BLOCK_PANELS * PANEL_ROWS) {
+            let block_end = (row_block + ROW_BLOCK_PANELS * PANEL_ROWS).min(rows.end);
+            let panels: Vec<usize> = (row_block..block_end).step_by(PANEL_ROWS).collect();
+            for g0 in (0..groups).step_by(TOKEN_BLOCK) {
+                let token_groups = g0..(g0 + TOKEN_BLOCK).min(groups);
+                let n_groups = token_groups.len();
+                acc.iter_mut().for_each(|a| *a = [[0.0; PANEL_ROWS]; PANEL_TOKENS]);
+                for block in column_blocks(k) {
+                    let width = block.len();
+                    let xs = &packed[block.start * groups * PANEL_TOKENS..]
+                        [..groups * PANEL_TOKENS * width];
+                    for (p, &r0) in panels.iter().enumerate() {
+                        let (stored, count) = stored_rows(r0, block_end, &block);
+                        self.widen_panel(&stored[..count], width, &mut slice);
+                        // The next panel's slice is requested while this one multiplies.
+                        let (next, next_count) = stored_rows(r0 + PANEL_ROWS, block_end, &block);
+                        let mut ahead = RowPrefetch::new(next, next_count, n_groups);
+                        let slice = &slice[..width * PANEL_ROWS];
+                        for g in token_groups.clone() {
+                            ahead.step();
+                            let x = &xs[g * PANEL_TOKENS * width..][..PANEL_TOKENS * width];
+                            // The last group's padding is not multiplied.
+                            let live = (tokens - g * PANEL_TOKENS).min(PANEL_TOKENS);
+                            (self.tile)(slice, x, width, live, &mut acc[p * TOKEN_BLOCK + g - g0]);
+                        }
+                    }
+                }
+                for (p, &r0) in panels.iter().enumerate() {
+                    let count = (block_end - r0).min(PANEL_ROWS);
+                    for g in token_groups.clone() {
+                        let t0 = g * PANEL_TOKENS;
+                        let tile = &acc[p * TOKEN_BLOCK + g - g0];
+                        for (t, vals) in tile.iter().enumerate().take(tokens - t0) {
+                            store(t0 + t, r0, &vals[..count]);
+                        }
+                    }
                 }
             }
         }
     }
 
-    /// Widens `stored` (at most PANEL_ROWS rows) into `panel`, column-major with PANEL_ROWS
-    /// rows per column; rows past the stored ones are zeros. The SIMD widener takes whole
-    /// steps of 8 columns, the row decoder the rest.
-    fn widen_panel(&self, stored: &[&[u8]], panel: &mut [f32]) {
-        let k = self.w.cols;
+    /// Widens `stored` (at most PANEL_ROWS rows of `cols` elements) into `panel`,
+    /// column-major with PANEL_ROWS rows per column; rows past the stored ones are zeros.
+    /// The SIMD widener takes whole steps of 8 columns, the row decoder the rest.
+    fn widen_panel(&self, stored: &[&[u8]], cols: usize, panel: &mut [f32]) {
         let simd = match self.widen {
             Some(widen) => {
-                let cols = k / 8 * 8;
-                widen(stored, cols, panel);
-                cols
+                let simd = cols / 8 * 8;
+                widen(stored, simd, panel);
+                simd
             }
             None => 0,
         };
-        let elem = self.w.bytes.len() / (self.w.rows * k).max(1);
+        let elem = self.w.bytes.len() / (self.w.rows * self.w.cols).max(1);
         let mut rows = [[0.0f32; WIDEN_COLS]; PANEL_ROWS];
-        for c0 in (simd..k).step_by(WIDEN_COLS) {
-            let kc = (k - c0).min(WIDEN_COLS);
+        for c0 in (simd..cols).step_by(WIDEN_COLS) {
+            let kc = (cols - c0).min(WIDEN_COLS);
             for (row, s) in rows.iter_mut().zip(stored) {
                 (self.decode)(&s[c0 * elem..(c0 + kc) * elem], &mut row[..kc]);
             }
@@ -204,14 +229,21 @@ mod tests {
     /// widening step.
     #[test]
     fn gemm_matches_row_dots() {
+        // Two column blocks, the second not a multiple of the SIMD widener's 8 columns.
+        let cols = BLOCK_COLS + 2 * WIDEN_COLS + 13;
         for tokens in PANEL_TOKENS + 1..=2 * PANEL_TOKENS {
-            gemm_matches_row_dots_at(tokens);
+            gemm_matches_row_dots_at(tokens, 37, cols);
         }
     }
 
-    fn gemm_matches_row_dots_at(tokens: usize) {
-        // Two column blocks, the second not a multiple of the SIMD widener's 8 columns.
-        let (rows, cols) = (37, BLOCK_COLS + 2 * WIDEN_COLS + 13);
+    /// Several token blocks and row blocks, each with a partial last one.
+    #[test]
+    fn gemm_blocks_match_row_dots() {
+        let tokens = TOKEN_BLOCK * PANEL_TOKENS + 7;
+        gemm_matches_row_dots_at(tokens, ROW_BLOCK_PANELS * PANEL_ROWS + 21, BLOCK_COLS + 44);
+    }
+
+    fn gemm_matches_row_dots_at(tokens: usize, rows: usize, cols: usize) {
         let x: Vec<f32> =
             (0..tokens * cols).map(|i| ((i * 7919) % 251) as f32 / 125.0 - 1.0).collect();
         let packed = pack_tokens(&x, tokens, cols);

@@ -4,6 +4,7 @@
 
 pub mod acts;
 pub mod cache;
+pub mod dense_attention;
 pub mod dot;
 pub mod gating;
 pub mod gemm;

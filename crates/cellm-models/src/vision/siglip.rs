@@ -3,11 +3,12 @@
 //! LayerNorm. Tiles are independent sequences: their linears run batched, attention per tile.
 
 use cellm_format::Result;
+use cellm_kernels::dense_attention::bidirectional_attention;
 use cellm_kernels::gating::Gate;
 
 use crate::blocks::Linear;
 use crate::vision::config::VisionConfig;
-use crate::vision::layers::{bidirectional_attention, LayerNorm};
+use crate::vision::layers::LayerNorm;
 use crate::vision::positions::Positions;
 use crate::weights::{Storage, Weights};
 
