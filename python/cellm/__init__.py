@@ -1,5 +1,6 @@
 """cellm: fast inference of small language models on ordinary hardware."""
 
+from cellm.embeddings import Embedder
 from cellm.errors import (
     Busy,
     CellmError,
@@ -12,12 +13,16 @@ from cellm.errors import (
 )
 from cellm.generation import GenerationResult, Piece, Timings, TokenLogprob
 from cellm.llm import LLM
+from cellm.pii import PrivacyFilter, Span
 from cellm.sampling import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "Embedder",
+    "PrivacyFilter",
+    "Span",
     "GenerationResult",
     "Piece",
     "SamplingParams",

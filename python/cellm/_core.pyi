@@ -9,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "Encoder",
     "Engine",
     "selected_isa",
     "available_isas",
@@ -22,6 +23,24 @@ __all__ = [
 ]
 
 __version__: str
+
+@final
+class Encoder:
+    """An encoder `.cellm` model (token classifier, sentence embedder): whole token
+    sequences in, one row per token out."""
+
+    def __new__(cls, path: str | os.PathLike[str], *, threads: int | None = None) -> Encoder: ...
+    def header_json(self) -> str: ...
+    def blob(self, name: str) -> bytes | None: ...
+    @property
+    def width(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def threads(self) -> int: ...
+    def forward(self, seqs: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]: ...
 
 @final
 class Engine:

@@ -1,7 +1,10 @@
 //! The engine: a loaded model, a KV page pool, sessions, and the one batched forward step
 //! that serves both prefill (one session, many tokens) and decode (many sessions, one each).
 
+mod encoder;
 pub mod synthetic;
+
+pub use encoder::EncoderEngine;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -106,17 +109,7 @@ impl Engine {
                 "context_length must be 1 to {MAX_CONTEXT}, not {context_length}"
             )));
         }
-        let threads = match opts.threads {
-            Some(n) if n == 0 || n > MAX_THREADS => {
-                return Err(Error::InvalidArgument(format!(
-                    "threads must be 1 to {MAX_THREADS}, not {n}"
-                )))
-            }
-            Some(n) => n,
-            None => default_threads(),
-        };
-        let workers = ThreadPool::new(threads)
-            .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
+        let workers = start_workers(opts.threads)?;
         let layout = model.cache_layout();
         // A cap on pages allocated on demand: saturating, the pool cannot address more
         // than MAX_PAGES anyway.
@@ -417,6 +410,21 @@ fn unknown(id: SessionId) -> Error {
 }
 
 /// Physical cores: decode is bandwidth-bound and SMT siblings share the same load ports.
+/// The worker pool of `threads` threads (default: the physical cores).
+fn start_workers(threads: Option<usize>) -> Result<ThreadPool> {
+    let threads = match threads {
+        Some(n) if n == 0 || n > MAX_THREADS => {
+            return Err(Error::InvalidArgument(format!(
+                "threads must be 1 to {MAX_THREADS}, not {n}"
+            )))
+        }
+        Some(n) => n,
+        None => default_threads(),
+    };
+    ThreadPool::new(threads)
+        .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))
+}
+
 fn default_threads() -> usize {
     let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
     physical_cores().unwrap_or(logical).clamp(1, logical)

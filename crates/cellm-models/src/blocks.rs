@@ -3,7 +3,7 @@
 
 use cellm_format::{Error, Result, Tensor};
 use cellm_kernels::gating::Gate;
-use cellm_kernels::{decode_row, matmul, matmul_many, ops};
+use cellm_kernels::{decode_row, matmul, matmul_many, ops, WeightRows};
 use cellm_kv::{AttentionShape, PagePool};
 
 use crate::weights::{Storage, Weights};
@@ -416,6 +416,20 @@ impl CausalConv {
             }
         }
         state.copy_from_slice(&seq[seq.len() - state.len()..]);
+    }
+}
+
+/// Rows `index * n .. (index + 1) * n` of a stored matrix (a head's or an expert's block),
+/// as the kernels read them; the tensor must be in a format rows can be sliced from
+/// ([`Storage::RowSlices`]).
+pub fn row_block(t: &Tensor, index: usize, n: usize) -> WeightRows<'_> {
+    let cols = t.shape[1];
+    let row_bytes = t.format.nbytes(&[1, cols]).expect("checked at load");
+    WeightRows {
+        format: t.format,
+        bytes: &t.bytes()[index * n * row_bytes..(index + 1) * n * row_bytes],
+        rows: n,
+        cols,
     }
 }
 

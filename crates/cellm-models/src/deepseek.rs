@@ -9,11 +9,11 @@
 //! `v_up` (per head `W_UV`), and stores interleaved rope dims in the half-split layout.
 
 use cellm_format::{Result, Tensor};
-use cellm_kernels::{matmul_raw, WeightRows};
+use cellm_kernels::matmul_raw;
 use cellm_kv::AttentionShape;
 use serde::Deserialize;
 
-use crate::blocks::{Embedding, GatedMlp, Linear, RmsNorm, Rope};
+use crate::blocks::{row_block, Embedding, GatedMlp, Linear, RmsNorm, Rope};
 use crate::config::{check_dim, check_product, Section};
 use crate::decoder::{Decoder, DecoderLayer, StepCtx};
 use crate::moe::{Moe, MoeConfig};
@@ -219,7 +219,7 @@ impl Mla {
             for (t, row) in q.chunks_exact(heads * (nope + rd)).enumerate() {
                 q_nope[t * nope..(t + 1) * nope].copy_from_slice(&row[hh * (nope + rd)..][..nope]);
             }
-            matmul_raw(&q_nope, tokens, head_rows(&self.k_absorb, hh, rank), &mut q_lat);
+            matmul_raw(&q_nope, tokens, row_block(&self.k_absorb, hh, rank), &mut q_lat);
             for t in 0..tokens {
                 let dst = &mut queries[(t * heads + hh) * (rank + rd)..][..rank + rd];
                 dst[..rank].copy_from_slice(&q_lat[t * rank..(t + 1) * rank]);
@@ -252,7 +252,7 @@ impl Mla {
                 ctx_h[t * rank..(t + 1) * rank]
                     .copy_from_slice(&attended[(t * heads + hh) * (rank + rd)..][..rank]);
             }
-            matmul_raw(&ctx_h, tokens, head_rows(&self.v_up, hh, v_dim), &mut o_h);
+            matmul_raw(&ctx_h, tokens, row_block(&self.v_up, hh, v_dim), &mut o_h);
             for t in 0..tokens {
                 heads_out[(t * heads + hh) * v_dim..][..v_dim]
                     .copy_from_slice(&o_h[t * v_dim..(t + 1) * v_dim]);
@@ -263,17 +263,6 @@ impl Mla {
 }
 
 /// Rows `head * n .. (head + 1) * n` of a stored matrix.
-fn head_rows(t: &Tensor, head: usize, n: usize) -> WeightRows<'_> {
-    let cols = t.shape[1];
-    let row_bytes = t.format.nbytes(&[1, cols]).expect("checked at load");
-    WeightRows {
-        format: t.format,
-        bytes: &t.bytes()[head * n * row_bytes..(head + 1) * n * row_bytes],
-        rows: n,
-        cols,
-    }
-}
-
 impl DecoderLayer for Layer {
     fn mix(&self, x: &[f32], ctx: &mut StepCtx) -> Vec<f32> {
         self.attn.forward(&self.input_norm.applied(x), ctx)

@@ -8,6 +8,7 @@ mod config;
 mod decoder;
 mod deepseek;
 mod delta_rule;
+pub mod encoder;
 mod gemma;
 mod gemma4;
 mod granite_hybrid;
@@ -22,7 +23,8 @@ mod weights;
 use cellm_kv::{PagePool, SeqSpan, SeqState};
 
 pub use config::{Activation, LayerType, ModelConfig, RopeConfig, MAX_CONTEXT};
-pub use registry::{architectures, expected_tensors, load, load_limited};
+pub use encoder::Encoder;
+pub use registry::{architectures, expected_tensors, load, load_encoder, load_limited};
 pub use vision::{ConnectorKind, VisionConfig, VisionEncoder};
 pub use weights::{Storage, TensorSpec, Weights};
 

@@ -3,6 +3,7 @@
 
 use cellm_format::{CellmFile, Error, Result};
 
+use crate::encoder::{self, Encoder, EncoderLoader};
 use crate::weights::{TensorSpec, Weights};
 use crate::{
     deepseek, gemma, gemma4, granite_hybrid, lfm2, llama, qwen35, vision, CausalLm, ModelConfig,
@@ -22,9 +23,13 @@ const FAMILIES: &[(&str, Loader)] = &[
     ("lfm2_vl", vision::load_lfm2_vl),
 ];
 
-/// The architecture names the engine runs, in registry order.
+/// Encoders: models that give one row per token of a whole text rather than generate.
+const ENCODERS: &[(&str, EncoderLoader)] =
+    &[("openai_privacy_filter", encoder::load_privacy_filter), ("bert", encoder::load_bert)];
+
+/// The architecture names the engine runs, in registry order: language models, then encoders.
 pub fn architectures() -> impl Iterator<Item = &'static str> {
-    FAMILIES.iter().map(|(name, _)| *name)
+    FAMILIES.iter().map(|(name, _)| *name).chain(ENCODERS.iter().map(|(name, _)| *name))
 }
 
 /// Builds the model a validated file describes.
@@ -35,7 +40,14 @@ pub fn load(file: &CellmFile) -> Result<Box<dyn CausalLm>> {
 /// As [`load`], the model's forward running only its first `max_layers` layers (then the
 /// final norm and the head): a debugging aid. The caches stay sized for every layer.
 pub fn load_limited(file: &CellmFile, max_layers: Option<usize>) -> Result<Box<dyn CausalLm>> {
-    let mut config = ModelConfig::from_json(&file.header().model)?;
+    let model = &file.header().model;
+    if let Some((name, _)) = encoder_of(model) {
+        return Err(Error::Unsupported(format!(
+            "'{name}' is an encoder, not a language model: it has no text to generate (use \
+             cellm.PrivacyFilter or cellm.Embedder)"
+        )));
+    }
+    let mut config = ModelConfig::from_json(model)?;
     if let Some(n) = max_layers {
         if n == 0 || n > config.num_layers {
             return Err(Error::InvalidArgument(format!(
@@ -48,12 +60,38 @@ pub fn load_limited(file: &CellmFile, max_layers: Option<usize>) -> Result<Box<d
     build(&Weights::from_file(file), config)
 }
 
+/// Builds the encoder a file describes.
+pub fn load_encoder(file: &CellmFile) -> Result<Box<dyn Encoder>> {
+    let model = &file.header().model;
+    let Some((_, loader)) = encoder_of(model) else {
+        return Err(Error::Unsupported(format!(
+            "architecture {} is not an encoder (encoders: {})",
+            model.get("architecture").map_or("none".to_string(), |a| a.to_string()),
+            ENCODERS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+        )));
+    };
+    loader(&Weights::from_file(file), model)
+}
+
 /// Every tensor the model that `model` (a file's `model` section) describes would read, in the
 /// order its loader asks for them: the converter's plan.
 pub fn expected_tensors(model: &serde_json::Value) -> Result<Vec<TensorSpec>> {
     let weights = Weights::planner();
-    build(&weights, ModelConfig::from_json(model)?)?;
+    match encoder_of(model) {
+        Some((_, loader)) => {
+            loader(&weights, model)?;
+        }
+        None => {
+            build(&weights, ModelConfig::from_json(model)?)?;
+        }
+    }
     Ok(weights.into_specs())
+}
+
+/// The encoder architecture `model` names and its loader, if it names one.
+fn encoder_of(model: &serde_json::Value) -> Option<(&'static str, EncoderLoader)> {
+    let arch = model.get("architecture")?.as_str()?;
+    ENCODERS.iter().copied().find(|(n, _)| *n == arch)
 }
 
 fn build(weights: &Weights, config: ModelConfig) -> Result<Box<dyn CausalLm>> {

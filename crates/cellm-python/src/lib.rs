@@ -1,5 +1,6 @@
 //! `cellm._core`: thin bindings over the engine. Logic lives in the engine crates or in Python.
 
+mod encoder;
 mod engine;
 mod errors;
 mod kernels;
@@ -13,6 +14,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     keep_scratch_in_heap();
     import_numpy(m.py())?;
     m.add_class::<engine::Engine>()?;
+    m.add_class::<encoder::Encoder>()?;
     m.add_function(wrap_pyfunction!(kernels::selected_isa, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::available_isas, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::set_isa, m)?)?;

@@ -59,6 +59,8 @@ def normalise_config(
     family, model_type = by_model_type(config.get("model_type"), source)
     config = family.flat_config(config)
     r = ConfigReader(config, model_type, source, labels)
+    if family.describe is not None:
+        return family.describe(r)
 
     hidden = r.get_int("hidden_size")
     num_heads = r.get_int("num_attention_heads")

@@ -111,7 +111,8 @@ def convert_hf(
             return write_cellm(output_path, header, entries, blobs, bar)
 
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Decoders' layers, and BERT's.
+_LAYER = re.compile(r"^(?:model\.layers|encoder\.layer)\.(\d+)\.")
 
 
 def _check_layer_count(config: dict[str, Any], checkpoint: Checkpoint, source: str) -> None:

@@ -190,6 +190,10 @@ def _nothing_unused(model: Mapping[str, Any], name: str) -> Optional[str]:
     return None
 
 
+# An encoder family's whole description, made from its config by the family itself.
+Describe = Callable[[ConfigReader], dict[str, Any]]
+
+
 @dataclass(frozen=True)
 class Family:
     """One engine architecture (a name in the engine's registry) and everything Python knows
@@ -220,3 +224,6 @@ class Family:
     # The family's tool-call format (a name in `cellm.tool_formats.FORMATS`), for a model
     # whose chat template names none; a template's own markers decide otherwise.
     tool_call_format: Optional[str] = None
+    # Encoders (token classifiers, sentence embedders) describe themselves: their
+    # description is not a decoder's, so the generic rules are skipped.
+    describe: Optional[Describe] = None

@@ -5,7 +5,7 @@
 
 mod config;
 mod connector;
-mod layers;
+pub(crate) mod layers;
 mod positions;
 mod siglip;
 

@@ -1,0 +1,203 @@
+//! Bidirectional attention of each sequence to itself, optionally within a band of
+//! positions (`|i - j| <= band`) and with a learned per-head sink logit that joins each
+//! softmax's denominator without a value (gpt-oss style). Grouped-query heads share keys.
+
+use cellm_format::TensorFormat;
+use cellm_kernels::gating::exp_in_place;
+use cellm_kernels::pool::{parallel_for, SharedOut};
+use cellm_kernels::{matmul_raw, WeightRows};
+
+/// Queries per tile: their scores against the tile's keys stay in L2.
+const QUERY_TILE: usize = 64;
+
+/// The shape of one attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct Band<'a> {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Multiplies `q . k`.
+    pub scale: f32,
+    /// The farthest key a query sees on either side (None: the whole sequence).
+    pub band: Option<usize>,
+    /// One logit per head (None: no sinks).
+    pub sinks: Option<&'a [f32]>,
+}
+
+/// Context rows (`tokens x heads * head_dim`) of `q` (`tokens x heads * head_dim`) over `k`,
+/// `v` (`tokens x kv_heads * head_dim`), each sequence (`lens`, consecutive rows) on its own.
+/// (sequence, head) pairs run in parallel, each on the f32 GEMM serially.
+pub fn banded_attention(q: &[f32], k: &[f32], v: &[f32], lens: &[usize], a: &Band) -> Vec<f32> {
+    let (hd, group) = (a.head_dim, a.heads / a.kv_heads);
+    let (qw, kw) = (a.heads * hd, a.kv_heads * hd);
+    let tokens: usize = lens.iter().sum();
+    let mut ctx = vec![0.0; tokens * qw];
+    let starts: Vec<usize> =
+        lens.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
+    let out = SharedOut(ctx.as_mut_ptr());
+    parallel_for(lens.len() * a.heads, |task| {
+        let (s, h) = (task / a.heads, task % a.heads);
+        let (r0, n) = (starts[s], lens[s]);
+        if n == 0 {
+            return;
+        }
+        let kv = h / group;
+        let part = |x: &[f32], width: usize, head: usize| -> Vec<f32> {
+            x[r0 * width..(r0 + n) * width]
+                .chunks_exact(width)
+                .flat_map(|row| row[head * hd..(head + 1) * hd].iter().copied())
+                .collect()
+        };
+        let (qh, kh, vh) = (part(q, qw, h), part(k, kw, kv), part(v, kw, kv));
+        let sink = a.sinks.map(|s| s[h]);
+        let head = one_head(&qh, &kh, &vh, n, hd, a.scale, a.band, sink);
+        for (i, row) in head.chunks_exact(hd).enumerate() {
+            // SAFETY: task (s, h) writes only head h's columns of sequence s's rows.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.at((r0 + i) * qw + h * hd), hd) };
+            dst.copy_from_slice(row);
+        }
+    });
+    ctx
+}
+
+/// One head of one sequence: `n x hd` context rows.
+#[allow(clippy::too_many_arguments)]
+fn one_head(
+    qh: &[f32],
+    kh: &[f32],
+    vh: &[f32],
+    n: usize,
+    hd: usize,
+    scale: f32,
+    band: Option<usize>,
+    sink: Option<f32>,
+) -> Vec<f32> {
+    let reach = band.unwrap_or(n);
+    let mut out = vec![0.0; n * hd];
+    for i0 in (0..n).step_by(QUERY_TILE) {
+        let i1 = (i0 + QUERY_TILE).min(n);
+        let (lo, hi) = (i0.saturating_sub(reach), (i1 - 1).saturating_add(reach + 1).min(n));
+        let m = hi - lo;
+        let mut scores = vec![0.0; (i1 - i0) * m];
+        matmul_raw(
+            &qh[i0 * hd..i1 * hd],
+            i1 - i0,
+            f32_rows(&kh[lo * hd..hi * hd], m, hd),
+            &mut scores,
+        );
+        for (r, row) in scores.chunks_exact_mut(m).enumerate() {
+            let i = i0 + r;
+            // The keys this query sees: a contiguous run of the tile's keys.
+            let (a, b) = (i.saturating_sub(reach) - lo, (i + reach + 1).min(hi) - lo);
+            row[..a].fill(0.0);
+            row[b..].fill(0.0);
+            let seen = &mut row[a..b];
+            seen.iter_mut().for_each(|s| *s *= scale);
+            let mut max = seen.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            if let Some(s) = sink {
+                max = max.max(s);
+            }
+            seen.iter_mut().for_each(|s| *s -= max);
+            exp_in_place(seen);
+            let total = seen.iter().sum::<f32>() + sink.map_or(0.0, |s| (s - max).exp());
+            let inv = 1.0 / total;
+            seen.iter_mut().for_each(|s| *s *= inv);
+        }
+        // Context = P V: the tile's values transposed give one weight row per output dim.
+        let mut vt = vec![0.0; hd * m];
+        for (j, row) in vh[lo * hd..hi * hd].chunks_exact(hd).enumerate() {
+            for (d, &x) in row.iter().enumerate() {
+                vt[d * m + j] = x;
+            }
+        }
+        matmul_raw(&scores, i1 - i0, f32_rows(&vt, hd, m), &mut out[i0 * hd..i1 * hd]);
+    }
+    out
+}
+
+/// An f32 matrix as weight rows for the kernels' products.
+pub(crate) fn f32_rows(x: &[f32], rows: usize, cols: usize) -> WeightRows<'_> {
+    debug_assert_eq!(x.len(), rows * cols);
+    // SAFETY: any f32 slice is a valid byte slice of 4 times its length.
+    let bytes = unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), x.len() * 4) };
+    WeightRows { format: TensorFormat::F32, bytes, rows, cols }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A float64 transcription of the definition, one query at a time.
+    fn reference(q: &[f32], k: &[f32], v: &[f32], n: usize, a: &Band) -> Vec<f32> {
+        let hd = a.head_dim;
+        let mut out = vec![0.0; n * a.heads * hd];
+        for h in 0..a.heads {
+            let kv = h / (a.heads / a.kv_heads);
+            for i in 0..n {
+                let qi = &q[i * a.heads * hd + h * hd..][..hd];
+                let seen: Vec<usize> =
+                    (0..n).filter(|&j| a.band.is_none_or(|b| i.abs_diff(j) <= b)).collect();
+                let logits: Vec<f64> = seen
+                    .iter()
+                    .map(|&j| {
+                        let kj = &k[j * a.kv_heads * hd + kv * hd..][..hd];
+                        qi.iter().zip(kj).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum::<f64>()
+                            * f64::from(a.scale)
+                    })
+                    .collect();
+                let sink = a.sinks.map(|s| f64::from(s[h]));
+                let max = logits.iter().copied().chain(sink).fold(f64::NEG_INFINITY, f64::max);
+                let total: f64 = logits.iter().map(|l| (l - max).exp()).sum::<f64>()
+                    + sink.map_or(0.0, |s| (s - max).exp());
+                for (&j, l) in seen.iter().zip(&logits) {
+                    let p = (l - max).exp() / total;
+                    for d in 0..hd {
+                        out[i * a.heads * hd + h * hd + d] +=
+                            (p * f64::from(v[j * a.kv_heads * hd + kv * hd + d])) as f32;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn pseudo(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                ((i as u32 ^ seed).wrapping_mul(2_654_435_761) >> 8) as f32 / 16_777_216.0 - 0.5
+            })
+            .collect()
+    }
+
+    #[test]
+    fn matches_the_definition_across_tiles_bands_and_sinks() {
+        let sinks = [0.3, -1.0, 2.0, 0.0];
+        for (n, band, with_sinks) in
+            [(150, Some(16), true), (70, None, false), (5, Some(1), true), (130, Some(200), false)]
+        {
+            let a = Band {
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 8,
+                scale: 0.7,
+                band,
+                sinks: with_sinks.then_some(&sinks[..]),
+            };
+            let (q, k, v) = (pseudo(n * 32, 1), pseudo(n * 16, 2), pseudo(n * 16, 3));
+            let got = banded_attention(&q, &k, &v, &[n], &a);
+            let want = reference(&q, &k, &v, n, &a);
+            let err = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+            assert!(err < 1e-5, "n {n} band {band:?}: max error {err}");
+        }
+    }
+
+    #[test]
+    fn sequences_of_a_batch_do_not_see_each_other() {
+        let a = Band { heads: 2, kv_heads: 1, head_dim: 4, scale: 0.5, band: None, sinks: None };
+        let (q, k, v) = (pseudo(9 * 8, 4), pseudo(9 * 4, 5), pseudo(9 * 4, 6));
+        let both = banded_attention(&q, &k, &v, &[4, 0, 5], &a);
+        let first = banded_attention(&q[..32], &k[..16], &v[..16], &[4], &a);
+        let second = banded_attention(&q[32..], &k[16..], &v[16..], &[5], &a);
+        assert_eq!(both, [first, second].concat());
+    }
+}
