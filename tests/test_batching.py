@@ -127,7 +127,11 @@ def test_full_pool_makes_requests_wait_and_a_full_queue_is_busy(converted):
     scheduler.step()
     assert len(scheduler.running) == 1 and len(scheduler.waiting) == 1  # waits for room
     scheduler.run_until_idle()
-    assert drain(first.stream()).token_ids == drain(second.stream()).token_ids
+    a, b = drain(first.stream()), drain(second.stream())
+    # The running request used all it reserved while the pool was full and another waited:
+    # nothing preempted it or cut it short.
+    assert a.finish_reason == "length" and len(a.token_ids) == 8
+    assert a.token_ids == b.token_ids
     with pytest.raises(ContextOverflow, match="the pool holds 16"):
         scheduler.submit(Request(PROMPTS[1], params))
 

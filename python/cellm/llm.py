@@ -28,7 +28,7 @@ from cellm.tool_formats import check_tools, choice_tools, format_for
 from cellm.vision import ImageInput
 
 BACKENDS = ("cpu",)
-KV_ENCODINGS = ("f16", "f32")
+KV_ENCODINGS = ("f16", "f32", "int8", "int4")
 Prompt = Union[str, Sequence[int]]
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
@@ -125,7 +125,9 @@ class LLM:
         if backend not in BACKENDS:
             raise InvalidArgument(f"unknown backend {backend!r} (available: {', '.join(BACKENDS)})")
         if kv_encoding not in KV_ENCODINGS:
-            raise InvalidArgument(f"unknown kv_encoding {kv_encoding!r} (expected f16 or f32)")
+            raise InvalidArgument(
+                f"unknown kv_encoding {kv_encoding!r} (expected {', '.join(KV_ENCODINGS)})"
+            )
         limits = (
             ("threads", threads),
             ("context_length", context_length),

@@ -9,6 +9,7 @@ pub mod dot;
 pub mod gating;
 pub mod gemm;
 pub mod isa;
+pub mod kv_rows;
 pub mod matmul;
 pub mod ops;
 pub mod panel;

@@ -1,8 +1,9 @@
 //! Times decode attention alone: one new token attending to a cached context, every layer.
 //!
 //! `cargo run --release -p cellm-kv --example decode_attention -- CONTEXT LAYERS THREADS
-//! [PAGE_SIZE [--hot]]` fills a SmolLM2-shaped cache (9 query heads, 3 kv heads of 64, f16)
-//! and prints the best of 20 steps, with the cache bytes a step reads per second. Between
+//! [PAGE_SIZE] [--hot] [--encoding f16|f32|int8|int4]` fills a SmolLM2-shaped cache (9 query
+//! heads, 3 kv heads of 64; f16 unless told) and prints the best of 20 steps, with the cache
+//! bytes a step reads per second. Between
 //! steps it streams 80 MiB, as a model's weights would, so the cache comes from memory;
 //! `--hot` skips that and times the arithmetic on a cache that fits the caches.
 
@@ -19,13 +20,33 @@ const HEAD_DIM: usize = 64;
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let hot = args.iter().any(|a| a == "--hot");
-    let counts: Result<Vec<usize>, _> =
-        args.iter().filter(|a| *a != "--hot").map(|a| a.parse::<usize>()).collect();
+    let at = args.iter().position(|a| a == "--encoding");
+    let encoding = match at.map(|i| args.get(i + 1).map(|n| KvEncoding::parse(n))) {
+        None => KvEncoding::F16,
+        Some(Some(Ok(e))) => e,
+        Some(Some(Err(e))) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+        Some(None) => {
+            eprintln!("error: --encoding needs a name");
+            return ExitCode::from(2);
+        }
+    };
+    let counts: Result<Vec<usize>, _> = args
+        .iter()
+        .enumerate()
+        .filter(|&(i, a)| a != "--hot" && at.is_none_or(|e| i != e && i != e + 1))
+        .map(|(_, a)| a.parse::<usize>())
+        .collect();
     let (context, layers, threads, page_size) = match counts.as_deref() {
         Ok(&[c, l, t]) => (c, l, t, 16),
         Ok(&[c, l, t, p]) => (c, l, t, p),
         _ => {
-            eprintln!("usage: decode_attention CONTEXT LAYERS THREADS [PAGE_SIZE [--hot]]");
+            eprintln!(
+                "usage: decode_attention CONTEXT LAYERS THREADS [PAGE_SIZE] [--hot] \
+                 [--encoding NAME]"
+            );
             return ExitCode::from(2);
         }
     };
@@ -33,11 +54,11 @@ fn main() -> ExitCode {
         eprintln!("error: every count must be at least 1");
         return ExitCode::from(2);
     }
-    let ms = time_steps(context, layers, threads, page_size, hot);
-    let bytes = (context * layers * KV_HEADS * HEAD_DIM * 2 * 2) as f64;
+    let ms = time_steps(context, layers, threads, page_size, hot, encoding);
+    let bytes = (context * layers * KV_HEADS * encoding.head_bytes(HEAD_DIM) * 2) as f64;
     println!(
-        "context {context}, {layers} layers, {threads} threads, pages of {page_size}{}: \
-         {ms:.3} ms a step, {:.1} GB/s of cache",
+        "context {context}, {layers} layers, {threads} threads, pages of {page_size}, \
+         {encoding:?}{}: {ms:.3} ms a step, {:.1} GB/s of cache",
         if hot { ", hot" } else { "" },
         bytes / ms / 1e6
     );
@@ -45,14 +66,21 @@ fn main() -> ExitCode {
 }
 
 /// The best of 20 steps, in ms.
-fn time_steps(context: usize, layers: usize, threads: usize, page_size: usize, hot: bool) -> f64 {
+fn time_steps(
+    context: usize,
+    layers: usize,
+    threads: usize,
+    page_size: usize,
+    hot: bool,
+    encoding: KvEncoding,
+) -> f64 {
     let mut pool = PagePool::new(KvConfig {
         num_layers: layers,
         kv_heads: KV_HEADS,
         head_dim: HEAD_DIM,
         page_size,
         max_pages: (context + 1).div_ceil(page_size) * layers,
-        encoding: KvEncoding::F16,
+        encoding,
         windows: Vec::new(),
         values_in_keys: false,
     });
@@ -63,7 +91,7 @@ fn time_steps(context: usize, layers: usize, threads: usize, page_size: usize, h
     };
     for pos in 0..context {
         for layer in 0..layers {
-            pool.write(&seq, layer, pos, &row(pos), &row(pos + 5));
+            pool.write(&seq, (layer, HEAD_DIM), pos, &row(pos), &row(pos + 5));
         }
     }
     pool.commit(&mut seq, context);

@@ -21,7 +21,7 @@ impl AttentionCall<'_> {
                 let r = s.row0 + i;
                 pool.write(
                     s.kv,
-                    self.layer,
+                    (self.layer, self.shape.head_dim),
                     s.start + i,
                     &self.k[r * kv_width..][..kv_width],
                     self.v.get(r * kv_width..(r + 1) * kv_width).unwrap_or(&[]),
@@ -36,6 +36,21 @@ impl AttentionCall<'_> {
     /// layers that read the cache another layer wrote (Gemma 4's KV-shared layers).
     pub fn attend(&self, pool: &PagePool, out: &mut [f32]) {
         self.kv_width(pool);
+        // A rotated cache holds R k and R v: attention takes R q and gives R out.
+        let Some(r) = pool.config().encoding.rotation(self.shape.head_dim) else {
+            return self.attend_stored(pool, out);
+        };
+        let mut q = self.q.to_vec();
+        r.rotate(&mut q);
+        AttentionCall { q: &q, ..*self }.attend_stored(pool, out);
+        let width = self.shape.n_heads * self.shape.head_dim;
+        for s in self.spans {
+            r.unrotate(&mut out[s.row0 * width..(s.row0 + s.len) * width]);
+        }
+    }
+
+    /// [`Self::attend`] with queries and outputs as the cache stores rows (rotated or not).
+    fn attend_stored(&self, pool: &PagePool, out: &mut [f32]) {
         let mut row_of = Vec::new();
         for (si, s) in self.spans.iter().enumerate() {
             if s.len < MIN_TILED_ROWS {
@@ -64,6 +79,7 @@ impl AttentionCall<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::encoding::stored_values;
     use crate::{AttentionShape, KvConfig, KvEncoding};
 
     /// Paged attention equals a dense softmax(q.K^T * scale) V computed directly, for a
@@ -97,6 +113,26 @@ mod tests {
         }
     }
 
+    /// Compressed pages (int8 and int4, with their rotation of q, k, v and the output) give
+    /// dense attention over the values they hold: the stored rows decoded by the scalar
+    /// reference (`stored_values`). Row path (the last token alone, with and without threads
+    /// splitting its context) and query tiles, grouped heads, window and soft-capping, head
+    /// sizes with a partial int4 group (40), and a layer narrower than the pool's rows.
+    #[test]
+    fn compressed_pages_match_dense_attention_over_their_values() {
+        let pool = cellm_kernels::pool::ThreadPool::new(4).unwrap();
+        for encoding in [KvEncoding::Int8, KvEncoding::Int4, KvEncoding::F16] {
+            for (window, softcap) in [(None, None), (Some(6), Some(0.5))] {
+                for heads in [(4, 2), (6, 1)] {
+                    check_dense_as(window, softcap, false, heads, (encoding, 64, 64));
+                    check_dense_as(window, softcap, true, heads, (encoding, 40, 64));
+                    let layer = (encoding, 32, 128);
+                    pool.install(|| check_dense_as(window, softcap, true, heads, layer));
+                }
+            }
+        }
+    }
+
     fn check_dense(
         window: Option<usize>,
         softcap: Option<f32>,
@@ -111,17 +147,29 @@ mod tests {
         window: Option<usize>,
         softcap: Option<f32>,
         last_alone: bool,
-        (n_heads, n_kv): (usize, usize),
+        heads: (usize, usize),
         pool_hd: usize,
     ) {
-        let (hd, len) = (8, 11);
+        check_dense_as(window, softcap, last_alone, heads, (KvEncoding::F32, 8, pool_hd));
+    }
+
+    /// As [`check_dense`], in a cache of `encoding`, the layer's heads `hd` wide in a pool
+    /// whose heads are `pool_hd` wide.
+    fn check_dense_as(
+        window: Option<usize>,
+        softcap: Option<f32>,
+        last_alone: bool,
+        (n_heads, n_kv): (usize, usize),
+        (encoding, hd, pool_hd): (KvEncoding, usize, usize),
+    ) {
+        let len = 11;
         let mut pool = PagePool::new(KvConfig {
             num_layers: 1,
             kv_heads: n_kv,
             head_dim: pool_hd,
             page_size: 4,
             max_pages: 16,
-            encoding: KvEncoding::F32,
+            encoding,
             windows: Vec::new(),
             values_in_keys: false,
         });
@@ -129,6 +177,7 @@ mod tests {
         let q: Vec<f32> = (0..len * n_heads * hd).map(|i| val(i + 3)).collect();
         let k: Vec<f32> = (0..len * n_kv * hd).map(|i| val(i + 11)).collect();
         let v: Vec<f32> = (0..len * n_kv * hd).map(|i| val(i + 29)).collect();
+        let (k_held, v_held) = (stored_values(encoding, hd, &k), stored_values(encoding, hd, &v));
         let mut seq = pool.new_seq();
         pool.reserve(&mut seq, len).unwrap();
         let shape = AttentionShape {
@@ -169,7 +218,7 @@ mod tests {
                 let scores: Vec<f32> = (lo..=t)
                     .map(|p| {
                         qh.iter()
-                            .zip(&k[(p * n_kv + g) * hd..][..hd])
+                            .zip(&k_held[(p * n_kv + g) * hd..][..hd])
                             .map(|(a, b)| a * b)
                             .sum::<f32>()
                             * 0.35
@@ -181,9 +230,15 @@ mod tests {
                 let z: f32 = e.iter().sum();
                 for d in 0..hd {
                     let want: f32 =
-                        (lo..=t).map(|p| e[p - lo] / z * v[(p * n_kv + g) * hd + d]).sum();
+                        (lo..=t).map(|p| e[p - lo] / z * v_held[(p * n_kv + g) * hd + d]).sum();
                     let got = out[(t * n_heads + h) * hd + d];
-                    assert!((want - got).abs() < 1e-5, "t={t} h={h} d={d}: {want} vs {got}");
+                    // f32 sums of at most 11 products of magnitude < 1 per step; a rotation
+                    // adds a few roundings of sums of at most 64 such terms.
+                    let tol = if encoding.rotation(hd).is_some() { 1e-4 } else { 1e-5 };
+                    assert!(
+                        (want - got).abs() < tol,
+                        "{encoding:?} t={t} h={h} d={d}: {want} vs {got}"
+                    );
                 }
             }
         }

@@ -5,11 +5,14 @@
 
 mod attention;
 mod call;
+mod encoding;
 mod pool;
 mod query_rows;
 mod query_tiles;
+mod rotation;
 mod state;
 
 pub use call::{AttentionCall, AttentionShape, SeqSpan};
-pub use pool::{KvConfig, KvEncoding, PagePool, SeqKv};
+pub use encoding::KvEncoding;
+pub use pool::{KvConfig, PagePool, SeqKv};
 pub use state::SeqState;

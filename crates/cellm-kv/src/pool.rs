@@ -1,40 +1,8 @@
 //! The page pool and the per-session page tables.
 
-use cellm_format::{Error, Result, TensorFormat};
+use cellm_format::{Error, Result};
 
-/// How cached keys and values are stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KvEncoding {
-    F16,
-    F32,
-}
-
-impl KvEncoding {
-    pub fn parse(name: &str) -> Result<Self> {
-        match name {
-            "f16" => Ok(Self::F16),
-            "f32" => Ok(Self::F32),
-            other => Err(Error::InvalidArgument(format!(
-                "unknown KV encoding '{other}' (expected f16 or f32)"
-            ))),
-        }
-    }
-
-    /// The weight format whose row kernels read this encoding.
-    pub fn format(self) -> TensorFormat {
-        match self {
-            Self::F16 => TensorFormat::F16,
-            Self::F32 => TensorFormat::F32,
-        }
-    }
-
-    fn bytes(self) -> usize {
-        match self {
-            Self::F16 => 2,
-            Self::F32 => 4,
-        }
-    }
-}
+use crate::encoding::KvEncoding;
 
 #[derive(Debug, Clone)]
 pub struct KvConfig {
@@ -103,7 +71,7 @@ impl PagePool {
     /// `max_pages` is capped at [`MAX_PAGES`] (page ids are 32-bit).
     pub fn new(mut cfg: KvConfig) -> Self {
         cfg.max_pages = cfg.max_pages.min(MAX_PAGES);
-        let row_bytes = cfg.kv_heads * cfg.head_dim * cfg.encoding.bytes();
+        let row_bytes = cfg.kv_heads * cfg.encoding.head_bytes(cfg.head_dim);
         Self { cfg, row_bytes, pages: Vec::new(), free: Vec::new() }
     }
 
@@ -217,15 +185,42 @@ impl PagePool {
         self.truncate(seq, 0);
     }
 
-    /// Stores the key and value rows of position `pos`.
-    pub fn write(&mut self, seq: &SeqKv, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
+    /// Stores the key and value rows of position `pos` for `layer`, whose heads are
+    /// `head_dim` wide (rotated first where the encoding rotates). A layer narrower than the
+    /// pool's rows fills a prefix of them.
+    pub fn write(
+        &mut self,
+        seq: &SeqKv,
+        (layer, hd): (usize, usize),
+        pos: usize,
+        k: &[f32],
+        v: &[f32],
+    ) {
         let (page, slot) = (seq.page(layer, pos / self.cfg.page_size), pos % self.cfg.page_size);
-        let (rb, ps, enc) = (self.row_bytes, self.cfg.page_size, self.cfg.encoding);
+        let (rb, ps) = (self.row_bytes, self.cfg.page_size);
         let values = !self.cfg.values_in_keys;
         let bytes = words_as_bytes_mut(&mut self.pages[page as usize]);
-        encode_row(enc, k, &mut bytes[slot * rb..(slot + 1) * rb]);
+        let (keys, vals) = bytes.split_at_mut(ps * rb);
+        let (enc, hb) = (self.cfg.encoding, self.cfg.encoding.head_bytes(hd));
+        assert!(k.len() / hd * hb <= rb, "KV rows of {} values are wider than the pool's", k.len());
+        let rotation = enc.rotation(hd);
+        let store = |src: &[f32], dst: &mut [u8]| {
+            let mut rotated = Vec::new();
+            let src = match &rotation {
+                Some(r) => {
+                    rotated.extend_from_slice(src);
+                    r.rotate(&mut rotated);
+                    &rotated[..]
+                }
+                None => src,
+            };
+            for (head, out) in src.chunks_exact(hd).zip(dst.chunks_exact_mut(hb)) {
+                enc.encode(head, out);
+            }
+        };
+        store(k, &mut keys[slot * rb..(slot + 1) * rb]);
         if values {
-            encode_row(enc, v, &mut bytes[(ps + slot) * rb..(ps + slot + 1) * rb]);
+            store(v, &mut vals[slot * rb..(slot + 1) * rb]);
         }
     }
 
@@ -251,21 +246,6 @@ impl PagePool {
         let (k, v) = self.page_rows(seq, layer, pos / self.cfg.page_size);
         let (rb, slot) = (self.row_bytes, pos % self.cfg.page_size);
         (&k[slot * rb..(slot + 1) * rb], &v[slot * rb..(slot + 1) * rb])
-    }
-}
-
-fn encode_row(enc: KvEncoding, src: &[f32], dst: &mut [u8]) {
-    match enc {
-        KvEncoding::F32 => {
-            for (d, s) in dst.chunks_exact_mut(4).zip(src) {
-                d.copy_from_slice(&s.to_le_bytes());
-            }
-        }
-        KvEncoding::F16 => {
-            for (d, s) in dst.chunks_exact_mut(2).zip(src) {
-                d.copy_from_slice(&half::f16::from_f32(*s).to_bits().to_le_bytes());
-            }
-        }
     }
 }
 
@@ -347,7 +327,7 @@ mod tests {
         let mut p = pool(8);
         let mut s = p.new_seq();
         p.reserve(&mut s, 6).unwrap();
-        p.write(&s, 1, 5, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0]);
+        p.write(&s, (1, 4), 5, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0]);
         let (k, v) = p.rows(&s, 1, 5);
         assert_eq!(&k[4..8], &2.0f32.to_le_bytes());
         assert_eq!(&v[12..16], &8.0f32.to_le_bytes());

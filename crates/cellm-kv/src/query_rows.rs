@@ -4,11 +4,12 @@
 //! merge at the end.
 
 use cellm_kernels::cache::prefetch_all;
-use cellm_kernels::dot::{CachedRows, HeadKernels, PathKernels};
+use cellm_kernels::dot::CachedRows;
 use cellm_kernels::gating::exp_in_place;
 use cellm_kernels::pool::{current_threads, parallel_for, SharedOut};
 
 use crate::call::{AttentionCall, AttentionShape};
+use crate::encoding::PageReader;
 use crate::pool::{PagePool, SeqKv};
 
 /// Writes into `out` the attention of `row_of`'s rows, each `(row of q and out, span,
@@ -47,8 +48,7 @@ pub(crate) fn attend(
         .iter()
         .flat_map(|&(r, _, _)| call.q[r * width..(r + 1) * width].iter().map(|x| x * shape.scale))
         .collect();
-    let kern = PathKernels::selected().head_kernels(pool.config().encoding.format());
-    let tasks = RowTasks { pool, shape, kern };
+    let tasks = RowTasks { pool, shape, reader: pool.config().encoding.reader() };
     parallel_for(rows * passes * chunks, |task| {
         let (unit, chunk) = (task / chunks, task % chunks);
         let (row, heads) = (unit / passes, pass_heads(unit % passes));
@@ -88,7 +88,7 @@ pub(crate) fn attend(
 struct RowTasks<'a> {
     pool: &'a PagePool,
     shape: &'a AttentionShape,
-    kern: HeadKernels,
+    reader: PageReader,
 }
 
 impl RowTasks<'_> {
@@ -103,7 +103,11 @@ impl RowTasks<'_> {
         part: &mut Partial,
         out: &mut [f32],
     ) {
-        let (shape, kern, pool) = (self.shape, self.kern, self.pool);
+        let (shape, pool) = (self.shape, self.pool);
+        let kern = match self.reader {
+            PageReader::Float(k) => k,
+            PageReader::Widened { f32, .. } => f32,
+        };
         let hd = shape.head_dim;
         let (heads, n_heads) = (query.heads.clone(), query.heads.len());
         let group = shape.n_heads / shape.n_kv_heads;
@@ -114,8 +118,10 @@ impl RowTasks<'_> {
             let (a, b) = ((kv * group).max(heads.start), ((kv + 1) * group).min(heads.end));
             a - heads.start..b - heads.start
         };
-        let head_bytes = pool.config().encoding.format().nbytes(&[hd]).expect("small");
+        let head_bytes = pool.config().encoding.head_bytes(hd);
         let (rb, ps) = (pool.row_bytes(), pool.config().page_size);
+        // A compressed page's rows of one kv head, widened to f32 (they stay in L1).
+        let mut widened = vec![0.0f32; ps * hd];
         let (max, denom) = (&mut part.max, &mut part.denom);
         // scores[h * count + slot] for the page's `count` live slots, then the softmax
         // weights in place.
@@ -144,15 +150,17 @@ impl RowTasks<'_> {
             let slots = slots.start.max(query.first) - page * ps..slots.end - page * ps;
             let count = slots.len();
             let scores = &mut scores[..n_heads * count];
-            let run = |plane, kv: usize| {
+            let stored = |plane, kv: usize| {
                 CachedRows { bytes: plane, stride: rb, count, dim: hd }
                     .offset_by(slots.start * rb + kv * head_bytes)
             };
+            let reader = self.reader;
             for kv in kv_heads.clone() {
                 let hs = sharing(kv);
                 let scores = &mut scores[hs.start * count..hs.end * count];
                 ahead(next.0, kv);
-                (kern.dot)(run(krows, kv), &query.q[hs.start * hd..hs.end * hd], scores);
+                let rows = readable(reader, stored(krows, kv), head_bytes, &mut widened);
+                (kern.dot)(rows, &query.q[hs.start * hd..hs.end * hd], scores);
             }
             if let Some(cap) = shape.softcap {
                 scores.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
@@ -173,10 +181,32 @@ impl RowTasks<'_> {
                 let hs = sharing(kv);
                 let weights = &scores[hs.start * count..hs.end * count];
                 ahead(next.1, kv);
-                (kern.axpy)(weights, run(vrows, kv), &mut out[hs.start * hd..hs.end * hd]);
+                let rows = readable(reader, stored(vrows, kv), head_bytes, &mut widened);
+                (kern.axpy)(weights, rows, &mut out[hs.start * hd..hs.end * hd]);
             }
         }
     }
+}
+
+/// `rows` as the reader's head kernels take them: as stored, or widened into `widened`.
+fn readable<'a>(
+    reader: PageReader,
+    rows: CachedRows<'a>,
+    head_bytes: usize,
+    widened: &'a mut [f32],
+) -> CachedRows<'a> {
+    let PageReader::Widened { decode, .. } = reader else { return rows };
+    let (count, hd) = (rows.count, rows.dim);
+    let wide = &mut widened[..count * hd];
+    for (s, out) in wide.chunks_exact_mut(hd).enumerate() {
+        decode(&rows.bytes[s * rows.stride..][..head_bytes], out);
+    }
+    CachedRows { bytes: f32_bytes(wide), stride: hd * 4, count, dim: hd }
+}
+
+fn f32_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: any f32 storage is valid as bytes; the slice covers the same memory.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
 /// The largest page and head count one attention task handles on its stack.

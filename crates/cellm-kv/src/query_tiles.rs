@@ -31,10 +31,8 @@ const KEY_BLOCK: usize = 64;
 /// Writes into `out` the attention of every row of `call`'s spans, whose keys and values
 /// `pool` already holds. Rows of `q`/`out` are `n_heads * head_dim` wide.
 pub(crate) fn attend(pool: &PagePool, call: &AttentionCall, out: &mut [f32]) {
-    let path = PathKernels::selected();
-    let format = pool.config().encoding.format();
-    let tiles =
-        Tiles { pool, call, tile: path.tile_kernel(), decode: path.row_kernels(format).decode };
+    let tile = PathKernels::selected().tile_kernel();
+    let tiles = Tiles { pool, call, tile, decode: pool.config().encoding.decoder() };
     tiles.run(out);
 }
 
@@ -103,7 +101,7 @@ impl Tiles<'_> {
     fn widen_block(&self, tile: &QueryTile, kv_head: usize, keys: Range<usize>, block: &mut Block) {
         let (hd, decode) = (self.call.shape.head_dim, self.decode);
         let (rb, ps) = (self.pool.row_bytes(), self.pool.config().page_size);
-        let head_bytes = self.pool.config().encoding.format().nbytes(&[hd]).expect("small");
+        let head_bytes = self.pool.config().encoding.head_bytes(hd);
         let mut row = vec![0.0f32; hd];
         block.keys = keys.len();
         // Keys past the block's end keep their last values: their scores are masked and
@@ -317,6 +315,7 @@ impl TileState {
 
 #[cfg(test)]
 mod tests {
+    use crate::encoding::stored_values;
     use crate::{AttentionCall, AttentionShape, KvConfig, KvEncoding, PagePool, SeqSpan};
 
     /// Exact in f16 (multiples of 1/32 below 2), so both cache encodings hold the same values;
@@ -358,13 +357,16 @@ mod tests {
     /// (the second starting inside a page, more than one tile and key block long), a short
     /// session prefilled in the same batch, and a decode token on the row path beside them;
     /// seven query heads per kv head (vectors do not fill whole register tiles) and a head
-    /// size that is not a multiple of the tile's 16 dimensions; both cache encodings; with
-    /// and without a window and soft-capping.
+    /// size that is not a multiple of the tile's 16 dimensions (nor of int4's 32); every
+    /// cache encoding (the compressed ones against dense attention over the values they
+    /// hold); with and without a window and soft-capping.
     #[test]
     fn prefill_tiles_match_dense_attention() {
-        let (n_heads, n_kv, hd, ps) = (14, 2, 24, 16);
+        let (n_heads, n_kv, ps) = (14, 2, 16);
         let lens = [150, 9, 30];
-        for encoding in [KvEncoding::F32, KvEncoding::F16] {
+        for encoding in [KvEncoding::F32, KvEncoding::F16, KvEncoding::Int8, KvEncoding::Int4] {
+            // Not a multiple of 32: int4's last group is partial.
+            let hd = 24;
             for (window, softcap) in [(None, None), (Some(37), None), (None, Some(0.5))] {
                 let shape = AttentionShape {
                     n_heads,
@@ -396,6 +398,13 @@ mod tests {
                             (0..len * kw).map(|i| at(1, i)).collect(),
                             (0..len * kw).map(|i| at(2, i)).collect(),
                         ]
+                    })
+                    .collect();
+                // The keys and values the cache holds (what the encoding keeps of them).
+                let held: Vec<[Vec<f32>; 2]> = data
+                    .iter()
+                    .map(|[_, k, v]| {
+                        [stored_values(encoding, hd, k), stored_values(encoding, hd, v)]
                     })
                     .collect();
                 let mut seqs: Vec<_> = lens.iter().map(|_| pool.new_seq()).collect();
@@ -439,7 +448,7 @@ mod tests {
                         for (i, p) in pos.clone().enumerate() {
                             for h in 0..n_heads {
                                 let qh = &data[*s][0][(p * n_heads + h) * hd..][..hd];
-                                let want = dense(qh, &data[*s][1], &data[*s][2], p, h, &shape);
+                                let want = dense(qh, &held[*s][0], &held[*s][1], p, h, &shape);
                                 let got = &out[(row0 + i) * w + h * hd..][..hd];
                                 for (d, (g, e)) in got.iter().zip(&want).enumerate() {
                                     // f32 sums of at most 150 terms of magnitude < 4: rounding
