@@ -11,7 +11,9 @@ so an unbounded one would end at max_tokens, not in a constraint failure."""
 from __future__ import annotations
 
 import json
+import random
 import re
+from contextlib import nullcontext
 from pathlib import Path
 
 import jsonschema
@@ -283,3 +285,82 @@ def test_text_a_vocabulary_cannot_spell_is_refused_before_generating():
     assert allowed.size and set(allowed) <= {2, 4}  # "a" or "ab"
     with pytest.raises(GrammarError, match="cannot spell any text .* after 0 generated tokens"):
         TokenConstraint(grammar_for(regex="c"), tokenizer, frozenset({1}))
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """A JSON schema drawn from the kinds above (objects with optional fields, bounded arrays,
+    enums, numeric ranges, anyOf, const), nested up to three levels; strings are bounded."""
+    kinds = ["integer", "number", "boolean", "enum", "string", "const"]
+    if depth < 3:
+        kinds += ["object", "array", "any_of"]
+    kind = rng.choice(kinds)
+    if kind == "integer":
+        low = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 500)}
+    if kind == "number":
+        low = rng.uniform(-10, 10)
+        return {"type": "number", "minimum": round(low, 2), "maximum": round(low + 5, 2)}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "enum":
+        choices = ["a", "b c", 'd"e', 1, 2.5, True, None]
+        return {"enum": rng.sample(choices, rng.randint(1, 4))}
+    if kind == "string":
+        return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(3, 8)}
+    if kind == "const":
+        return {"const": rng.choice(["x", 3, False])}
+    if kind == "array":
+        low = rng.randint(0, 2)
+        items = random_schema(rng, depth + 1)
+        high = low + rng.randint(0, 2)
+        return {"type": "array", "items": items, "minItems": low, "maxItems": high}
+    if kind == "any_of":
+        return {"anyOf": [random_schema(rng, depth + 1) for _ in range(2)]}
+    names = rng.sample(["id", "name", "tags", "size", "ok", "kind"], rng.randint(1, 3))
+    return {
+        "type": "object",
+        "properties": {n: random_schema(rng, depth + 1) for n in names},
+        "required": rng.sample(names, rng.randint(0, len(names))),
+        "additionalProperties": False,
+    }
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_schemas_validate(llm, seed):
+    schema = random_schema(random.Random(seed))
+    r = llm.generate(
+        "JSON:", temperature=1.0, seed=seed, max_tokens=200, response_format=json_format(schema)
+    )
+    assert r.finish_reason == "stop", (schema, r.text)
+    jsonschema.validate(json.loads(r.text), schema)
+
+
+def test_infer_cli_flags(converted, tmp_path, capsys):
+    from cellm.infer import main
+
+    model = str(converted("qwen2", "f32"))
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMAS["bounded_array"]))
+    grammar = tmp_path / "sum.lark"
+    grammar.write_text(SUM_GRAMMAR)
+    common = ["--model", model, "--prompt", "x", "--temperature", "1", "--seed", "2"]
+    assert main([*common, "--json-schema", str(schema)]) == 0
+    jsonschema.validate(json.loads(capsys.readouterr().out), SCHEMAS["bounded_array"])
+    assert main([*common, "--regex", "[a-c]{4}"]) == 0
+    assert re.fullmatch("[a-c]{4}\n", capsys.readouterr().out)
+    assert main([*common, "--grammar", str(grammar), "--gen", "30"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert re.fullmatch(r"[0-9+\-()]+", out)
+    # Bad input: one line naming the problem, exit 2, nothing generated.
+    schema.write_text('{"type": "strin"}')
+    for argv in (
+        ["--json-schema", str(tmp_path / "missing.json")],
+        ["--json-schema", str(schema)],
+        ["--regex", "a(b"],
+        ["--regex", "a", "--grammar", str(grammar)],
+    ):
+        with pytest.raises(SystemExit) if "--grammar" in argv else nullcontext():
+            code = main([*common, *argv])
+            assert code == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err

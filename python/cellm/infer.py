@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Generator
+from dataclasses import replace
 from typing import Any, Optional
 
 from cellm.chat import CHAT_FORMATS
@@ -45,6 +46,14 @@ def build_parser() -> Parser:
         metavar="FILE.json",
         help="JSON list of tool schemas for the chat template (implies --chat); "
         "the parsed tool calls are printed as one JSON line after the text",
+    )
+    constraint = p.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema", metavar="FILE.json", help="the output is JSON that validates against it"
+    )
+    constraint.add_argument("--regex", help="the output matches this regular expression")
+    constraint.add_argument(
+        "--grammar", metavar="FILE.lark", help="the output parses with this Lark grammar"
     )
     return p
 
@@ -153,21 +162,40 @@ def _stop_token_ids(llm: LLM, items: list[str]) -> list[int]:
     return ids
 
 
-def _read_tools(path: str) -> list[Any]:
+def _read_file(flag: str, path: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            return f.read()
     except FileNotFoundError:
-        raise FormatError(f"--tools {path}: no such file") from None
+        raise FormatError(f"{flag} {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise FormatError(f"--tools {path}: cannot read: {e}") from None
+        raise FormatError(f"{flag} {path}: cannot read: {e}") from None
+
+
+def _read_json(flag: str, path: str) -> Any:
     try:
-        tools = json.loads(text)
+        return json.loads(_read_file(flag, path))
     except json.JSONDecodeError as e:
-        raise InvalidArgument(f"--tools {path}: not valid JSON: {e}") from None
+        raise InvalidArgument(f"{flag} {path}: not valid JSON: {e}") from None
+
+
+def _read_tools(path: str) -> list[Any]:
+    tools = _read_json("--tools", path)
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise InvalidArgument(f"--tools {path}: expected a JSON list of tool schemas (objects)")
     return tools
+
+
+def _constraint(args: argparse.Namespace) -> dict[str, Any]:
+    """The SamplingParams fields of --json-schema, --regex or --grammar (see cellm.structured)."""
+    if args.json_schema is not None:
+        schema = _read_json("--json-schema", args.json_schema)
+        return {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.grammar is not None:
+        return {"grammar": _read_file("--grammar", args.grammar)}
+    return {}
 
 
 def _prompt(llm: LLM, args: argparse.Namespace, tools: Optional[list[Any]]) -> list[int]:
@@ -233,16 +261,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def body() -> int:
         tools = _read_tools(args.tools) if args.tools is not None else None
+        constraint = _constraint(args)  # files read before the model loads
         llm = load_model(args)
         events = (
             _image_chat(llm, args)
             if args.image
             else llm.stream(
                 _prompt(llm, args, tools),
-                params=sampling_params(args),
+                params=replace(sampling_params(args), **constraint),
                 stop_token_ids=_stop_token_ids(llm, args.stop_tokens),
-                # Tool-call markers are special tokens: keep them so the calls can be seen.
-                skip_special_tokens=tools is None,
+                # Tool-call markers are special tokens: keep them so the calls can be seen
+                # (a constraint keeps every token it matched by itself).
+                skip_special_tokens=None if constraint else tools is None,
             )
         )
         while True:

@@ -31,7 +31,7 @@ from cellm.llm import LLM
 from cellm.multimodal import NO_FILES, ImageFiles, ImagePrompt
 from cellm.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from cellm.scheduler import AsyncStream, Scheduler
-from cellm.structured import GrammarError, grammar_for, token_bytes
+from cellm.structured import GrammarError, grammar_for, ll_tokenizer, token_bytes
 from cellm.tool_formats import check_tools
 
 try:
@@ -562,6 +562,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         args.kv_capacity_tokens = args.kv_capacity
         llm = load_model(args)
+        try:  # now, so that the first request with a response_format does not wait for it
+            ll_tokenizer(llm.tokenizer, llm.eos_token_ids)
+        except CellmError as e:
+            print(f"cellm serve: constrained decoding unavailable: {e}", file=sys.stderr)
         scheduler = Scheduler(llm, max_running=args.max_sessions)
         scheduler.start()
         name = args.model or llm.path.stem

@@ -129,15 +129,15 @@ def grammar_for(
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
-def _for_llguidance(tokenizer_json: str) -> str:
+def _for_llguidance(tokenizer: Tokenizer) -> str:
     """The tokenizer.json llguidance is given. With byte fallback, the `<0xNN>` pieces are
     bytes; Gemma's tokenizer.json also lists them as special added tokens, which llguidance
     would then treat as special (unwritable) tokens: such entries are dropped from the
     added-token list (the model's vocabulary still holds them)."""
+    tokenizer_json: str = tokenizer.raw.to_str()
+    if not getattr(tokenizer.raw.model, "byte_fallback", False):
+        return tokenizer_json  # nothing to change: skip parsing megabytes of JSON
     spec = json.loads(tokenizer_json)
-    model = spec.get("model") or {}
-    if not model.get("byte_fallback"):
-        return tokenizer_json
     added = spec.get("added_tokens") or []
     spec["added_tokens"] = [t for t in added if not _BYTE_TOKEN.fullmatch(t.get("content", ""))]
     return json.dumps(spec)
@@ -151,7 +151,9 @@ _TOKENIZERS_LOCK = threading.Lock()
 
 
 def ll_tokenizer(tokenizer: Tokenizer, eos_token_ids: frozenset[int]) -> llguidance.LLTokenizer:
-    """llguidance's view of `tokenizer`, ending a grammar with any of `eos_token_ids`."""
+    """llguidance's view of `tokenizer`, ending a grammar with any of `eos_token_ids`. Made
+    on first use and kept while `tokenizer` lives: it walks the whole vocabulary, which takes
+    seconds on a 150k-262k vocabulary (see docs/benchmarks.md)."""
     llg = _llguidance()
     eos = tuple(sorted(eos_token_ids))
     with _TOKENIZERS_LOCK:
@@ -160,7 +162,7 @@ def ll_tokenizer(tokenizer: Tokenizer, eos_token_ids: frozenset[int]) -> llguida
         if found is None:
             try:
                 found = llg.LLTokenizer(
-                    _for_llguidance(tokenizer.raw.to_str()),
+                    _for_llguidance(tokenizer),
                     n_vocab=tokenizer.vocab_size,
                     eos_token=list(eos) or None,
                 )
