@@ -15,6 +15,7 @@ from cellm.generation import GenerationResult, Piece, Timings, TokenLogprob
 from cellm.llm import LLM
 from cellm.pii import PrivacyFilter, Span
 from cellm.sampling import SamplingParams
+from cellm.speech import Segment, Transcription, Whisper
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,9 @@ __all__ = [
     "SamplingParams",
     "Timings",
     "TokenLogprob",
+    "Whisper",
+    "Transcription",
+    "Segment",
     "Busy",
     "CellmError",
     "ContextOverflow",

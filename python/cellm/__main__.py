@@ -12,6 +12,7 @@ COMMANDS = {
     "chat": ("cellm.repl", "chat in the terminal, keeping the conversation"),
     "convert": ("cellm.convert.__main__", "convert a HF checkpoint or GGUF file to .cellm"),
     "fetch": ("cellm.fetch", "download a registry model (and convert it)"),
+    "transcribe": ("cellm.transcribe", "speech to text with a Whisper model"),
     "serve": ("cellm.serve", "an OpenAI-compatible server for one model"),
     "cache": ("cellm.cache", "list or remove cached models"),
     "bench": ("cellm.bench", "benchmark against llama.cpp"),

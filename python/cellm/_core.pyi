@@ -73,6 +73,9 @@ class Engine:
     def encode_images(
         self, patches: npt.NDArray[np.float32], grids: Sequence[tuple[int, int]]
     ) -> npt.NDArray[np.float32]: ...
+    def encode_speech(
+        self, session: int, features: npt.NDArray[np.float32]
+    ) -> npt.NDArray[np.float32]: ...
     def step(
         self,
         batch: Sequence[tuple[int, Sequence[int]]],

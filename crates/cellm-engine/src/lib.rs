@@ -83,6 +83,8 @@ pub struct Engine {
     model: Box<dyn CausalLm>,
     pool: PagePool,
     state_layout: Vec<usize>,
+    /// Steps only read the sessions' state ([`cellm_models::CacheLayout::state_fixed`]).
+    state_fixed: bool,
     sessions: HashMap<SessionId, Session>,
     next_session: SessionId,
     workers: ThreadPool,
@@ -104,9 +106,10 @@ impl Engine {
         let model = cellm_models::load_limited(&file, opts.max_layers)?;
         let cfg = model.config();
         let context_length = opts.context_length.unwrap_or(cfg.max_position_embeddings);
-        if context_length == 0 || context_length > MAX_CONTEXT {
+        let limit = model.position_limit().unwrap_or(MAX_CONTEXT).min(MAX_CONTEXT);
+        if context_length == 0 || context_length > limit {
             return Err(Error::InvalidArgument(format!(
-                "context_length must be 1 to {MAX_CONTEXT}, not {context_length}"
+                "context_length must be 1 to {limit}, not {context_length}"
             )));
         }
         let workers = start_workers(opts.threads)?;
@@ -130,6 +133,7 @@ impl Engine {
             model,
             pool,
             state_layout: layout.state,
+            state_fixed: layout.state_fixed,
             sessions: HashMap::new(),
             next_session: 1,
             workers,
@@ -166,6 +170,20 @@ impl Engine {
         self.workers.install(|| vision.encode(patches, grids))
     }
 
+    /// Encodes one window of a speech model's features (`bins x frames`, row-major) on the
+    /// engine's threads, makes the states session `id`'s cross-attention memory (replacing
+    /// any earlier window's) and returns them (`positions x hidden`). A model without an
+    /// audio encoder refuses.
+    pub fn encode_speech(&mut self, id: SessionId, mel: &[f32]) -> Result<Vec<f32>> {
+        let speech = self.model.speech().ok_or_else(|| {
+            Error::InvalidArgument("this model takes no audio (it has no speech encoder)".into())
+        })?;
+        let session = self.sessions.get_mut(&id).ok_or_else(|| unknown(id))?;
+        let encoded = self.workers.install(|| speech.encode(mel))?;
+        self.workers.install(|| speech.attend_to(&encoded, &mut session.state))?;
+        Ok(encoded)
+    }
+
     pub fn create_session(&mut self) -> SessionId {
         let id = self.next_session;
         self.next_session += 1;
@@ -182,14 +200,15 @@ impl Engine {
 
     /// Drops cached positions from `len` on (rewinding for regeneration or a shared prefix).
     /// Recurrent state cannot be rewound, so such models only reset (`len` 0); nor can a
-    /// sliding layer get back positions that left its window.
+    /// sliding layer get back positions that left its window. A state that steps only read
+    /// (a speech model's window) is kept, whatever `len`.
     pub fn truncate_session(&mut self, id: SessionId, len: usize) -> Result<()> {
         let session = self.sessions.get_mut(&id).ok_or_else(|| unknown(id))?;
         let cached = session.kv.len();
         if len >= cached {
             return Ok(());
         }
-        if len > 0 && !session.state.is_empty() {
+        if len > 0 && !session.state.is_empty() && !self.state_fixed {
             return Err(Error::InvalidArgument(format!(
                 "session {id}: this model keeps recurrent state, which cannot be rewound to \
                  position {len}; truncate to 0 to reset it"
@@ -202,7 +221,7 @@ impl Engine {
             )));
         }
         self.pool.truncate(&mut session.kv, len);
-        if len == 0 {
+        if len == 0 && !self.state_fixed {
             session.state.reset();
         }
         Ok(())
@@ -284,7 +303,8 @@ impl Engine {
             }
             row0 += t.len();
         }
-        let stateful = !self.state_layout.is_empty();
+        // A state that steps only read needs no copy and no care when cancelling.
+        let stateful = !self.state_layout.is_empty() && !self.state_fixed;
         let prefill = batch.iter().any(|(_, t)| t.len() > 1);
         let saved: Vec<SeqState> = match stateful && prefill {
             true => states.iter().map(|s| SeqState::clone(s)).collect(),

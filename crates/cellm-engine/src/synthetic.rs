@@ -97,5 +97,12 @@ pub fn tiny_models() -> Vec<(&'static str, Value)> {
                     "routed_scaling_factor": 2.5, "shared_experts": 1,
                     "expert_intermediate_size": 16, "first_moe_layer": 1}})),
         ),
+        (
+            "whisper",
+            with(json!({"architecture": "whisper", "model_type": "whisper", "num_kv_heads": 4,
+                "max_position_embeddings": 64, "rope": {"inv_freq": []}, "hidden_act": "gelu",
+                "whisper": {"num_mel_bins": 8, "encoder_layers": 1, "encoder_heads": 2,
+                    "encoder_ffn_dim": 48, "source_positions": 6}})),
+        ),
     ]
 }

@@ -7,6 +7,7 @@ pub mod cache;
 pub mod dense_attention;
 pub mod dot;
 pub mod gating;
+pub mod gelu;
 pub mod gemm;
 pub mod isa;
 pub mod kv_rows;

@@ -3,6 +3,7 @@
 
 use cellm_format::{Error, Result, Tensor};
 use cellm_kernels::gating::Gate;
+use cellm_kernels::gelu::gelu_in_place;
 use cellm_kernels::{decode_row, matmul, matmul_many, ops, WeightRows};
 use cellm_kv::{AttentionShape, PagePool};
 
@@ -202,11 +203,14 @@ impl GatedMlp {
 
     pub fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
         let [mut g, up] = Linear::forward_many([&self.gate, &self.up], x, tokens);
-        let gate = match self.act {
-            Activation::Silu => Gate::Silu,
-            Activation::GeluTanh => Gate::GeluTanh,
-        };
-        gate.apply(&mut g, Some(&up));
+        match self.act {
+            Activation::Silu => Gate::Silu.apply(&mut g, Some(&up)),
+            Activation::GeluTanh => Gate::GeluTanh.apply(&mut g, Some(&up)),
+            Activation::Gelu => {
+                gelu_in_place(&mut g);
+                g.iter_mut().zip(&up).for_each(|(g, u)| *g *= u);
+            }
+        }
         self.down.forward(&g, tokens)
     }
 }

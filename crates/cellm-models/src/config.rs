@@ -38,6 +38,8 @@ pub enum Activation {
     Silu,
     /// `gelu` with the tanh approximation (HF's `gelu_pytorch_tanh`).
     GeluTanh,
+    /// Exact `gelu` (erf), HF's `gelu` (Whisper).
+    Gelu,
 }
 
 #[derive(Debug, Clone, Deserialize)]

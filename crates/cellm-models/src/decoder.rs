@@ -153,6 +153,7 @@ pub fn hybrid_cache_layout<'m, R: RecurrentBlock + 'm>(
         windows: Vec::new(),
         state: Vec::new(),
         values_in_keys: false,
+        state_fixed: false,
     };
     for mixer in mixers {
         match mixer {
@@ -172,5 +173,6 @@ pub fn attention_cache_layout(cfg: &ModelConfig) -> CacheLayout {
         windows: (0..cfg.num_layers).map(|i| cfg.window(i)).collect(),
         state: Vec::new(),
         values_in_keys: false,
+        state_fixed: false,
     }
 }

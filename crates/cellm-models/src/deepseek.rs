@@ -125,6 +125,7 @@ pub fn load(w: &Weights, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
         windows: Vec::new(),
         state: Vec::new(),
         values_in_keys: true,
+        state_fixed: false,
     };
     Decoder::assemble(w, cfg, embed, layers, "model.norm.weight", cache)
 }

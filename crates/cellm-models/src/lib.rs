@@ -19,6 +19,7 @@ mod qwen35;
 mod registry;
 mod vision;
 mod weights;
+mod whisper;
 
 use cellm_kv::{PagePool, SeqSpan, SeqState};
 
@@ -27,6 +28,7 @@ pub use encoder::Encoder;
 pub use registry::{architectures, expected_tensors, load, load_encoder, load_limited};
 pub use vision::{ConnectorKind, VisionConfig, VisionEncoder};
 pub use weights::{Storage, TensorSpec, Weights};
+pub use whisper::WhisperConfig;
 
 /// One batched forward step: the new tokens of several sessions, concatenated.
 pub struct Step<'a> {
@@ -81,6 +83,9 @@ pub struct CacheLayout {
     pub state: Vec<usize>,
     /// Values are the key rows (MLA's latent cache).
     pub values_in_keys: bool,
+    /// Steps only read the state (Whisper's cross-attention memory, written per audio
+    /// window): it survives rewinding and needs no copy to roll a step back.
+    pub state_fixed: bool,
 }
 
 pub trait CausalLm: Send + Sync {
@@ -99,4 +104,23 @@ pub trait CausalLm: Send + Sync {
     fn vision(&self) -> Option<&VisionEncoder> {
         None
     }
+    /// The encoder side of a speech model.
+    fn speech(&self) -> Option<&dyn SpeechModel> {
+        None
+    }
+    /// The most positions the model can address (a learned position table), if limited.
+    fn position_limit(&self) -> Option<usize> {
+        None
+    }
+}
+
+/// An encoder-decoder speech model's encoder: one window of features in, encoder states
+/// out, and those states made into a session's cross-attention memory.
+pub trait SpeechModel: Send + Sync {
+    /// (mel bins, frames) of one window of features.
+    fn input_shape(&self) -> (usize, usize);
+    /// Encoder states (`positions x hidden`) of `mel`, `bins x frames` row-major.
+    fn encode(&self, mel: &[f32]) -> cellm_format::Result<Vec<f32>>;
+    /// Writes the decoder's memory of `encoded` into a session's state.
+    fn attend_to(&self, encoded: &[f32], state: &mut SeqState) -> cellm_format::Result<()>;
 }

@@ -6,7 +6,8 @@ use cellm_format::{CellmFile, Error, Result};
 use crate::encoder::{self, Encoder, EncoderLoader};
 use crate::weights::{TensorSpec, Weights};
 use crate::{
-    deepseek, gemma, gemma4, granite_hybrid, lfm2, llama, qwen35, vision, CausalLm, ModelConfig,
+    deepseek, gemma, gemma4, granite_hybrid, lfm2, llama, qwen35, vision, whisper, CausalLm,
+    ModelConfig,
 };
 
 type Loader = fn(&Weights, ModelConfig) -> Result<Box<dyn CausalLm>>;
@@ -21,6 +22,7 @@ const FAMILIES: &[(&str, Loader)] = &[
     ("deepseek_v3", deepseek::load),
     ("idefics3", vision::load_idefics3),
     ("lfm2_vl", vision::load_lfm2_vl),
+    ("whisper", whisper::load),
 ];
 
 /// Encoders: models that give one row per token of a whole text rather than generate.

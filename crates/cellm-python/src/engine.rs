@@ -108,6 +108,24 @@ impl Engine {
         features.into_pyarray(py).reshape([rows, hidden])
     }
 
+    /// Encodes one window of a speech model's log-mel features (float32, `bins x frames`),
+    /// makes it the cross-attention memory of `session` (replacing the previous window's)
+    /// and returns the encoder states (`positions x hidden`). Raises InvalidArgument on a
+    /// model without an audio encoder or features of the wrong shape.
+    fn encode_speech<'py>(
+        &mut self,
+        py: Python<'py>,
+        session: SessionId,
+        features: PyReadonlyArray2<'py, f32>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let mel: Vec<f32> = features.as_array().iter().copied().collect();
+        let inner = &mut self.inner;
+        let states = py.detach(|| inner.encode_speech(session, &mel)).map_err(to_py)?;
+        let hidden = self.inner.model().config().hidden_size;
+        let rows = states.len() / hidden;
+        states.into_pyarray(py).reshape([rows, hidden])
+    }
+
     /// One batched forward over `[(session, new_token_ids), ...]`; returns float32 logits of
     /// shape `(rows, vocab)`: the last new token of each session, or every new token when
     /// `all_logits`. The GIL is released while the engine runs; a signal handler that raises

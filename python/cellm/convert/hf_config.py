@@ -39,6 +39,7 @@ _ACTIVATIONS = {
     "swish": "silu",
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_tanh": "gelu_tanh",
+    "gelu": "gelu",
 }
 
 
@@ -119,7 +120,11 @@ def normalise_config(
         "attention_out_bias": attention_out_bias,
         "mlp_bias": model_type.fixed.get("mlp_bias", r.get_bool("mlp_bias")),
         "qk_norm": model_type.fixed.get("qk_norm", False),
-        "rope": rope_description(config, model_type, head_dim, max_pos, source),
+        "rope": (
+            rope_description(config, model_type, head_dim, max_pos, source)
+            if model_type.rotary
+            else {"inv_freq": []}
+        ),
         "rope_layers": (
             model_type.rope_layers(r, num_layers) if model_type.rope_layers else [True] * num_layers
         ),

@@ -133,6 +133,8 @@ class ModelType:
     # Config keys that differ by model type.
     eps_key: str = "rms_norm_eps"
     act_key: str = "hidden_act"
+    # False for models with learned positions and no rotary embedding (Whisper).
+    rotary: bool = True
 
 
 class MetadataGetter(Protocol):
