@@ -153,6 +153,20 @@ impl Rope {
     }
 }
 
+impl Activation {
+    /// `gate = act(gate) * up`.
+    pub fn gate(self, gate: &mut [f32], up: &[f32]) {
+        match self {
+            Activation::Silu => Gate::Silu.apply(gate, Some(up)),
+            Activation::GeluTanh => Gate::GeluTanh.apply(gate, Some(up)),
+            Activation::Gelu => {
+                gelu_in_place(gate);
+                gate.iter_mut().zip(up).for_each(|(g, u)| *g *= u);
+            }
+        }
+    }
+}
+
 /// `down(act(gate(x)) * up(x))`.
 pub struct GatedMlp {
     pub gate: Linear,
@@ -203,14 +217,7 @@ impl GatedMlp {
 
     pub fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
         let [mut g, up] = Linear::forward_many([&self.gate, &self.up], x, tokens);
-        match self.act {
-            Activation::Silu => Gate::Silu.apply(&mut g, Some(&up)),
-            Activation::GeluTanh => Gate::GeluTanh.apply(&mut g, Some(&up)),
-            Activation::Gelu => {
-                gelu_in_place(&mut g);
-                g.iter_mut().zip(&up).for_each(|(g, u)| *g *= u);
-            }
-        }
+        self.act.gate(&mut g, &up);
         self.down.forward(&g, tokens)
     }
 }

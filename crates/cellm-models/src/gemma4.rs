@@ -9,7 +9,6 @@
 //! and its RMSNorms multiply by a plain `w`.
 
 use cellm_format::Result;
-use cellm_kernels::gating::Gate;
 use cellm_kernels::ops;
 use cellm_kv::{AttentionCall, AttentionShape, PagePool, SeqState};
 use serde::Deserialize;
@@ -160,7 +159,7 @@ struct Gemma4 {
     layers: Vec<Layer>,
     head: LmHead,
     cache: CacheLayout,
-    act: Gate,
+    act: Activation,
 }
 
 pub fn load(w: &Weights, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
@@ -236,11 +235,9 @@ pub fn load(w: &Weights, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
         windows,
         state: Vec::new(),
         values_in_keys: false,
+        state_fixed: false,
     };
-    let act = match cfg.hidden_act {
-        Activation::Silu => Gate::Silu,
-        Activation::GeluTanh => Gate::GeluTanh,
-    };
+    let act = cfg.hidden_act;
     Ok(Box::new(Gemma4 { cfg, embed, per_layer_inputs, layers, head, cache, act }))
 }
 
@@ -363,13 +360,13 @@ impl PerLayerInputs {
 
 impl Layer {
     /// Feed-forward, per-layer branch and layer scalar over `rows` rows of `x`.
-    fn finish(&self, x: &mut [f32], rows: usize, per_layer_input: Option<&[f32]>, act: Gate) {
+    fn finish(&self, x: &mut [f32], rows: usize, per_layer_input: Option<&[f32]>, act: Activation) {
         let mut ff = self.mlp.forward(&self.pre_mlp_norm.applied(x), rows);
         self.post_mlp_norm.apply(&mut ff);
         ops::add_scaled(x, &ff, 1.0);
         if let (Some(branch), Some(input)) = (&self.per_layer, per_layer_input) {
             let mut g = branch.gate.forward(x, rows);
-            act.apply(&mut g, Some(input));
+            act.gate(&mut g, input);
             let mut out = branch.proj.forward(&g, rows);
             branch.norm.apply(&mut out);
             ops::add_scaled(x, &out, 1.0);
