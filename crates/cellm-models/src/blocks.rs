@@ -1,4 +1,4 @@
-//! Shared blocks every family is built from: linear layers, RMSNorm, RoPE, the gated MLP,
+//! Shared blocks every family is built from: linear layers, RMSNorm and LayerNorm, RoPE, the gated MLP,
 //! grouped-query attention and the language-model head. Tensors come through [`Weights`].
 
 use cellm_format::{Error, Result, Tensor};
@@ -55,6 +55,43 @@ impl Linear {
             }
         }
         ys
+    }
+}
+
+/// `(x - mean) / sqrt(var + eps) * w + b` per row.
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f32,
+}
+
+impl LayerNorm {
+    pub fn load(w: &Weights, prefix: &str, dim: usize, eps: f32) -> Result<Self> {
+        Ok(Self {
+            weight: w.vector(&format!("{prefix}.weight"), dim)?,
+            bias: w.vector(&format!("{prefix}.bias"), dim)?,
+            eps,
+        })
+    }
+
+    pub fn apply(&self, x: &mut [f32]) {
+        let w = self.weight.as_f32().expect("checked at load");
+        let b = self.bias.as_f32().expect("checked at load");
+        for row in x.chunks_exact_mut(w.len()) {
+            let n = row.len() as f32;
+            let mean = row.iter().sum::<f32>() / n;
+            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+            let inv = 1.0 / (var + self.eps).sqrt();
+            for ((v, w), b) in row.iter_mut().zip(w).zip(b) {
+                *v = (*v - mean) * inv * w + b;
+            }
+        }
+    }
+
+    pub fn applied(&self, x: &[f32]) -> Vec<f32> {
+        let mut y = x.to_vec();
+        self.apply(&mut y);
+        y
     }
 }
 

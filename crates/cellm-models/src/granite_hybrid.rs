@@ -102,7 +102,7 @@ struct SharedMlp {
     input: Linear,
     output: Linear,
     width: usize,
-    act: Gate,
+    act: Activation,
 }
 
 struct Layer {
@@ -118,10 +118,7 @@ pub fn load(w: &Weights, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
     let rope = Rope::from(&cfg.rope);
     let has_mamba = cfg.layer_types.contains(&LayerType::LinearAttention);
     let mamba: Option<MambaConfig> = has_mamba.then(|| cfg.section()).transpose()?;
-    let act = match cfg.hidden_act {
-        Activation::Silu => Gate::Silu,
-        Activation::GeluTanh => Gate::GeluTanh,
-    };
+    let act = cfg.hidden_act;
     let (mut kv_layers, mut buffers) = (0, 0);
     let mut layers = Vec::with_capacity(cfg.num_layers);
     for i in 0..cfg.num_layers {
@@ -288,7 +285,7 @@ impl SharedMlp {
             gate.extend_from_slice(&row[..i]);
             up.extend_from_slice(&row[i..]);
         }
-        self.act.apply(&mut gate, Some(&up));
+        self.act.gate(&mut gate, &up);
         self.output.forward(&gate, tokens)
     }
 }

@@ -7,7 +7,8 @@ use cellm_format::Result;
 
 use crate::blocks::Linear;
 use crate::vision::config::{ConnectorKind, VisionConfig};
-use crate::vision::layers::{gelu_erf, LayerNorm};
+use crate::blocks::LayerNorm;
+use cellm_kernels::gelu::gelu_in_place;
 use crate::weights::Weights;
 
 pub enum Connector {
@@ -56,7 +57,7 @@ impl Connector {
                     norm.apply(&mut x);
                 }
                 let mut h = p.linear_1.forward(&x, tokens);
-                gelu_erf(&mut h);
+                gelu_in_place(&mut h);
                 p.linear_2.forward(&h, tokens)
             }
         }

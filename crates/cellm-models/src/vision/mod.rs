@@ -5,7 +5,6 @@
 
 mod config;
 mod connector;
-pub(crate) mod layers;
 mod positions;
 mod siglip;
 

@@ -8,7 +8,7 @@ use cellm_kernels::gating::Gate;
 
 use crate::blocks::Linear;
 use crate::vision::config::VisionConfig;
-use crate::vision::layers::LayerNorm;
+use crate::blocks::LayerNorm;
 use crate::vision::positions::Positions;
 use crate::weights::{Storage, Weights};
 

@@ -6,7 +6,7 @@ use cellm_format::Result;
 use cellm_kernels::gelu::gelu_in_place;
 
 use crate::blocks::Linear;
-use crate::vision::layers::LayerNorm;
+use crate::blocks::LayerNorm;
 use cellm_kernels::dense_attention::bidirectional_attention;
 use crate::weights::{Storage, Weights};
 use crate::whisper::config::WhisperConfig;

@@ -17,7 +17,7 @@ pub use config::WhisperConfig;
 
 use crate::blocks::{Attention, Embedding, Linear};
 use crate::decoder::{run_layers, DecoderLayer, StepCtx};
-use crate::vision::layers::LayerNorm;
+use crate::blocks::LayerNorm;
 use crate::weights::{Storage, Weights};
 use crate::{Activation, CacheLayout, Cancelled, CausalLm, ModelConfig, SpeechModel, Step};
 use cross::CrossAttention;
