@@ -30,6 +30,10 @@ class TemplateError(CellmError):
     """A chat template failed to compile or render, or rejected the messages (raise_exception)."""
 
 
+class DeviceError(CellmError):
+    """No GPU adapter of the kind asked for, or the GPU failed (out of memory, lost)."""
+
+
 class Busy(CellmError):
     """The scheduler's queue is full: try again later (the server answers 429)."""
 
@@ -37,6 +41,7 @@ class Busy(CellmError):
 __all__ = [
     "Busy",
     "CellmError",
+    "DeviceError",
     "FormatError",
     "UnsupportedArchitecture",
     "ContextOverflow",

@@ -27,7 +27,7 @@ from cellm.tokenizer import Tokenizer
 from cellm.tool_formats import check_tools, choice_tools, format_for
 from cellm.vision import ImageInput
 
-BACKENDS = ("cpu",)
+BACKENDS = ("cpu", "vulkan", "metal", "gpu")
 KV_ENCODINGS = ("f16", "f32", "int8", "int4")
 Prompt = Union[str, Sequence[int]]
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
@@ -145,6 +145,7 @@ class LLM:
             context_length=context_length,
             kv_capacity_tokens=kv_capacity_tokens,
             max_layers=max_layers,
+            backend=backend,
         )
         # Held for each engine call: the engine is not reentrant (see the class docstring).
         self._lock = threading.RLock()

@@ -11,9 +11,10 @@ use std::path::Path;
 
 use cellm_format::{CellmFile, Error, Result};
 use cellm_kv::{KvConfig, PagePool, SeqKv, SeqSpan, SeqState};
-use cellm_models::{CausalLm, GivenEmbeds, Step, MAX_CONTEXT};
+use cellm_models::{CausalLm, ForwardError, GivenEmbeds, Step, MAX_CONTEXT};
 
 pub use cellm_format;
+pub use cellm_gpu::GpuKind;
 pub use cellm_kernels::pool::{stream_read, ThreadPool};
 pub use cellm_kernels::{decode_row_raw, dot, isa, matmul_raw, WeightRows};
 pub use cellm_kv::KvEncoding;
@@ -36,6 +37,10 @@ pub struct EngineOptions {
     pub kv_capacity_tokens: Option<usize>,
     /// Run only the model's first this many layers (a debugging aid); default: all.
     pub max_layers: Option<usize>,
+    /// Where the model runs: None on the CPU, else on a GPU of that kind.
+    pub gpu: Option<GpuKind>,
+    /// A cap on one GPU binding below the device's (tests split matrices with it).
+    pub gpu_max_binding: Option<u64>,
 }
 
 impl Default for EngineOptions {
@@ -46,6 +51,8 @@ impl Default for EngineOptions {
             context_length: None,
             kv_capacity_tokens: None,
             max_layers: None,
+            gpu: None,
+            gpu_max_binding: None,
         }
     }
 }
@@ -103,7 +110,23 @@ impl Engine {
 
     /// The engine of a file already opened (from a path or from bytes).
     pub fn from_file(file: CellmFile, opts: &EngineOptions) -> Result<Self> {
-        let model = cellm_models::load_limited(&file, opts.max_layers)?;
+        let model = match opts.gpu {
+            None => cellm_models::load_limited(&file, opts.max_layers)?,
+            Some(_) if opts.max_layers.is_some() => {
+                return Err(Error::InvalidArgument(
+                    "max_layers is a CPU debugging aid; the GPU backend runs every layer".into(),
+                ))
+            }
+            Some(kind) => cellm_gpu::load(
+                &file,
+                &cellm_gpu::GpuOptions {
+                    kind,
+                    kv_encoding: opts.kv_encoding,
+                    page_size: PAGE_SIZE,
+                    max_binding: opts.gpu_max_binding,
+                },
+            )?,
+        };
         let cfg = model.config();
         let context_length = opts.context_length.unwrap_or(cfg.max_position_embeddings);
         let limit = model.position_limit().unwrap_or(MAX_CONTEXT).min(MAX_CONTEXT);
@@ -118,7 +141,7 @@ impl Engine {
         // than MAX_PAGES anyway.
         let capacity =
             opts.kv_capacity_tokens.unwrap_or(context_length.saturating_mul(DEFAULT_KV_SESSIONS));
-        let pool = PagePool::new(KvConfig {
+        let kv_config = KvConfig {
             num_layers: layout.kv_layers,
             kv_heads: layout.kv_heads,
             head_dim: layout.head_dim,
@@ -127,7 +150,12 @@ impl Engine {
             encoding: opts.kv_encoding,
             windows: layout.windows,
             values_in_keys: layout.values_in_keys,
-        });
+        };
+        // On a GPU the pool only hands out page ids; the model keeps the rows on the device.
+        let pool = match opts.gpu {
+            None => PagePool::new(kv_config),
+            Some(_) => PagePool::without_storage(kv_config),
+        };
         Ok(Self {
             file,
             model,
@@ -325,11 +353,17 @@ impl Engine {
             }
         }
         drop((spans, states));
-        let Ok(logits) = result else {
-            // Positions past each session's length hold the stopped step's rows; its length
-            // never moved, so dropping the pages reserved for them restores it.
-            self.unreserve(batch);
-            return Err(Error::Interrupted);
+        let logits = match result {
+            Ok(logits) => logits,
+            Err(stopped) => {
+                // Positions past each session's length hold the stopped step's rows; its
+                // length never moved, so dropping the pages reserved for them restores it.
+                self.unreserve(batch);
+                return Err(match stopped {
+                    ForwardError::Cancelled => Error::Interrupted,
+                    ForwardError::Failed(e) => e,
+                });
+            }
         };
         for &(id, t) in batch {
             let seq = &mut self.sessions.get_mut(&id).expect("validated").kv;

@@ -14,6 +14,8 @@ pub enum Error {
     InvalidArgument(String),
     /// The caller's cancel hook stopped a step (Ctrl-C); nothing changed.
     Interrupted,
+    /// No GPU adapter, or the GPU failed (out of memory, a lost device).
+    Device(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -24,7 +26,8 @@ impl fmt::Display for Error {
             Error::Format(m)
             | Error::Unsupported(m)
             | Error::ContextOverflow(m)
-            | Error::InvalidArgument(m) => f.write_str(m),
+            | Error::InvalidArgument(m)
+            | Error::Device(m) => f.write_str(m),
             Error::Interrupted => f.write_str("interrupted"),
         }
     }

@@ -52,6 +52,12 @@ impl SeqKv {
         self.len == 0
     }
 
+    /// The page ids of `layer`, in position order (a page released from a sliding window
+    /// reads `u32::MAX`).
+    pub fn page_table(&self, layer: usize) -> &[u32] {
+        &self.pages[layer]
+    }
+
     pub(crate) fn page(&self, layer: usize, index: usize) -> u32 {
         let id = self.pages[layer][index];
         debug_assert_ne!(id, RELEASED, "page {index} of layer {layer} is out of the window");
@@ -65,6 +71,8 @@ pub struct PagePool {
     /// Page storage as u32 words so f32 rows are aligned; K rows then V rows.
     pages: Vec<Box<[u32]>>,
     free: Vec<u32>,
+    /// False: pages are ids only and their rows live elsewhere (on a GPU).
+    host_storage: bool,
 }
 
 impl PagePool {
@@ -72,7 +80,14 @@ impl PagePool {
     pub fn new(mut cfg: KvConfig) -> Self {
         cfg.max_pages = cfg.max_pages.min(MAX_PAGES);
         let row_bytes = cfg.kv_heads * cfg.encoding.head_bytes(cfg.head_dim);
-        Self { cfg, row_bytes, pages: Vec::new(), free: Vec::new() }
+        Self { cfg, row_bytes, pages: Vec::new(), free: Vec::new(), host_storage: true }
+    }
+
+    /// A pool that hands out page ids and keeps page tables but stores no rows: a GPU model
+    /// keeps them in its own memory ([`PagePool::write`] and attention on it are not for
+    /// such a pool).
+    pub fn without_storage(cfg: KvConfig) -> Self {
+        Self { host_storage: false, ..Self::new(cfg) }
     }
 
     pub fn config(&self) -> &KvConfig {
@@ -124,8 +139,9 @@ impl PagePool {
                 let id = match self.free.pop() {
                     Some(id) => id,
                     None => {
-                        self.pages
-                            .push(vec![0u32; self.page_bytes().div_ceil(4)].into_boxed_slice());
+                        let words =
+                            if self.host_storage { self.page_bytes().div_ceil(4) } else { 0 };
+                        self.pages.push(vec![0u32; words].into_boxed_slice());
                         (self.pages.len() - 1) as u32
                     }
                 };

@@ -9,7 +9,7 @@ use cellm_format::Result;
 
 use crate::blocks::{gather_rows, Attention, Embedding, LmHead};
 use crate::weights::Weights;
-use crate::{CacheLayout, Cancelled, CausalLm, ModelConfig, Step};
+use crate::{CacheLayout, Cancelled, CausalLm, ForwardError, ModelConfig, Step};
 
 /// A decoder-only language model: embed, run the layers, project to logits.
 pub struct Decoder<L> {
@@ -50,7 +50,7 @@ impl<L: DecoderLayer + Send + Sync> CausalLm for Decoder<L> {
         step: &Step,
         kv: &mut PagePool,
         states: &mut [&mut SeqState],
-    ) -> std::result::Result<Vec<f32>, Cancelled> {
+    ) -> std::result::Result<Vec<f32>, ForwardError> {
         let c = &self.cfg;
         let positions = step.positions();
         let mut x = self

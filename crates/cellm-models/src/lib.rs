@@ -57,6 +57,21 @@ pub struct GivenEmbeds<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cancelled;
 
+/// Why a forward returned no logits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ForwardError {
+    /// [`Step::cancel`] said stop.
+    Cancelled,
+    /// The device running the model failed (a GPU backend: out of memory, a lost device).
+    Failed(cellm_format::Error),
+}
+
+impl From<Cancelled> for ForwardError {
+    fn from(_: Cancelled) -> Self {
+        ForwardError::Cancelled
+    }
+}
+
 impl Step<'_> {
     /// The position of every token row.
     pub fn positions(&self) -> Vec<usize> {
@@ -99,7 +114,7 @@ pub trait CausalLm: Send + Sync {
         step: &Step,
         kv: &mut PagePool,
         states: &mut [&mut SeqState],
-    ) -> Result<Vec<f32>, Cancelled>;
+    ) -> Result<Vec<f32>, ForwardError>;
     /// The vision encoder of a vision-language model.
     fn vision(&self) -> Option<&VisionEncoder> {
         None

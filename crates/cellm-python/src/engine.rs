@@ -5,7 +5,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use cellm_engine::cellm_format::Error;
-use cellm_engine::{Engine as Inner, EngineOptions, Given, LogitsMode, SessionId};
+use cellm_engine::{Engine as Inner, EngineOptions, Given, GpuKind, LogitsMode, SessionId};
 use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyReadonlyArray2};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -23,7 +23,8 @@ pub struct Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (path, *, threads=None, kv_encoding="f16", context_length=None, kv_capacity_tokens=None, max_layers=None))]
+    #[pyo3(signature = (path, *, threads=None, kv_encoding="f16", context_length=None, kv_capacity_tokens=None, max_layers=None, backend="cpu", gpu_max_binding=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -32,13 +33,25 @@ impl Engine {
         context_length: Option<usize>,
         kv_capacity_tokens: Option<usize>,
         max_layers: Option<usize>,
+        backend: &str,
+        gpu_max_binding: Option<u64>,
     ) -> PyResult<Self> {
+        let gpu = match backend {
+            "cpu" => None,
+            other => Some(GpuKind::parse(other).ok_or_else(|| {
+                to_py(Error::InvalidArgument(format!(
+                    "unknown backend '{other}' (expected cpu, vulkan, metal or gpu)"
+                )))
+            })?),
+        };
         let opts = EngineOptions {
             threads,
             kv_encoding: cellm_engine::KvEncoding::parse(kv_encoding).map_err(to_py)?,
             context_length,
             kv_capacity_tokens,
             max_layers,
+            gpu,
+            gpu_max_binding,
         };
         let inner = py.detach(|| Inner::open(&path, &opts)).map_err(to_py)?;
         Ok(Self { inner })

@@ -12,6 +12,7 @@ pub fn to_py(e: Error) -> PyErr {
         Error::Unsupported(_) => "UnsupportedArchitecture",
         Error::ContextOverflow(_) => "ContextOverflow",
         Error::InvalidArgument(_) => "InvalidArgument",
+        Error::Device(_) => "DeviceError",
     };
     Python::attach(|py| {
         let class = py

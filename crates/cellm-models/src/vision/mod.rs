@@ -14,7 +14,7 @@ use cellm_kv::{PagePool, SeqState};
 pub use config::{ConnectorKind, VisionConfig};
 
 use crate::weights::Weights;
-use crate::{lfm2, llama, CacheLayout, Cancelled, CausalLm, ModelConfig, Step};
+use crate::{lfm2, llama, CacheLayout, CausalLm, ForwardError, ModelConfig, Step};
 use connector::{merge_blocks, Connector};
 use siglip::Tower;
 
@@ -97,7 +97,7 @@ impl CausalLm for Multimodal {
         step: &Step,
         kv: &mut PagePool,
         states: &mut [&mut SeqState],
-    ) -> std::result::Result<Vec<f32>, Cancelled> {
+    ) -> std::result::Result<Vec<f32>, ForwardError> {
         self.text.forward(step, kv, states)
     }
 

@@ -1,0 +1,119 @@
+//! Picking an adapter and opening a device on it. Errors the device reports later
+//! (validation, out of memory, a lost device) are kept and turned into one `Error::Device`
+//! at the next check instead of wgpu's default panic.
+
+use std::sync::{Arc, Mutex};
+
+use cellm_format::{Error, Result};
+
+/// Which adapters a caller accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuKind {
+    Vulkan,
+    Metal,
+    /// The best adapter of any backend this build has.
+    Any,
+}
+
+impl GpuKind {
+    /// `vulkan`, `metal` or `gpu`.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "vulkan" => Some(Self::Vulkan),
+            "metal" => Some(Self::Metal),
+            "gpu" => Some(Self::Any),
+            _ => None,
+        }
+    }
+
+    fn backends(self) -> wgpu::Backends {
+        match self {
+            Self::Vulkan => wgpu::Backends::VULKAN,
+            Self::Metal => wgpu::Backends::METAL,
+            Self::Any => wgpu::Backends::VULKAN | wgpu::Backends::METAL,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Vulkan => "Vulkan",
+            Self::Metal => "Metal",
+            Self::Any => "Vulkan or Metal",
+        }
+    }
+}
+
+/// An open device and what it allows.
+pub struct Gpu {
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub limits: wgpu::Limits,
+    pub info: wgpu::AdapterInfo,
+    failure: Arc<Mutex<Option<String>>>,
+}
+
+impl Gpu {
+    /// The best adapter of `kind` (a discrete GPU before an integrated one before a software
+    /// one), opened with every limit it offers.
+    pub fn open(kind: GpuKind) -> Result<Self> {
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = kind.backends();
+        let instance = wgpu::Instance::new(desc);
+        let adapters = pollster::block_on(instance.enumerate_adapters(kind.backends()));
+        let rank = |a: &wgpu::Adapter| match a.get_info().device_type {
+            wgpu::DeviceType::DiscreteGpu => 0,
+            wgpu::DeviceType::IntegratedGpu => 1,
+            wgpu::DeviceType::VirtualGpu => 2,
+            wgpu::DeviceType::Cpu => 3,
+            wgpu::DeviceType::Other => 4,
+        };
+        let adapter = adapters.into_iter().min_by_key(rank).ok_or_else(|| {
+            Error::Device(format!(
+                "no {} adapter found (is a GPU driver, or Mesa's lavapipe, installed?)",
+                kind.name()
+            ))
+        })?;
+        let info = adapter.get_info();
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("cellm"),
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| Error::Device(format!("cannot open {}: {e}", info.name)))?;
+        let failure: Arc<Mutex<Option<String>>> = Arc::default();
+        let slot = failure.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            let mut f = slot.lock().unwrap_or_else(|p| p.into_inner());
+            f.get_or_insert_with(|| e.to_string());
+        }));
+        let slot = failure.clone();
+        device.set_device_lost_callback(move |_, message| {
+            let mut f = slot.lock().unwrap_or_else(|p| p.into_inner());
+            f.get_or_insert_with(|| format!("the device was lost: {message}"));
+        });
+        Ok(Self { device, queue, limits, info, failure })
+    }
+
+    /// The first error the device reported, if any (it stays failed).
+    pub fn check(&self) -> Result<()> {
+        let f = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        match &*f {
+            Some(m) => Err(Error::Device(format!("{}: {m}", self.info.name))),
+            None => Ok(()),
+        }
+    }
+
+    /// The largest buffer one binding may cover.
+    pub fn max_binding(&self) -> u64 {
+        self.limits.max_storage_buffer_binding_size.min(self.limits.max_buffer_size)
+    }
+
+    /// Waits for the queue to drain.
+    pub fn wait(&self) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| Error::Device(format!("{}: {e}", self.info.name)))?;
+        self.check()
+    }
+}

@@ -1,0 +1,202 @@
+//! The WGSL kernels: their sources assembled from the files in `shaders/` (a kernel, the
+//! step-buffer accessors, and the weight accessors of the formats it reads), and their
+//! pipelines with explicit binding layouts, built once per (kernel, formats).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::repack::Layout;
+
+const FORMATS: &str = include_str!("shaders/formats.wgsl");
+const STEP: &str = include_str!("shaders/step.wgsl");
+const KV: &str = include_str!("shaders/kvpage.wgsl");
+const MATVEC: &str = include_str!("shaders/matvec.wgsl");
+const EMBED: &str = include_str!("shaders/embed.wgsl");
+const ROPE_KV: &str = include_str!("shaders/rope_kv.wgsl");
+const ATTENTION: &str = include_str!("shaders/attention.wgsl");
+const NORM_ADD: &str = include_str!("shaders/norm_add.wgsl");
+
+/// How a kernel binds one buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bind {
+    Uniform,
+    Read,
+    Write,
+}
+
+/// Each kernel, and the weight layouts it reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KernelId {
+    Matvec(Layout),
+    Glu(Layout),
+    Embed(Layout),
+    RopeKv,
+    Attention,
+    NormAdd,
+}
+
+impl KernelId {
+    /// Every kernel's WGSL source, for each layout where it takes one.
+    pub fn all() -> Vec<KernelId> {
+        let layouts = [
+            Layout::F32,
+            Layout::F16,
+            Layout::Bf16,
+            Layout::Q8_0,
+            Layout::Q4_0,
+            Layout::Q4K,
+            Layout::Q6K,
+        ];
+        let mut all = vec![KernelId::RopeKv, KernelId::Attention, KernelId::NormAdd];
+        for l in layouts {
+            all.extend([KernelId::Matvec(l), KernelId::Glu(l), KernelId::Embed(l)]);
+        }
+        all
+    }
+
+    /// The kernel's bindings, by binding number.
+    pub fn bindings(self) -> Vec<(u32, Bind)> {
+        use Bind::*;
+        let weights = |l: Layout, q: u32, s: u32| {
+            let mut w = vec![(q, Read)];
+            if l.has_scales() {
+                w.push((s, Read));
+            }
+            w
+        };
+        let mut b = match self {
+            KernelId::Matvec(l) => {
+                [vec![(0, Uniform), (1, Read), (2, Write), (3, Read), (4, Read)], weights(l, 5, 6)]
+                    .concat()
+            }
+            KernelId::Glu(l) => [
+                vec![(0, Uniform), (1, Read), (2, Write), (3, Read), (4, Read)],
+                weights(l, 5, 6),
+                weights(l, 8, 9),
+            ]
+            .concat(),
+            KernelId::Embed(l) => [vec![(0, Uniform), (2, Write)], weights(l, 5, 6)].concat(),
+            KernelId::RopeKv => {
+                vec![(0, Uniform), (1, Write), (2, Read), (3, Read), (4, Read), (5, Write)]
+            }
+            KernelId::Attention => vec![(0, Uniform), (1, Read), (2, Write), (5, Read)],
+            KernelId::NormAdd => vec![(0, Uniform), (1, Read), (2, Write), (3, Read)],
+        };
+        b.push((7, Read));
+        b
+    }
+
+    /// The kernel's full WGSL source.
+    pub fn source(self) -> String {
+        let (body, weights, glu): (&str, Option<Layout>, bool) = match self {
+            KernelId::Matvec(l) => (MATVEC, Some(l), false),
+            KernelId::Glu(l) => (MATVEC, Some(l), true),
+            KernelId::Embed(l) => (EMBED, Some(l), false),
+            KernelId::RopeKv => (ROPE_KV, None, false),
+            KernelId::Attention => (ATTENTION, None, false),
+            KernelId::NormAdd => (NORM_ADD, None, false),
+        };
+        let mut src = String::new();
+        src.push_str(STEP);
+        if matches!(self, KernelId::RopeKv | KernelId::Attention) {
+            src.push_str(KV);
+        }
+        src.push_str(&sections(body, &|name| name == "glu" && glu));
+        if let Some(l) = weights {
+            let accessor = sections(FORMATS, &|name| name == l.wgsl_name());
+            src.push_str(&accessor_for(&accessor, "", 5, 6));
+            if glu {
+                src.push_str(&accessor_for(&accessor, "b", 8, 9));
+            }
+        }
+        src
+    }
+}
+
+/// A weight accessor with its names suffixed by `suffix`, bound at `quants` and `scales`.
+fn accessor_for(text: &str, suffix: &str, quants: u32, scales: u32) -> String {
+    text.replace("@binding($Q)", &format!("@binding({quants})"))
+        .replace("@binding($S)", &format!("@binding({scales})"))
+        .replace('$', suffix)
+}
+
+/// `text` with each `//# name` ... `//# end` section kept where `keep(name)`, else dropped.
+fn sections(text: &str, keep: &dyn Fn(&str) -> bool) -> String {
+    let mut out = String::new();
+    let mut inside: Option<bool> = None;
+    for line in text.lines() {
+        let marker = line.trim_start().strip_prefix("//# ");
+        match (marker, inside) {
+            (Some("end"), Some(_)) => inside = None,
+            (Some(name), None) => inside = Some(keep(name.trim())),
+            (_, None) | (_, Some(true)) => {
+                out.push_str(line);
+                out.push('\n');
+            }
+            (_, Some(false)) => {}
+        }
+    }
+    out
+}
+
+/// A compiled kernel and its binding layout.
+pub struct Kernel {
+    pub pipeline: wgpu::ComputePipeline,
+    pub layout: wgpu::BindGroupLayout,
+}
+
+/// Kernels built so far on one device.
+#[derive(Default)]
+pub struct Kernels {
+    built: HashMap<KernelId, Arc<Kernel>>,
+}
+
+impl Kernels {
+    pub fn get(&mut self, device: &wgpu::Device, id: KernelId) -> Arc<Kernel> {
+        self.built.entry(id).or_insert_with(|| Arc::new(build(device, id))).clone()
+    }
+}
+
+fn build(device: &wgpu::Device, id: KernelId) -> Kernel {
+    let label = format!("{id:?}");
+    let entries: Vec<wgpu::BindGroupLayoutEntry> = id
+        .bindings()
+        .into_iter()
+        .map(|(binding, kind)| wgpu::BindGroupLayoutEntry {
+            binding,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: match kind {
+                    Bind::Uniform => wgpu::BufferBindingType::Uniform,
+                    Bind::Read => wgpu::BufferBindingType::Storage { read_only: true },
+                    Bind::Write => wgpu::BufferBindingType::Storage { read_only: false },
+                },
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
+            count: None,
+        })
+        .collect();
+    let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+        label: Some(&label),
+        entries: &entries,
+    });
+    let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+        label: Some(&label),
+        bind_group_layouts: &[Some(&layout)],
+        immediate_size: 0,
+    });
+    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some(&label),
+        source: wgpu::ShaderSource::Wgsl(id.source().into()),
+    });
+    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(&label),
+        layout: Some(&pipeline_layout),
+        module: &module,
+        entry_point: Some("main"),
+        compilation_options: Default::default(),
+        cache: None,
+    });
+    Kernel { pipeline, layout }
+}

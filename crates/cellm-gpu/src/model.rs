@@ -1,0 +1,676 @@
+//! The llama-like families and Gemma 3 on the GPU: their weights on the device, and the
+//! list of kernel launches one step makes (`Op`), built once. A step writes the step buffer
+//! (token ids, positions, page tables, cos/sin), records every launch into one command
+//! encoder, submits once, and reads back only the logits.
+
+use std::sync::{Arc, Mutex};
+
+use cellm_format::{CellmFile, Error, Result};
+use cellm_kv::{KvEncoding, PagePool, SeqState};
+use cellm_models::blocks::{ATTENTION_NAMES, MLP_NAMES};
+use cellm_models::{
+    Activation, CacheLayout, CausalLm, ForwardError, LayerType, ModelConfig, RopeConfig, Step,
+    Weights,
+};
+
+use crate::device::Gpu;
+use crate::kernels::{Kernel, KernelId, Kernels};
+use crate::step::{HostStep, StepBuffers};
+use crate::weights::{Matrix, Uploader};
+use crate::GpuOptions;
+
+/// The families this backend runs; every other architecture stays on the CPU.
+pub const GPU_ARCHITECTURES: &[&str] = &["llama", "gemma3"];
+/// The widest attention head the attention kernel holds.
+const MAX_HEAD_DIM: usize = 256;
+
+/// A buffer a launch binds: a step buffer (resized with the step's capacity) or a weight.
+#[derive(Clone)]
+pub enum Buf {
+    X,
+    Qkv,
+    Ctx,
+    Act,
+    Tmp,
+    Logits,
+    Rope,
+    Pool,
+    Dummy,
+    W(wgpu::Buffer),
+}
+
+/// How many workgroups a launch runs, as a function of the step's tokens.
+#[derive(Clone, Copy)]
+pub enum Grid {
+    /// One per output row (a 2-D grid of `groups_x` columns) per 4 tokens.
+    Rows { rows: u32, groups_x: u32 },
+    /// The same over the rows whose logits are wanted.
+    HeadRows { rows: u32, groups_x: u32 },
+    /// `n` per token.
+    PerToken(u32),
+    /// 64 columns of 4 per workgroup, per token.
+    Columns(u32),
+}
+
+/// One kernel launch of a step.
+pub struct Op {
+    pub kernel: Arc<Kernel>,
+    pub params: [u32; 16],
+    pub binds: Vec<(u32, Buf)>,
+    pub grid: Grid,
+}
+
+/// Matvec flags (`shaders/matvec.wgsl`).
+const NORM: u32 = 1;
+const RESIDUAL: u32 = 2;
+const BIAS: u32 = 4;
+const SOFTCAP: u32 = 8;
+const HEAD: u32 = 16;
+const GELU: u32 = 32;
+const MAX_GROUPS: usize = 65535;
+
+/// Static sizes every step shares.
+#[derive(Clone, Copy)]
+pub struct Dims {
+    pub hidden: usize,
+    pub q_dim: usize,
+    pub kv_dim: usize,
+    pub qkv: usize,
+    pub inter: usize,
+    pub vocab: usize,
+    pub layers: usize,
+    pub kv_f16: bool,
+    /// Rotated pairs of the widest RoPE (the cos/sin table's row).
+    pub max_half: usize,
+    pub ropes: usize,
+}
+
+pub struct GpuModel {
+    cfg: ModelConfig,
+    layout: CacheLayout,
+    runner: Mutex<Runner>,
+}
+
+pub struct Runner {
+    pub gpu: Gpu,
+    pub dims: Dims,
+    pub ops: Vec<Op>,
+    pub ropes: Vec<RopeConfig>,
+    pub bufs: StepBuffers,
+}
+
+/// Refuses what this backend does not run yet, naming it.
+fn check_supported(cfg: &ModelConfig) -> Result<()> {
+    let cpu_only = |what: String| {
+        Err(Error::Unsupported(format!("{what} runs on the CPU only for now (use backend='cpu')")))
+    };
+    if !GPU_ARCHITECTURES.contains(&cfg.architecture.as_str()) {
+        return cpu_only(format!(
+            "architecture '{}' (the GPU runs {})",
+            cfg.architecture,
+            GPU_ARCHITECTURES.join(", ")
+        ));
+    }
+    if cfg.attn_output_gate || cfg.mlp_bias {
+        return cpu_only("a gated attention output or an MLP bias".into());
+    }
+    if cfg.head_dim > MAX_HEAD_DIM || !cfg.head_dim.is_multiple_of(2) {
+        return cpu_only(format!("head_dim {} (the GPU takes even sizes to 256)", cfg.head_dim));
+    }
+    if !cfg.hidden_size.is_multiple_of(4) || !cfg.intermediate_size.is_multiple_of(4) {
+        return cpu_only("a hidden or intermediate size that is not a multiple of 4".into());
+    }
+    if !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
+        return cpu_only("query heads that do not share KV heads evenly".into());
+    }
+    Ok(())
+}
+
+struct Layer {
+    input_norm: wgpu::Buffer,
+    /// q|k|v stacked (one matrix) or apart (differing formats), with their joint bias.
+    qkv: Vec<Matrix>,
+    qkv_bias: Option<wgpu::Buffer>,
+    q_norm: Option<wgpu::Buffer>,
+    k_norm: Option<wgpu::Buffer>,
+    o: Matrix,
+    o_bias: Option<wgpu::Buffer>,
+    /// Llama: the MLP's input norm. Gemma: the norm after attention.
+    post_attn_norm: wgpu::Buffer,
+    /// Gemma's norms before and after the MLP.
+    pre_mlp_norm: Option<wgpu::Buffer>,
+    post_mlp_norm: Option<wgpu::Buffer>,
+    gate: Matrix,
+    up: Matrix,
+    down: Matrix,
+    rope: Option<usize>,
+    window: Option<usize>,
+}
+
+pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
+    let page_size = opts.page_size;
+    let cfg = ModelConfig::from_json(&file.header().model)?;
+    check_supported(&cfg)?;
+    let gpu = Gpu::open(opts.kind)?;
+    let max_binding = opts.max_binding.unwrap_or(u64::MAX).min(gpu.max_binding());
+    let w = Weights::from_file(file);
+    let mut up = Uploader::new(&gpu, max_binding);
+    let gemma = cfg.architecture == "gemma3";
+    let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+    let embed =
+        Arc::new(up.matrix(&[&w.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?])?);
+    let mut ropes: Vec<RopeConfig> = vec![cfg.rope.clone()];
+    if let (true, Some(local)) = (gemma, &cfg.rope_local) {
+        ropes.push(local.clone());
+    }
+    let mut layers = Vec::with_capacity(cfg.num_layers);
+    for i in 0..cfg.num_layers {
+        let p = format!("model.layers.{i}");
+        let norm = |n: &str| w.vector(&format!("{p}.{n}.weight"), h);
+        let a = format!("{p}.self_attn");
+        let [qn, kn, vn, on, qnn, knn] = ATTENTION_NAMES;
+        let (q_out, kv_out) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+        let lin =
+            |n: &str, rows: usize, cols: usize| w.tensor(&format!("{a}.{n}.weight"), &[rows, cols]);
+        let (q, k, v) = (lin(qn, q_out, h)?, lin(kn, kv_out, h)?, lin(vn, kv_out, h)?);
+        let qkv_bias = if cfg.attention_bias {
+            let b = |n: &str, len| w.vector(&format!("{a}.{n}.bias"), len);
+            Some(up.vectors("qkv.bias", &[&b(qn, q_out)?, &b(kn, kv_out)?, &b(vn, kv_out)?])?)
+        } else {
+            None
+        };
+        let qkv = match up.matrix(&[&q, &k, &v]) {
+            Ok(m) => vec![m],
+            Err(Error::Unsupported(_)) if q.format != v.format || q.format != k.format => {
+                vec![up.matrix(&[&q])?, up.matrix(&[&k])?, up.matrix(&[&v])?]
+            }
+            Err(e) => return Err(e),
+        };
+        let (q_norm, k_norm) = match cfg.qk_norm {
+            true => (
+                Some(up.vector(&w.vector(&format!("{a}.{qnn}.weight"), hd)?)?),
+                Some(up.vector(&w.vector(&format!("{a}.{knn}.weight"), hd)?)?),
+            ),
+            false => (None, None),
+        };
+        let o = up.matrix(&[&lin(on, h, q_out)?])?;
+        let o_bias = match cfg.attention_out_bias {
+            true => Some(up.vector(&w.vector(&format!("{a}.{on}.bias"), h)?)?),
+            false => None,
+        };
+        let input_norm = up.vector(&norm("input_layernorm")?)?;
+        let post_attn_norm = up.vector(&norm("post_attention_layernorm")?)?;
+        let (pre_mlp_norm, post_mlp_norm) = match gemma {
+            true => (
+                Some(up.vector(&norm("pre_feedforward_layernorm")?)?),
+                Some(up.vector(&norm("post_feedforward_layernorm")?)?),
+            ),
+            false => (None, None),
+        };
+        let m = format!("{p}.mlp");
+        let [gn, un, dn] = MLP_NAMES;
+        let inter = cfg.intermediate_size;
+        let mat = |n: &str, rows, cols| w.tensor(&format!("{m}.{n}.weight"), &[rows, cols]);
+        let gate = up.matrix(&[&mat(gn, inter, h)?])?;
+        let upm = up.matrix(&[&mat(un, inter, h)?])?;
+        if gate.layout != upm.layout {
+            return Err(Error::Unsupported(format!(
+                "{m}: gate and up stored in different formats run on the CPU only for now"
+            )));
+        }
+        let down = up.matrix(&[&mat(dn, h, inter)?])?;
+        let sliding = cfg.layer_type(i) == LayerType::SlidingAttention;
+        let rope = match (gemma, cfg.layer_uses_rope(i)) {
+            (true, _) => Some(if sliding && ropes.len() > 1 { 1 } else { 0 }),
+            (false, true) => Some(0),
+            (false, false) => None,
+        };
+        layers.push(Layer {
+            input_norm,
+            qkv,
+            qkv_bias,
+            q_norm,
+            k_norm,
+            o,
+            o_bias,
+            post_attn_norm,
+            pre_mlp_norm,
+            post_mlp_norm,
+            gate,
+            up: upm,
+            down,
+            rope,
+            window: cfg.window(i),
+        });
+    }
+    let final_norm = up.vector(&w.vector("model.norm.weight", h)?)?;
+    let head = match cfg.tie_word_embeddings {
+        true => embed.clone(),
+        false => Arc::new(up.matrix(&[&w.tensor("lm_head.weight", &[cfg.vocab_size, h])?])?),
+    };
+    gpu.wait()?;
+    let dims = Dims {
+        hidden: h,
+        q_dim: cfg.num_heads * hd,
+        kv_dim: cfg.num_kv_heads * hd,
+        qkv: (cfg.num_heads + 2 * cfg.num_kv_heads) * hd,
+        inter: cfg.intermediate_size,
+        vocab: cfg.vocab_size,
+        layers: cfg.num_layers,
+        kv_f16: opts.kv_encoding == KvEncoding::F16,
+        max_half: ropes.iter().map(|r| r.inv_freq.len()).max().unwrap_or(0),
+        ropes: ropes.len(),
+    };
+    let mut kernels = Kernels::default();
+    let ops =
+        plan(&gpu, &mut kernels, &cfg, &dims, &embed, &layers, &final_norm, &head, page_size)?;
+    let bufs = StepBuffers::new(&gpu, &dims, page_size, &ops)?;
+    let layout = CacheLayout {
+        kv_layers: cfg.num_layers,
+        kv_heads: cfg.num_kv_heads,
+        head_dim: hd,
+        windows: (0..cfg.num_layers).map(|i| cfg.window(i)).collect(),
+        state: Vec::new(),
+        values_in_keys: false,
+    };
+    gpu.check()?;
+    let runner = Runner { gpu, dims, ops, ropes, bufs };
+    Ok(Box::new(GpuModel { cfg, layout, runner: Mutex::new(runner) }))
+}
+
+/// The params of one matvec launch over one part.
+pub(crate) struct MatvecArgs {
+    pub rows: usize,
+    pub cols: usize,
+    pub x_stride: usize,
+    pub y_stride: usize,
+    pub y_col: usize,
+    pub row0: usize,
+    pub flags: u32,
+    pub eps: f32,
+    pub scale: f32,
+    pub softcap: f32,
+}
+
+pub(crate) fn matvec_params(a: &MatvecArgs) -> ([u32; 16], u32) {
+    let groups_x = a.rows.min(MAX_GROUPS) as u32;
+    let mut p = [0u32; 16];
+    p[..8].copy_from_slice(&[
+        a.rows as u32,
+        a.cols as u32,
+        a.x_stride as u32,
+        a.y_stride as u32,
+        a.y_col as u32,
+        a.row0 as u32,
+        a.flags,
+        groups_x,
+    ]);
+    p[8] = a.eps.to_bits();
+    p[9] = a.scale.to_bits();
+    p[10] = a.softcap.to_bits();
+    (p, groups_x)
+}
+
+/// Launches of a matrix (each of its parts) over `x` into `y`; `offset` is the matrix's first
+/// row among the rows it is stacked with (q, k, v apart).
+#[allow(clippy::too_many_arguments)]
+fn matvec_ops(
+    gpu: &Gpu,
+    kernels: &mut Kernels,
+    m: &Matrix,
+    offset: usize,
+    (x, y): (Buf, Buf),
+    gamma: Option<&wgpu::Buffer>,
+    bias: Option<&wgpu::Buffer>,
+    args: MatvecArgs,
+    ops: &mut Vec<Op>,
+) {
+    let kernel = kernels.get(&gpu.device, KernelId::Matvec(m.layout));
+    for part in &m.parts {
+        let (params, groups_x) = matvec_params(&MatvecArgs {
+            rows: part.rows,
+            row0: offset + part.row0,
+            flags: args.flags
+                | if gamma.is_some() { NORM } else { 0 }
+                | if bias.is_some() { BIAS } else { 0 },
+            ..args
+        });
+        let mut binds = vec![
+            (1, x.clone()),
+            (2, y.clone()),
+            (3, gamma.map_or(Buf::Dummy, |g| Buf::W(g.clone()))),
+            (4, bias.map_or(Buf::Dummy, |b| Buf::W(b.clone()))),
+            (5, Buf::W(part.quants.clone())),
+        ];
+        if let Some(s) = &part.scales {
+            binds.push((6, Buf::W(s.clone())));
+        }
+        let rows = part.rows as u32;
+        let grid = match args.flags & HEAD {
+            0 => Grid::Rows { rows, groups_x },
+            _ => Grid::HeadRows { rows, groups_x },
+        };
+        ops.push(Op { kernel: kernel.clone(), params, binds, grid });
+    }
+}
+
+impl Clone for MatvecArgs {
+    fn clone(&self) -> Self {
+        MatvecArgs { ..*self }
+    }
+}
+impl Copy for MatvecArgs {}
+
+#[allow(clippy::too_many_arguments)]
+fn plan(
+    gpu: &Gpu,
+    kernels: &mut Kernels,
+    cfg: &ModelConfig,
+    d: &Dims,
+    embed: &Matrix,
+    layers: &[Layer],
+    final_norm: &wgpu::Buffer,
+    head: &Matrix,
+    page_size: usize,
+) -> Result<Vec<Op>> {
+    let mut ops = Vec::new();
+    let eps = cfg.norm_eps;
+    let gemma = cfg.architecture == "gemma3";
+    let res = cfg.residual_multiplier;
+    let kernel = kernels.get(&gpu.device, KernelId::Embed(embed.layout));
+    for part in &embed.parts {
+        let mut params = [0u32; 16];
+        params[..4].copy_from_slice(&[
+            part.rows as u32,
+            d.hidden as u32,
+            part.row0 as u32,
+            cfg.embedding_multiplier.to_bits(),
+        ]);
+        let mut binds = vec![(2, Buf::X), (5, Buf::W(part.quants.clone()))];
+        if let Some(s) = &part.scales {
+            binds.push((6, Buf::W(s.clone())));
+        }
+        ops.push(Op {
+            kernel: kernel.clone(),
+            params,
+            binds,
+            grid: Grid::Columns((d.hidden / 4) as u32),
+        });
+    }
+    let kv_words = [page_size as u32, d.kv_dim as u32, d.kv_f16 as u32, 0];
+    let base = MatvecArgs {
+        rows: 0,
+        cols: d.hidden,
+        x_stride: d.hidden,
+        y_stride: d.hidden,
+        y_col: 0,
+        row0: 0,
+        flags: 0,
+        eps,
+        scale: 1.0,
+        softcap: 0.0,
+    };
+    for (i, l) in layers.iter().enumerate() {
+        // q|k|v = W (rmsnorm(x) * g) + b.
+        let mut offset = 0;
+        for m in &l.qkv {
+            let args = MatvecArgs { y_stride: d.qkv, ..base };
+            matvec_ops(
+                gpu,
+                kernels,
+                m,
+                offset,
+                (Buf::X, Buf::Qkv),
+                Some(&l.input_norm),
+                l.qkv_bias.as_ref(),
+                args,
+                &mut ops,
+            );
+            offset += m.rows;
+        }
+        // Per-head norms, RoPE, and the new keys and values into the pool.
+        let half = l.rope.map_or(0, |r| match r {
+            0 => cfg.rope.inv_freq.len(),
+            _ => cfg.rope_local.as_ref().map_or(0, |r| r.inv_freq.len()),
+        });
+        let mut p = [0u32; 16];
+        p[..4].copy_from_slice(&kv_words);
+        p[4..12].copy_from_slice(&[
+            cfg.num_heads as u32,
+            cfg.num_kv_heads as u32,
+            cfg.head_dim as u32,
+            half as u32,
+            d.qkv as u32,
+            i as u32,
+            u32::from(l.q_norm.is_some()),
+            eps.to_bits(),
+        ]);
+        p[12] = l.rope.unwrap_or(0) as u32;
+        ops.push(Op {
+            kernel: kernels.get(&gpu.device, KernelId::RopeKv),
+            params: p,
+            binds: vec![
+                (1, Buf::Qkv),
+                (2, l.q_norm.clone().map_or(Buf::Dummy, Buf::W)),
+                (3, l.k_norm.clone().map_or(Buf::Dummy, Buf::W)),
+                (4, Buf::Rope),
+                (5, Buf::Pool),
+            ],
+            grid: Grid::PerToken((cfg.num_heads + cfg.num_kv_heads) as u32),
+        });
+        let mut p = [0u32; 16];
+        p[..4].copy_from_slice(&kv_words);
+        p[4..12].copy_from_slice(&[
+            cfg.num_heads as u32,
+            cfg.num_kv_heads as u32,
+            cfg.head_dim as u32,
+            d.qkv as u32,
+            i as u32,
+            l.window.unwrap_or(0) as u32,
+            cfg.attention_scale().to_bits(),
+            cfg.attn_logit_softcap.unwrap_or(0.0).to_bits(),
+        ]);
+        ops.push(Op {
+            kernel: kernels.get(&gpu.device, KernelId::Attention),
+            params: p,
+            binds: vec![(1, Buf::Qkv), (2, Buf::Ctx), (5, Buf::Pool)],
+            grid: Grid::PerToken(cfg.num_heads as u32),
+        });
+        // x += o(ctx), or through Gemma's post-attention norm.
+        let o_args = MatvecArgs { cols: d.q_dim, x_stride: d.q_dim, ..base };
+        if gemma {
+            matvec_ops(
+                gpu,
+                kernels,
+                &l.o,
+                0,
+                (Buf::Ctx, Buf::Tmp),
+                None,
+                l.o_bias.as_ref(),
+                o_args,
+                &mut ops,
+            );
+            ops.push(norm_add(gpu, kernels, d, &l.post_attn_norm, eps, res));
+        } else {
+            let args = MatvecArgs { flags: RESIDUAL, scale: res, ..o_args };
+            matvec_ops(
+                gpu,
+                kernels,
+                &l.o,
+                0,
+                (Buf::Ctx, Buf::X),
+                None,
+                l.o_bias.as_ref(),
+                args,
+                &mut ops,
+            );
+        }
+        // act = act(gate(n)) * up(n), n the normed x.
+        let mlp_norm = l.pre_mlp_norm.as_ref().unwrap_or(&l.post_attn_norm);
+        let glu = kernels.get(&gpu.device, KernelId::Glu(l.gate.layout));
+        let gelu = if cfg.hidden_act == Activation::GeluTanh { GELU } else { 0 };
+        for (g, u) in l.gate.parts.iter().zip(&l.up.parts) {
+            let (params, groups_x) = matvec_params(&MatvecArgs {
+                rows: g.rows,
+                row0: g.row0,
+                y_stride: d.inter,
+                flags: NORM | gelu,
+                ..base
+            });
+            let mut binds = vec![
+                (1, Buf::X),
+                (2, Buf::Act),
+                (3, Buf::W(mlp_norm.clone())),
+                (4, Buf::Dummy),
+                (5, Buf::W(g.quants.clone())),
+                (8, Buf::W(u.quants.clone())),
+            ];
+            if let (Some(gs), Some(us)) = (&g.scales, &u.scales) {
+                binds.extend([(6, Buf::W(gs.clone())), (9, Buf::W(us.clone()))]);
+            }
+            ops.push(Op {
+                kernel: glu.clone(),
+                params,
+                binds,
+                grid: Grid::Rows { rows: g.rows as u32, groups_x },
+            });
+        }
+        let down_args = MatvecArgs { cols: d.inter, x_stride: d.inter, ..base };
+        if let Some(post) = &l.post_mlp_norm {
+            matvec_ops(
+                gpu,
+                kernels,
+                &l.down,
+                0,
+                (Buf::Act, Buf::Tmp),
+                None,
+                None,
+                down_args,
+                &mut ops,
+            );
+            ops.push(norm_add(gpu, kernels, d, post, eps, res));
+        } else {
+            let args = MatvecArgs { flags: RESIDUAL, scale: res, ..down_args };
+            matvec_ops(gpu, kernels, &l.down, 0, (Buf::Act, Buf::X), None, None, args, &mut ops);
+        }
+    }
+    // logits = scale * lm_head(rmsnorm(x) * g), soft-capped, for the wanted rows.
+    let (softcap, flag) = match cfg.final_logit_softcap {
+        Some(c) => (c, SOFTCAP),
+        None => (0.0, 0),
+    };
+    let args = MatvecArgs {
+        y_stride: d.vocab,
+        flags: HEAD | flag,
+        scale: cfg.logits_scale,
+        softcap,
+        ..base
+    };
+    matvec_ops(
+        gpu,
+        kernels,
+        head,
+        0,
+        (Buf::X, Buf::Logits),
+        Some(final_norm),
+        None,
+        args,
+        &mut ops,
+    );
+    gpu.check()?;
+    Ok(ops)
+}
+
+fn norm_add(
+    gpu: &Gpu,
+    kernels: &mut Kernels,
+    d: &Dims,
+    gamma: &wgpu::Buffer,
+    eps: f32,
+    scale: f32,
+) -> Op {
+    let mut p = [0u32; 16];
+    p[..3].copy_from_slice(&[d.hidden as u32, eps.to_bits(), scale.to_bits()]);
+    Op {
+        kernel: kernels.get(&gpu.device, KernelId::NormAdd),
+        params: p,
+        binds: vec![(1, Buf::Tmp), (2, Buf::X), (3, Buf::W(gamma.clone()))],
+        grid: Grid::PerToken(1),
+    }
+}
+
+impl CausalLm for GpuModel {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn cache_layout(&self) -> CacheLayout {
+        self.layout.clone()
+    }
+
+    fn forward(
+        &self,
+        step: &Step,
+        kv: &mut PagePool,
+        _states: &mut [&mut SeqState],
+    ) -> std::result::Result<Vec<f32>, ForwardError> {
+        // One submission runs the whole step, so the cancel hook is asked once, before it.
+        if (step.cancel)() {
+            return Err(ForwardError::Cancelled);
+        }
+        if !step.embeds.rows.is_empty() {
+            return Err(ForwardError::Failed(Error::Unsupported(
+                "given input embeddings run on the CPU only for now".into(),
+            )));
+        }
+        let mut runner = self.runner.lock().unwrap_or_else(|p| p.into_inner());
+        runner.run(step, kv).map_err(ForwardError::Failed)
+    }
+}
+
+impl Runner {
+    fn run(&mut self, step: &Step, kv: &PagePool) -> Result<Vec<f32>> {
+        let mut logits = Vec::with_capacity(step.logit_rows.len() * self.dims.vocab);
+        let host = HostStep::new(step, self.dims.layers)?;
+        let (max_tokens, max_rows) = self.bufs.max_chunk(&self.gpu, &self.dims);
+        for chunk in host.chunks(max_tokens, max_rows) {
+            let rows = chunk.logit_rows.len();
+            let need = (chunk.tokens.len(), rows, host.tables.len(), kv.pages_allocated());
+            self.bufs.fit(&self.gpu, &self.dims, &self.ops, need)?;
+            self.bufs.write(&self.gpu, &chunk, &host, &self.ropes);
+            let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
+            {
+                let mut pass = encoder.begin_compute_pass(&Default::default());
+                let t = chunk.tokens.len() as u32;
+                for (op, group) in self.ops.iter().zip(self.bufs.groups()) {
+                    let (x, y, z) = match op.grid {
+                        Grid::Rows { rows, groups_x } => {
+                            (groups_x, rows.div_ceil(groups_x), t.div_ceil(4))
+                        }
+                        Grid::HeadRows { rows: n, groups_x } => {
+                            (groups_x, n.div_ceil(groups_x), (rows as u32).div_ceil(4))
+                        }
+                        Grid::PerToken(n) => (n, t, 1),
+                        Grid::Columns(c) => (c.div_ceil(64), t, 1),
+                    };
+                    if x * y * z == 0 {
+                        continue;
+                    }
+                    pass.set_pipeline(&op.kernel.pipeline);
+                    pass.set_bind_group(0, group, &[]);
+                    pass.dispatch_workgroups(x, y, z);
+                }
+            }
+            if rows > 0 {
+                self.bufs.copy_logits(&mut encoder, rows * self.dims.vocab);
+            }
+            self.gpu.queue.submit([encoder.finish()]);
+            if rows > 0 {
+                logits.extend(self.bufs.read_logits(&self.gpu, rows * self.dims.vocab)?);
+            } else {
+                self.gpu.wait()?;
+            }
+        }
+        Ok(logits)
+    }
+}

@@ -1,0 +1,101 @@
+// Weight accessors, one per GPU weight layout (see repack.rs). Each defines the bindings
+// `wq$` (and `ws$`) at @binding($Q) / @binding($S) and `fn w4$(r, i) -> vec4<f32>`: columns
+// 4i..4i+3 of row r, dequantized. `$` is a suffix so a kernel can hold two matrices. Only
+// the section of the format in use is kept (between `//# name` and `//# end`).
+
+//# f32
+@group(0) @binding($Q) var<storage, read> wq$: array<vec4<f32>>;
+fn w4$(r: u32, i: u32) -> vec4<f32> {
+    return wq$[r * (p.cols / 4u) + i];
+}
+//# end
+
+//# f16
+@group(0) @binding($Q) var<storage, read> wq$: array<vec2<u32>>;
+fn w4$(r: u32, i: u32) -> vec4<f32> {
+    let v = wq$[r * (p.cols / 4u) + i];
+    return vec4<f32>(unpack2x16float(v.x), unpack2x16float(v.y));
+}
+//# end
+
+//# bf16
+@group(0) @binding($Q) var<storage, read> wq$: array<vec2<u32>>;
+fn w4$(r: u32, i: u32) -> vec4<f32> {
+    let v = wq$[r * (p.cols / 4u) + i];
+    return vec4<f32>(
+        bitcast<f32>(v.x << 16u), bitcast<f32>(v.x & 0xffff0000u),
+        bitcast<f32>(v.y << 16u), bitcast<f32>(v.y & 0xffff0000u));
+}
+//# end
+
+//# q8_0
+// Blocks of 32: int8 quants (8 words a block), f16 scales two to a word.
+@group(0) @binding($Q) var<storage, read> wq$: array<u32>;
+@group(0) @binding($S) var<storage, read> ws$: array<u32>;
+fn w4$(r: u32, i: u32) -> vec4<f32> {
+    let b = r * (p.cols / 32u) + i / 8u;
+    let d = unpack2x16float(ws$[b / 2u])[b % 2u];
+    // Each byte shifted to the top, then arithmetically back: its signed value.
+    let w = vec4<i32>(i32(wq$[b * 8u + i % 8u]));
+    return d * vec4<f32>((w << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
+}
+//# end
+
+//# q4_0
+// Blocks of 32: ggml's 16 bytes of nibbles (4 words; byte j holds elements j and j + 16),
+// f16 scales two to a word; w = d * (q - 8).
+@group(0) @binding($Q) var<storage, read> wq$: array<u32>;
+@group(0) @binding($S) var<storage, read> ws$: array<u32>;
+fn w4$(r: u32, i: u32) -> vec4<f32> {
+    let b = r * (p.cols / 32u) + i / 8u;
+    let d = unpack2x16float(ws$[b / 2u])[b % 2u];
+    let j = i % 8u;
+    let w = wq$[b * 4u + j % 4u] >> select(0u, 4u, j >= 4u);
+    let q = vec4<f32>(f32(w & 15u), f32((w >> 8u) & 15u), f32((w >> 16u) & 15u),
+                      f32((w >> 24u) & 15u));
+    return d * (q - 8.0);
+}
+//# end
+
+//# q4_k
+// Super-blocks of 256: ggml's 128 bytes of nibbles (32 words; in each 64 elements, byte l
+// holds elements l and l + 32), and 5 words: f16 d and dmin, then the 8 sub-block scales
+// and the 8 mins unpacked to bytes; w = d * sc * q - dmin * m.
+@group(0) @binding($Q) var<storage, read> wq$: array<u32>;
+@group(0) @binding($S) var<storage, read> ws$: array<u32>;
+fn w4$(r: u32, i: u32) -> vec4<f32> {
+    let sb = r * (p.cols / 256u) + i / 64u;
+    let e = (i % 64u) * 4u;
+    let l = e % 64u;
+    let w = wq$[sb * 32u + (e / 64u) * 8u + (l % 32u) / 4u] >> select(0u, 4u, l >= 32u);
+    let q = vec4<f32>(f32(w & 15u), f32((w >> 8u) & 15u), f32((w >> 16u) & 15u),
+                      f32((w >> 24u) & 15u));
+    let dm = unpack2x16float(ws$[sb * 5u]);
+    let sub = e / 32u;
+    let sc = f32((ws$[sb * 5u + 1u + sub / 4u] >> (8u * (sub % 4u))) & 255u);
+    let m = f32((ws$[sb * 5u + 3u + sub / 4u] >> (8u * (sub % 4u))) & 255u);
+    return (dm.x * sc) * q - vec4<f32>(dm.y * m);
+}
+//# end
+
+//# q6_k
+// Super-blocks of 256 as 48 words: the low 4 bits of each 6-bit quant, 8 to a word in
+// element order, then the high 2 bits, 16 to a word; and 5 words: d (f32), then the 16
+// int8 scales of 16 elements each; w = d * sc * (q - 32).
+@group(0) @binding($Q) var<storage, read> wq$: array<u32>;
+@group(0) @binding($S) var<storage, read> ws$: array<u32>;
+fn w4$(r: u32, i: u32) -> vec4<f32> {
+    let sb = r * (p.cols / 256u) + i / 64u;
+    let e = (i % 64u) * 4u;
+    let lo = wq$[sb * 48u + e / 8u] >> ((e % 8u) * 4u);
+    let hi = wq$[sb * 48u + 32u + e / 16u] >> ((e % 16u) * 2u);
+    let q = vec4<f32>(
+        f32((lo & 15u) | ((hi & 3u) << 4u)),
+        f32(((lo >> 4u) & 15u) | (((hi >> 2u) & 3u) << 4u)),
+        f32(((lo >> 8u) & 15u) | (((hi >> 4u) & 3u) << 4u)),
+        f32(((lo >> 12u) & 15u) | (((hi >> 6u) & 3u) << 4u)));
+    let s = e / 16u;
+    let sc = f32((i32(ws$[sb * 5u + 1u + s / 4u]) << (24u - 8u * (s % 4u))) >> 24u);
+    return (bitcast<f32>(ws$[sb * 5u]) * sc) * (q - 32.0);
+}
+//# end

@@ -1,0 +1,348 @@
+//! Per-step data and the buffers sized for it. The host side (`HostStep`) lays out token
+//! ids, positions, page tables and RoPE angles; `StepBuffers` holds the device buffers at
+//! some capacity, grows them (and rebuilds every bind group) when a step needs more, and
+//! reads the logits back.
+
+use cellm_format::{Error, Result};
+use cellm_models::{RopeConfig, Step};
+
+use crate::device::Gpu;
+use crate::model::{Buf, Dims, Op};
+use crate::weights::as_bytes;
+
+/// Words before the per-token records (`shaders/step.wgsl`).
+const HEADER: usize = 8;
+/// Tokens one submission takes at most (a longer prefill is split).
+const MAX_CHUNK: usize = 512;
+
+/// One token of a step: id, position, offset of its session's page table.
+#[derive(Clone, Copy)]
+pub struct Token {
+    pub id: u32,
+    pub pos: usize,
+    pub table: u32,
+}
+
+/// A step laid out for the device.
+pub struct HostStep {
+    pub tokens: Vec<Token>,
+    /// Rows whose logits are wanted, increasing.
+    pub logit_rows: Vec<usize>,
+    /// Every layer's page tables, layer after layer, sessions end to end.
+    pub tables: Vec<u32>,
+    pub stride: usize,
+}
+
+/// The tokens one submission runs.
+pub struct Chunk {
+    pub tokens: Vec<Token>,
+    /// Logit rows, relative to the chunk's first token.
+    pub logit_rows: Vec<u32>,
+}
+
+impl HostStep {
+    pub fn new(step: &Step, layers: usize) -> Result<Self> {
+        let mut tokens = vec![Token { id: 0, pos: 0, table: 0 }; step.tokens.len()];
+        let mut offset = 0;
+        for span in step.spans {
+            for i in 0..span.len {
+                let row = span.row0 + i;
+                tokens[row] =
+                    Token { id: step.tokens[row], pos: span.start + i, table: offset as u32 };
+            }
+            offset += span.kv.page_table(0).len();
+        }
+        let stride = offset;
+        let mut tables = Vec::with_capacity(layers * stride);
+        for layer in 0..layers {
+            for span in step.spans {
+                tables.extend_from_slice(span.kv.page_table(layer));
+            }
+        }
+        if !step.logit_rows.windows(2).all(|w| w[0] < w[1]) {
+            return Err(Error::InvalidArgument("logit rows must be increasing on the GPU".into()));
+        }
+        Ok(Self { tokens, logit_rows: step.logit_rows.to_vec(), tables, stride })
+    }
+
+    /// The step in submissions of at most `max_tokens` tokens and `max_rows` logit rows.
+    pub fn chunks(&self, max_tokens: usize, max_rows: usize) -> Vec<Chunk> {
+        let mut chunks = Vec::new();
+        let mut start = 0;
+        let mut rows = self.logit_rows.iter().peekable();
+        while start < self.tokens.len() {
+            let mut end = (start + max_tokens).min(self.tokens.len());
+            let mut logit_rows = Vec::new();
+            while let Some(&&r) = rows.peek() {
+                if r >= end {
+                    break;
+                }
+                if logit_rows.len() == max_rows {
+                    end = r;
+                    break;
+                }
+                logit_rows.push((r - start) as u32);
+                rows.next();
+            }
+            chunks.push(Chunk { tokens: self.tokens[start..end].to_vec(), logit_rows });
+            start = end;
+        }
+        chunks
+    }
+}
+
+/// Capacities the buffers were made for.
+#[derive(Clone, Copy, PartialEq, Eq, Default)]
+struct Caps {
+    tokens: usize,
+    rows: usize,
+    table: usize,
+    pages: usize,
+}
+
+struct Buffers {
+    x: wgpu::Buffer,
+    qkv: wgpu::Buffer,
+    ctx: wgpu::Buffer,
+    act: wgpu::Buffer,
+    tmp: wgpu::Buffer,
+    logits: wgpu::Buffer,
+    readback: wgpu::Buffer,
+    step: wgpu::Buffer,
+    rope: wgpu::Buffer,
+    pool: wgpu::Buffer,
+}
+
+pub struct StepBuffers {
+    caps: Caps,
+    bufs: Option<Buffers>,
+    groups: Vec<wgpu::BindGroup>,
+    params: wgpu::Buffer,
+    params_stride: u64,
+    dummy: wgpu::Buffer,
+    page_bytes: u64,
+    dims: Dims,
+}
+
+fn storage(gpu: &Gpu, label: &str, bytes: u64, extra: wgpu::BufferUsages) -> wgpu::Buffer {
+    gpu.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some(label),
+        size: bytes.max(16).next_multiple_of(4),
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | extra,
+        mapped_at_creation: false,
+    })
+}
+
+impl StepBuffers {
+    pub fn new(gpu: &Gpu, dims: &Dims, page_size: usize, ops: &[Op]) -> Result<Self> {
+        let stride = u64::from(gpu.limits.min_uniform_buffer_offset_alignment).max(64);
+        let mut words = vec![0u32; ops.len() * (stride as usize / 4)];
+        for (i, op) in ops.iter().enumerate() {
+            let at = i * stride as usize / 4;
+            words[at..at + 16].copy_from_slice(&op.params);
+        }
+        let params = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("params"),
+            size: (words.len() * 4).max(16) as u64,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        gpu.queue.write_buffer(&params, 0, as_bytes(&words));
+        let value_bytes = if dims.kv_f16 { 2 } else { 4 };
+        Ok(Self {
+            caps: Caps::default(),
+            bufs: None,
+            groups: Vec::new(),
+            params,
+            params_stride: stride,
+            dummy: storage(gpu, "dummy", 16, wgpu::BufferUsages::empty()),
+            page_bytes: (2 * page_size * dims.kv_dim * value_bytes) as u64,
+            dims: *dims,
+        })
+    }
+
+    /// The most tokens and logit rows one submission may take: every activation buffer
+    /// within one binding.
+    pub fn max_chunk(&self, gpu: &Gpu, d: &Dims) -> (usize, usize) {
+        let limit = gpu.max_binding() as usize;
+        let widest = d.hidden.max(d.qkv).max(d.inter) * 4;
+        let tokens = (limit / widest).clamp(1, MAX_CHUNK);
+        let rows = (limit / (d.vocab * 4)).clamp(1, MAX_CHUNK);
+        (tokens, rows)
+    }
+
+    pub fn groups(&self) -> &[wgpu::BindGroup] {
+        &self.groups
+    }
+
+    /// Makes room for `(tokens, logit rows, page-table words, KV pages)`, keeping the
+    /// pool's rows; every bind group is rebuilt when anything grew.
+    pub fn fit(
+        &mut self,
+        gpu: &Gpu,
+        d: &Dims,
+        ops: &[Op],
+        need: (usize, usize, usize, usize),
+    ) -> Result<()> {
+        let (tokens, rows, table, pages) = need;
+        let old = self.caps;
+        let grow =
+            |have: usize, want: usize| if want <= have { have } else { want.next_power_of_two() };
+        let caps = Caps {
+            tokens: grow(old.tokens, tokens),
+            rows: grow(old.rows, rows.max(1)),
+            table: grow(old.table, table.max(1)),
+            pages: grow(old.pages, pages.max(1)),
+        };
+        if self.bufs.is_some() && caps == old {
+            return Ok(());
+        }
+        let pool_bytes = caps.pages as u64 * self.page_bytes;
+        if pool_bytes > gpu.max_binding() {
+            return Err(Error::Device(format!(
+                "the KV cache needs {} pages ({pool_bytes} bytes), more than the device's \
+                 largest binding ({} bytes): lower kv_capacity_tokens or the context",
+                caps.pages,
+                gpu.max_binding()
+            )));
+        }
+        let f = |n: usize| (n * 4) as u64;
+        let t = caps.tokens;
+        let none = wgpu::BufferUsages::empty();
+        let pool = storage(gpu, "kv pool", pool_bytes, wgpu::BufferUsages::COPY_SRC);
+        if let Some(b) = &self.bufs {
+            let mut enc = gpu.device.create_command_encoder(&Default::default());
+            enc.copy_buffer_to_buffer(&b.pool, 0, &pool, 0, b.pool.size().min(pool.size()));
+            gpu.queue.submit([enc.finish()]);
+        }
+        let bufs = Buffers {
+            x: storage(gpu, "x", f(t * d.hidden), none),
+            qkv: storage(gpu, "qkv", f(t * d.qkv), none),
+            ctx: storage(gpu, "ctx", f(t * d.q_dim), none),
+            act: storage(gpu, "act", f(t * d.inter), none),
+            tmp: storage(gpu, "tmp", f(t * d.hidden), none),
+            logits: storage(gpu, "logits", f(caps.rows * d.vocab), wgpu::BufferUsages::COPY_SRC),
+            readback: gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("readback"),
+                size: f(caps.rows * d.vocab),
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
+            step: storage(gpu, "step", f(HEADER + 4 * t + caps.rows + d.layers * caps.table), none),
+            rope: storage(gpu, "rope", (d.ropes.max(1) * t * d.max_half.max(1) * 8) as u64, none),
+            pool,
+        };
+        self.groups = ops.iter().enumerate().map(|(i, op)| self.group(gpu, &bufs, i, op)).collect();
+        self.bufs = Some(bufs);
+        self.caps = caps;
+        gpu.check()
+    }
+
+    fn group(&self, gpu: &Gpu, b: &Buffers, i: usize, op: &Op) -> wgpu::BindGroup {
+        fn whole(binding: u32, buf: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
+            wgpu::BindGroupEntry { binding, resource: buf.as_entire_binding() }
+        }
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: &self.params,
+                offset: i as u64 * self.params_stride,
+                size: Some(std::num::NonZeroU64::new(64).expect("non-zero")),
+            }),
+        }];
+        for (binding, buf) in &op.binds {
+            let buffer = match buf {
+                Buf::X => &b.x,
+                Buf::Qkv => &b.qkv,
+                Buf::Ctx => &b.ctx,
+                Buf::Act => &b.act,
+                Buf::Tmp => &b.tmp,
+                Buf::Logits => &b.logits,
+                Buf::Rope => &b.rope,
+                Buf::Pool => &b.pool,
+                Buf::Dummy => &self.dummy,
+                Buf::W(w) => w,
+            };
+            entries.push(whole(*binding, buffer));
+        }
+        entries.push(whole(7, &b.step));
+        gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &op.kernel.layout,
+            entries: &entries,
+        })
+    }
+
+    /// Writes the chunk's step buffer and cos/sin tables (queued before the next submit).
+    pub fn write(&self, gpu: &Gpu, chunk: &Chunk, host: &HostStep, ropes: &[RopeConfig]) {
+        let b = self.bufs.as_ref().expect("fit first");
+        let (t, caps) = (chunk.tokens.len(), self.caps);
+        let mut words = vec![0u32; HEADER + 4 * caps.tokens + caps.rows];
+        words[..6].copy_from_slice(&[
+            t as u32,
+            chunk.logit_rows.len() as u32,
+            host.stride as u32,
+            caps.tokens as u32,
+            caps.rows as u32,
+            (caps.tokens * self.dims.max_half.max(1)) as u32,
+        ]);
+        for (i, tok) in chunk.tokens.iter().enumerate() {
+            words[HEADER + 4 * i..HEADER + 4 * i + 3].copy_from_slice(&[
+                tok.id,
+                tok.pos as u32,
+                tok.table,
+            ]);
+        }
+        let rows_at = HEADER + 4 * caps.tokens;
+        words[rows_at..rows_at + chunk.logit_rows.len()].copy_from_slice(&chunk.logit_rows);
+        gpu.queue.write_buffer(&b.step, 0, as_bytes(&words));
+        // Page tables: layer l at l * stride words after the rows.
+        if !host.tables.is_empty() {
+            gpu.queue.write_buffer(&b.step, (words.len() * 4) as u64, as_bytes(&host.tables));
+        }
+        // cos/sin per token and pair, as the CPU computes them (angle rounded to f32 first).
+        let stride = caps.tokens * self.dims.max_half.max(1);
+        let mut table = vec![0f32; 2 * ropes.len() * stride];
+        for (r, rope) in ropes.iter().enumerate() {
+            let half = rope.inv_freq.len();
+            for (i, tok) in chunk.tokens.iter().enumerate() {
+                for (j, &f) in rope.inv_freq.iter().enumerate() {
+                    let angle = f64::from(tok.pos as f32 * f);
+                    let at = 2 * (r * stride + i * half + j);
+                    table[at] = (angle.cos() as f32) * rope.attention_factor;
+                    table[at + 1] = (angle.sin() as f32) * rope.attention_factor;
+                }
+            }
+        }
+        if !table.is_empty() {
+            let words: Vec<u32> = table.iter().map(|v| v.to_bits()).collect();
+            gpu.queue.write_buffer(&b.rope, 0, as_bytes(&words));
+        }
+    }
+
+    pub fn copy_logits(&self, encoder: &mut wgpu::CommandEncoder, values: usize) {
+        let b = self.bufs.as_ref().expect("fit first");
+        encoder.copy_buffer_to_buffer(&b.logits, 0, &b.readback, 0, (values * 4) as u64);
+    }
+
+    /// Waits for the submission and copies `values` logits out.
+    pub fn read_logits(&self, gpu: &Gpu, values: usize) -> Result<Vec<f32>> {
+        let b = self.bufs.as_ref().expect("fit first");
+        let slice = b.readback.slice(..(values * 4) as u64);
+        let (tx, rx) = std::sync::mpsc::channel();
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        gpu.wait()?;
+        let mapped = rx.recv().map_err(|e| Error::Device(format!("logits never arrived: {e}")))?;
+        mapped.map_err(|e| Error::Device(format!("cannot read the logits back: {e}")))?;
+        let out = {
+            let view = slice
+                .get_mapped_range()
+                .map_err(|e| Error::Device(format!("cannot read the logits back: {e}")))?;
+            view.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        };
+        b.readback.unmap();
+        Ok(out)
+    }
+}
