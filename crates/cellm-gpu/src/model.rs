@@ -151,6 +151,12 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
     let page_size = opts.page_size;
     let cfg = ModelConfig::from_json(&file.header().model)?;
     check_supported(&cfg)?;
+    if !matches!(opts.kv_encoding, KvEncoding::F16 | KvEncoding::F32) {
+        return Err(Error::Unsupported(format!(
+            "kv_encoding {:?} runs on the CPU only; the GPU keeps f16 or f32 pages",
+            opts.kv_encoding
+        )));
+    }
     let gpu = Gpu::open(opts.kind)?;
     let max_binding = opts.max_binding.unwrap_or(u64::MAX).min(gpu.max_binding());
     let w = Weights::from_file(file);
@@ -272,6 +278,7 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
         windows: (0..cfg.num_layers).map(|i| cfg.window(i)).collect(),
         state: Vec::new(),
         values_in_keys: false,
+        state_fixed: false,
     };
     gpu.check()?;
     let runner = Runner { gpu, dims, ops, ropes, bufs };
@@ -279,6 +286,7 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
 }
 
 /// The params of one matvec launch over one part.
+#[derive(Clone, Copy)]
 pub(crate) struct MatvecArgs {
     pub rows: usize,
     pub cols: usize,
@@ -353,13 +361,6 @@ fn matvec_ops(
         ops.push(Op { kernel: kernel.clone(), params, binds, grid });
     }
 }
-
-impl Clone for MatvecArgs {
-    fn clone(&self) -> Self {
-        MatvecArgs { ..*self }
-    }
-}
-impl Copy for MatvecArgs {}
 
 #[allow(clippy::too_many_arguments)]
 fn plan(

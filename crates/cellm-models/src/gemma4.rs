@@ -16,7 +16,7 @@ use serde::Deserialize;
 use crate::blocks::{gather_rows, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope};
 use crate::config::{bad_field, check_at_most, check_dim, check_positive, check_product, Section};
 use crate::weights::{Storage, Weights};
-use crate::{Activation, CacheLayout, Cancelled, CausalLm, LayerType, ModelConfig, Step};
+use crate::{Activation, CacheLayout, CausalLm, ForwardError, LayerType, ModelConfig, Step};
 
 /// The description's `gemma4` section: what varies per layer, and the per-layer inputs.
 #[derive(Deserialize)]
@@ -389,7 +389,7 @@ impl CausalLm for Gemma4 {
         step: &Step,
         kv: &mut PagePool,
         _states: &mut [&mut SeqState],
-    ) -> std::result::Result<Vec<f32>, Cancelled> {
+    ) -> std::result::Result<Vec<f32>, ForwardError> {
         let (c, h) = (&self.cfg, self.cfg.hidden_size);
         let positions = step.positions();
         let mut x = self
@@ -406,7 +406,7 @@ impl CausalLm for Gemma4 {
         let last = layers.len() - 1;
         for (i, layer) in layers.iter().enumerate() {
             if (step.cancel)() {
-                return Err(Cancelled);
+                return Err(ForwardError::Cancelled);
             }
             let mut mixed = layer.attn.forward(&layer.input_norm.applied(&x), step, &positions, kv);
             layer.post_attn_norm.apply(&mut mixed);
@@ -420,7 +420,7 @@ impl CausalLm for Gemma4 {
                 rows = step.logit_rows.len();
             }
             if (step.cancel)() {
-                return Err(Cancelled);
+                return Err(ForwardError::Cancelled);
             }
             layer.finish(&mut x, rows, input.as_deref(), self.act);
         }

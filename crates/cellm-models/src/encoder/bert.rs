@@ -10,9 +10,9 @@ use serde::Deserialize;
 
 use super::attention::{banded_attention, Band};
 use super::base::{check_batch, description, positions, Encoder};
+use crate::blocks::LayerNorm;
 use crate::blocks::{Embedding, Linear};
 use crate::config::{bad_field, check_dim, check_positive};
-use crate::vision::layers::LayerNorm;
 use crate::weights::Weights;
 
 #[derive(Debug, Clone, Deserialize)]

@@ -5,11 +5,11 @@
 
 use cellm_format::Result;
 
+use crate::blocks::LayerNorm;
 use crate::blocks::Linear;
 use crate::vision::config::{ConnectorKind, VisionConfig};
-use crate::blocks::LayerNorm;
-use cellm_kernels::gelu::gelu_in_place;
 use crate::weights::Weights;
+use cellm_kernels::gelu::gelu_in_place;
 
 pub enum Connector {
     /// `proj(merged)`, no bias.

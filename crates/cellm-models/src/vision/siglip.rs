@@ -6,9 +6,9 @@ use cellm_format::Result;
 use cellm_kernels::dense_attention::bidirectional_attention;
 use cellm_kernels::gating::Gate;
 
+use crate::blocks::LayerNorm;
 use crate::blocks::Linear;
 use crate::vision::config::VisionConfig;
-use crate::blocks::LayerNorm;
 use crate::vision::positions::Positions;
 use crate::weights::{Storage, Weights};
 

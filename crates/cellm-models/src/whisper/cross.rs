@@ -5,8 +5,8 @@
 
 use cellm_format::TensorFormat;
 use cellm_kernels::gating::exp_in_place;
-use cellm_kernels::{matmul_raw, WeightRows};
 use cellm_kernels::pool::{parallel_for, SharedOut};
+use cellm_kernels::{matmul_raw, WeightRows};
 use cellm_kv::SeqState;
 
 use crate::blocks::Linear;

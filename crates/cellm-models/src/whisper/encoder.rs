@@ -5,11 +5,11 @@
 use cellm_format::Result;
 use cellm_kernels::gelu::gelu_in_place;
 
-use crate::blocks::Linear;
 use crate::blocks::LayerNorm;
-use cellm_kernels::dense_attention::bidirectional_attention;
+use crate::blocks::Linear;
 use crate::weights::{Storage, Weights};
 use crate::whisper::config::WhisperConfig;
+use cellm_kernels::dense_attention::bidirectional_attention;
 
 /// Whisper's LayerNorm epsilon (PyTorch's default; the HF config has no key for it).
 pub const NORM_EPS: f32 = 1e-5;

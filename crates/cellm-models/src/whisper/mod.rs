@@ -15,11 +15,11 @@ use cellm_kv::{AttentionShape, PagePool, SeqState};
 
 pub use config::WhisperConfig;
 
+use crate::blocks::LayerNorm;
 use crate::blocks::{Attention, Embedding, Linear};
 use crate::decoder::{run_layers, DecoderLayer, StepCtx};
-use crate::blocks::LayerNorm;
 use crate::weights::{Storage, Weights};
-use crate::{Activation, CacheLayout, Cancelled, CausalLm, ModelConfig, SpeechModel, Step};
+use crate::{Activation, CacheLayout, CausalLm, ForwardError, ModelConfig, SpeechModel, Step};
 use cross::CrossAttention;
 use encoder::{attention_linears, Encoder, NORM_EPS};
 
@@ -164,7 +164,7 @@ impl CausalLm for Whisper {
         step: &Step,
         kv: &mut PagePool,
         states: &mut [&mut SeqState],
-    ) -> std::result::Result<Vec<f32>, Cancelled> {
+    ) -> std::result::Result<Vec<f32>, ForwardError> {
         let d = self.cfg.hidden_size;
         let positions = step.positions();
         let mut x = self.embed.lookup(step.tokens, 1.0).expect("ids checked by the engine");
