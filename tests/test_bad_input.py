@@ -74,11 +74,11 @@ def test_directory_without_config(tmp_path):
 def test_unsupported_model_type(tmp_path):
     d = copy_fixture(tmp_path)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["model_type"] = "bert"
+    cfg["model_type"] = "gpt_bigcode"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedArchitecture, match="bert"):
+    with pytest.raises(UnsupportedArchitecture, match="gpt_bigcode"):
         LLM(d)
-    assert_one_line_error(cli("cellm.infer", "--model", str(d), "--prompt", "x"), "bert")
+    assert_one_line_error(cli("cellm.infer", "--model", str(d), "--prompt", "x"), "gpt_bigcode")
 
 
 def test_truncated_safetensors(tmp_path):
