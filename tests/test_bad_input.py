@@ -143,7 +143,7 @@ def test_bad_api_arguments(cellm_file):
     with pytest.raises(InvalidArgument):
         LLM(cellm_file, threads=0)
     with pytest.raises(InvalidArgument):
-        LLM(cellm_file, backend="metal")
+        LLM(cellm_file, backend="cuda")
     llm = LLM(cellm_file)
     with pytest.raises(InvalidArgument):
         llm.generate("hi", temperature=-1)

@@ -21,7 +21,7 @@ def alone(llm, ids):
 @pytest.mark.parametrize("name", MODEL_FIXTURES)
 def test_interleaved_sessions_match_each_alone(name, converted):
     """Per-session state (KV pages, and conv/recurrent state where a family has it) stays
-    apart. 1e-4: a different batch split only reorders f32 sums; for Qwen3.5 it also moves
+    apart. 1e-4: a different batch split only reorders f32 sums; for Qwen3.5 (and its VLM wrapper) it also moves
     DeltaNet chunk boundaries, up to 1.5e-4 on its ill-conditioned fixture (see
     test_parity.ATOL_BY_FIXTURE), so 1e-3 there. State leaking between sessions moves logits
     by far more than either."""
@@ -50,7 +50,7 @@ def test_interleaved_sessions_match_each_alone(name, converted):
             (got_a if sid == a else got_b).append(chunk)
         pos_a += 1
         pos_b += 50
-    tol = 1e-3 if name == "qwen3_5" else 1e-4
+    tol = 1e-3 if name.startswith("qwen3_5") else 1e-4
     assert np.abs(np.concatenate(got_a) - want_a).max() < tol
     assert np.abs(np.concatenate(got_b) - want_b).max() < tol
     e.free_session(a)
