@@ -21,8 +21,8 @@ _HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
 
 
 def resolve_model(path: str | os.PathLike[str], dtype: str = "f16") -> Path:
-    """A .cellm file for `path`: the file itself, a cached conversion of a HF directory or a
-    GGUF file, a registry model, or a Hugging Face Hub id (`org/name`)."""
+    """A .cellm file for `path`: the file itself, a cached conversion of a HF directory, a
+    GGUF file or a `.cellm` v1 file, a registry model, or a Hugging Face Hub id (`org/name`)."""
     p = Path(path).expanduser()
     if p.exists():
         if p.is_dir():
@@ -31,6 +31,10 @@ def resolve_model(path: str | os.PathLike[str], dtype: str = "f16") -> Path:
             raise FormatError(f"{p} is not a regular file")
         if p.suffix.lower() == ".gguf":
             return _converted_gguf(p)
+        from cellm.convert.cellm_v1 import is_cellm_v1
+
+        if is_cellm_v1(p):  # the earlier engine's files: converted to v2 once, like a GGUF
+            return _converted_file(p, "convert_v1")
         return p
     name = str(path)
     if name in registry_names():
@@ -95,7 +99,12 @@ def _converted(src: Path, dtype: str) -> Path:
 
 
 def _converted_gguf(src: Path) -> Path:
-    from cellm.convert import convert_gguf
+    return _converted_file(src, "convert_gguf")
+
+
+def _converted_file(src: Path, converter: str) -> Path:
+    """The cached conversion of a single-file model (`cellm.convert.<converter>`)."""
+    import cellm.convert
 
     st = src.stat()
     key = json.dumps([str(src.resolve()), st.st_size, st.st_mtime_ns, CONVERTER_VERSION])
@@ -103,7 +112,7 @@ def _converted_gguf(src: Path) -> Path:
     out = cache_dir() / "converted" / f"{src.stem}-{digest}.cellm"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        convert_gguf(src, out)
+        getattr(cellm.convert, converter)(src, out)
     return out
 
 

@@ -1,6 +1,6 @@
-"""HF checkpoint directory or GGUF file -> `.cellm` v2 file (docs/format.md), in pure Python +
-numpy. `convert` dispatches on the input; `convert_hf` (hf_convert.py) and `convert_gguf`
-(gguf_convert.py) are the two paths."""
+"""HF checkpoint directory, GGUF file or `.cellm` v1 file -> `.cellm` v2 file (docs/format.md),
+in pure Python + numpy. `convert` dispatches on the input; `convert_hf` (hf_convert.py),
+`convert_gguf` (gguf_convert.py) and `convert_v1` (cellm_v1.py) are the paths."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Optional, Union
 
 from ..errors import FormatError, InvalidArgument
+from .cellm_v1 import convert_v1, is_cellm_v1
 from .gguf import MAGIC as GGUF_MAGIC
 from .gguf_convert import convert_gguf
 from .hf_convert import convert_hf
 from .writer import read_header
 
-__all__ = ["convert", "convert_gguf", "convert_hf", "is_gguf", "read_header"]
+__all__ = ["convert", "convert_gguf", "convert_hf", "convert_v1", "is_gguf", "read_header"]
 
 
 def is_gguf(path: Union[str, os.PathLike[str]]) -> bool:
@@ -36,10 +37,12 @@ def convert(
     embedding: Optional[str] = None,
     vision_quantize: Optional[str] = None,
 ) -> Path:
-    """Convert a HF checkpoint directory or a GGUF file to a `.cellm` file; return its path.
+    """Convert a HF checkpoint directory, a GGUF file or a `.cellm` v1 file to a `.cellm` v2
+    file; return its path.
 
-    `dtype` (default f16) applies to HF checkpoints only: GGUF tensors keep their formats
-    unless `quantize` (with `group_size` and `embedding`; see `convert_hf`) requantizes them.
+    `dtype` (default f16) applies to HF checkpoints and v1 files' float tensors: GGUF tensors
+    keep their formats unless `quantize` (with `group_size` and `embedding`; see
+    `convert_hf`) requantizes them.
     """
     src = Path(input_path)
     if not src.exists():
@@ -57,6 +60,12 @@ def convert(
             embedding,
             vision_quantize,
         )
+    if is_cellm_v1(src):
+        if vision_quantize is not None:
+            raise InvalidArgument("--vision-quantize applies to HuggingFace checkpoints only")
+        return convert_v1(
+            src, output_path, dtype or "f16", progress, quantize, group_size, embedding
+        )
     if src.suffix.lower() == ".gguf" or is_gguf(src):
         if dtype is not None:
             raise InvalidArgument(
@@ -66,4 +75,6 @@ def convert(
         if vision_quantize is not None:
             raise InvalidArgument("--vision-quantize applies to HuggingFace checkpoints only")
         return convert_gguf(src, output_path, progress, quantize, group_size, embedding)
-    raise FormatError(f"{src} is neither a HuggingFace checkpoint directory nor a GGUF file")
+    raise FormatError(
+        f"{src} is neither a HuggingFace checkpoint directory, a GGUF file nor a .cellm v1 file"
+    )

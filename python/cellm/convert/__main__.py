@@ -21,8 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--input",
         "-i",
         required=True,
-        metavar="HF_DIR|M.gguf",
-        help="HF checkpoint directory or GGUF file",
+        metavar="HF_DIR|M.gguf|M-v1.cellm",
+        help="HF checkpoint directory, GGUF file or .cellm v1 file (the earlier engine's)",
     )
     p.add_argument("--output", "-o", required=True, metavar="M.cellm", help="file to write")
     p.add_argument(

@@ -6,19 +6,20 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 import numpy as np
 
 from ..errors import FormatError, InvalidArgument
-from ..families.base import Transform
+from ..families.base import Checkpoint, Transform
 from .dtypes import BLOCK_FORMATS, check_format, convert_chunks, float32_chunks
 from .hf_config import family_of, load_config, normalise_config
 from .processor_files import load_processor_config
 from .progress import conversion_bar
 from .quantize import Quantization, plan_quantization, quantize_rows
-from .safetensors import Checkpoint, open_checkpoint
+from .safetensors import open_checkpoint
 from .tokenizer_files import TOKENIZER_BLOB, load_tokenizer_files
 from .weights import PlannedTensor, layers_present, left_out, plan_tensors
 from .writer import TensorEntry, check_output_is_not_input, write_cellm
@@ -65,57 +66,106 @@ def convert_hf(
     config = load_config(src)
     config_source = str(src / "config.json")
     # Refuse unsupported architectures before touching the (possibly huge) weights.
-    family = family_of(config, config_source)
-
+    family_of(config, config_source)
     with open_checkpoint(src) as checkpoint:
         _check_layer_count(config, checkpoint, config_source)
-        # Where the family keeps it (a published multimodal checkpoint nests the text model).
-        embedding = family.checkpoint_name({"model_type": config.get("model_type")}, EMBEDDING)
-        embed_dtype = checkpoint.info(embedding).dtype if embedding in checkpoint else "F32"
-        model = normalise_config(config, checkpoint, config_source, embed_dtype)
-        family.settle_from_weights(model, checkpoint)
-        if vision_quantize is not None and "vision" not in model:
-            raise InvalidArgument(f"--vision-quantize: {src} has no vision tower")
-        entries = []
-        for tensor in plan_tensors(model, family, checkpoint):
-            source = family.tensor_source(model, tensor.name) or (
-                family.checkpoint_name(model, tensor.name),
-                tensor.shape,
-            )
-            transform = family.tensor_transform(model, tensor.name)
-            vision = tensor.name.startswith(VISION_PREFIXES)
-            scheme = vision_quantization if vision else quantization
-            entry = _entry(checkpoint, tensor, dtype, scheme, transform, source)
-            entries.append(tensor.finished(entry))
-        tok = load_tokenizer_files(src, config)
-        # A vision-language model keeps its image processing settings.
-        processor = {"processor": load_processor_config(src)} if "vision" in model else {}
-        header = {
-            "model": model,
-            "hf_config": config,
-            "tokenizer": tok.tokenizer,
-            "generation": tok.generation,
-            **processor,
-            "source": {
-                "kind": "hf",
-                "dtype": dtype,
-                **(quantization.source_record() if quantization else {}),
-                **({"vision_quantize": vision_quantize} if vision_quantize else {}),
-                # Checkpoint tensors left out on purpose: {reason: count}.
-                **({"left_out": unused} if (unused := left_out(model, family, checkpoint)) else {}),
-            },
-        }
-        total = sum(e.nbytes for e in entries)
-        with conversion_bar(total, f"converting {src.name}", progress) as bar:
-            blobs = [(TOKENIZER_BLOB, tok.tokenizer_json)]
-            return write_cellm(output_path, header, entries, blobs, bar)
+        return convert_loaded(
+            checkpoint,
+            config,
+            output_path,
+            Converting(src, config_source, dtype, quantization, vision_quantization),
+            {"kind": "hf", "dtype": dtype},
+            progress,
+        )
+
+
+class TensorSource(Checkpoint, Protocol):
+    """What conversion reads from a checkpoint: names, their info, and their values."""
+
+    def view(self, name: str) -> np.ndarray: ...
+
+
+# A tensor the source already holds in a format the engine reads, as (format, chunks): used
+# instead of converting it when nothing asks for another format.
+Stored = Callable[[str], Optional[tuple[str, Callable[[], Iterator[np.ndarray]]]]]
+
+
+@dataclass(frozen=True)
+class Converting:
+    """How one conversion was asked for: the directory of the side files (tokenizer,
+    processor), the config's name for messages, and the formats wanted."""
+
+    files: Path
+    config_source: str
+    dtype: str
+    quantization: Optional[Quantization]
+    vision_quantization: Optional[Quantization]
+
+
+def convert_loaded(
+    checkpoint: TensorSource,
+    config: dict[str, Any],
+    output_path: Union[str, os.PathLike[str]],
+    how: Converting,
+    source: dict[str, Any],
+    progress: Optional[bool],
+    stored: Optional[Stored] = None,
+) -> Path:
+    """Write `checkpoint` (described by HF `config`) as a `.cellm` file; `source` starts the
+    header's `source` section."""
+    family = family_of(config, how.config_source)
+    # Where the family keeps it (a published multimodal checkpoint nests the text model).
+    embedding = family.checkpoint_name({"model_type": config.get("model_type")}, EMBEDDING)
+    embed_dtype = checkpoint.info(embedding).dtype if embedding in checkpoint else "F32"
+    model = normalise_config(config, checkpoint, how.config_source, embed_dtype)
+    family.settle_from_weights(model, checkpoint)
+    if how.vision_quantization is not None and "vision" not in model:
+        raise InvalidArgument(f"--vision-quantize: {checkpoint.source} has no vision tower")
+    entries = []
+    for tensor in plan_tensors(model, family, checkpoint):
+        tensor_source = family.tensor_source(model, tensor.name) or (
+            family.checkpoint_name(model, tensor.name),
+            tensor.shape,
+        )
+        transform = family.tensor_transform(model, tensor.name)
+        vision = tensor.name.startswith(VISION_PREFIXES)
+        scheme = how.vision_quantization if vision else how.quantization
+        kept = stored(tensor_source[0]) if stored and scheme is None and not transform else None
+        if kept is not None and tensor.stored_format(kept[0]) == kept[0]:
+            entry = TensorEntry(tensor.name, kept[0], tensor.shape, kept[1])
+        else:
+            entry = _entry(checkpoint, tensor, how.dtype, scheme, transform, tensor_source)
+        entries.append(tensor.finished(entry))
+    tok = load_tokenizer_files(how.files, config)
+    # A vision-language model keeps its image processing settings.
+    processor = {"processor": load_processor_config(how.files)} if "vision" in model else {}
+    vision_scheme = how.vision_quantization.scheme if how.vision_quantization else None
+    header = {
+        "model": model,
+        "hf_config": config,
+        "tokenizer": tok.tokenizer,
+        "generation": tok.generation,
+        **processor,
+        "source": {
+            **source,
+            **(how.quantization.source_record() if how.quantization else {}),
+            **({"vision_quantize": vision_scheme} if vision_scheme else {}),
+            # Checkpoint tensors left out on purpose: {reason: count}.
+            **({"left_out": unused} if (unused := left_out(model, family, checkpoint)) else {}),
+        },
+    }
+    total = sum(e.nbytes for e in entries)
+    name = Path(str(checkpoint.source)).name
+    with conversion_bar(total, f"converting {name}", progress) as bar:
+        blobs = [(TOKENIZER_BLOB, tok.tokenizer_json)]
+        return write_cellm(output_path, header, entries, blobs, bar)
 
 
 # Decoders' layers, and BERT's.
 _LAYER = re.compile(r"^(?:model\.layers|encoder\.layer)\.(\d+)\.")
 
 
-def _check_layer_count(config: dict[str, Any], checkpoint: Checkpoint, source: str) -> None:
+def _check_layer_count(config: dict[str, Any], checkpoint: TensorSource, source: str) -> None:
     """More layers than the checkpoint holds tensors for is refused before any per-layer
     work (a corrupted count would take minutes and gigabytes to refuse later)."""
     declared = config.get("num_hidden_layers")
@@ -130,7 +180,7 @@ def _check_layer_count(config: dict[str, Any], checkpoint: Checkpoint, source: s
 
 
 def _entry(
-    checkpoint: Checkpoint,
+    checkpoint: TensorSource,
     tensor: PlannedTensor,
     dtype: str,
     quantization: Optional[Quantization],

@@ -13,8 +13,8 @@ from typing import Any
 from .. import _core
 from ..errors import FormatError
 from ..families import Family
+from ..families.base import Checkpoint
 from .interleave import VARIANTS, interleaved
-from .safetensors import Checkpoint
 from .writer import TensorEntry
 
 # Buffers some older checkpoints saved but that conversion recomputes (`model.rope`).
