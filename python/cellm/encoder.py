@@ -41,6 +41,10 @@ class EncoderModel:
         if blob is None:
             raise FormatError(f"{path} has no embedded tokenizer")
         self.tokenizer = Tokenizer.from_json_str(blob.decode("utf-8"))
+        # A tokenizer.json may pad (all-MiniLM-L6-v2's pads every text to 128 tokens) or cut:
+        # padding would enter the mean and the states, and cutting is the caller's choice.
+        self.tokenizer.raw.no_padding()
+        self.tokenizer.raw.no_truncation()
         self.max_tokens: int = self.core.max_tokens
 
     def encode(self, texts: list[str]) -> list[tokenizers.Encoding]:

