@@ -11,6 +11,7 @@ import resource
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -170,6 +171,61 @@ def test_malformed_json_too_long_prompts_and_a_full_queue(server):
         "/v1/completions", json={"prompt": "hi"}
     )
     assert busy.status_code == 429 and busy.json()["error"]["type"] == "server_busy"
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory):
+    from cellm import Embedder
+    from cellm.convert import convert_hf
+    from conftest import ROOT
+
+    bert = ROOT / "tests" / "fixtures" / "mm" / "bert"
+    return Embedder(convert_hf(bert, tmp_path_factory.mktemp("bert") / "b.cellm", "f32"))
+
+
+def test_embeddings_equal_the_embedder_in_both_encodings(server, embedder):
+    """/v1/embeddings through the openai client (which asks for base64) and as float lists:
+    the same float32 values Embedder.embed gives, in input order, with token usage."""
+    texts = ["The cat sat on the mat.", "Zürich, é, 東", "cook"]
+    app = build_app(server.llm, "tiny", server.scheduler, None, embedder, "bert")
+    want = embedder.embed(texts)
+    with serving(app) as (url, _):
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+        got = client.embeddings.create(model="bert", input=texts)
+        assert [d.index for d in got.data] == [0, 1, 2] and got.model == "bert"
+        assert np.array_equal(np.array([d.embedding for d in got.data], np.float32), want)
+        n_tokens = sum(len(x) for x in embedder.token_ids(texts))
+        assert got.usage.prompt_tokens == got.usage.total_tokens == n_tokens
+        one = client.embeddings.create(model="bert", input="cook", encoding_format="float")
+        alone = embedder.embed(["cook"])[0]  # a batch of one: sums in another order
+        assert np.array_equal(np.array(one.data[0].embedding, np.float32), alone)
+        assert [m.id for m in client.models.list().data] == ["tiny", "bert"]
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"input": ""}, "input", "input 0 is empty"),
+        ({"input": ["a", "  "]}, "input", "input 1 is empty"),
+        ({"input": []}, "input", "non-empty list of strings"),
+        ({"input": [1, 2]}, "input", "non-empty list of strings"),
+        ({"input": " ".join(["cat"] * 100)}, "input", "102 tokens, more than the model's 64"),
+        ({"input": "a", "encoding_format": "int8"}, "encoding_format", "float or base64"),
+        ({"input": "a", "dimensions": 8}, "dimensions", "32 dimensions"),
+    ],
+)
+def test_bad_embedding_requests_get_400(server, embedder, body, param, words):
+    http = TestClient(build_app(server.llm, "tiny", server.scheduler, None, embedder, "bert"))
+    r = http.post("/v1/embeddings", json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and words in error["message"]
+
+
+def test_embeddings_without_an_embedding_model_are_404(server):
+    r = TestClient(build_app(server.llm, "tiny", server.scheduler)).post(
+        "/v1/embeddings", json={"input": "a"}
+    )
+    assert r.status_code == 404 and "--embedding-model" in r.json()["error"]["message"]
 
 
 def test_tool_calls_come_back_in_openai_form(server):

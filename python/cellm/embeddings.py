@@ -59,9 +59,12 @@ class Embedder:
 
     def embed(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
         """`(len(texts), dim)` float32, each row of unit length."""
+        return self.embed_ids(self.token_ids(texts), batch_size)
+
+    def embed_ids(self, ids: list[list[int]], batch_size: int = 64) -> np.ndarray:
+        """`embed` of texts already turned into `token_ids`."""
         if batch_size < 1:
             raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
-        ids = self.token_ids(texts)
         out = np.zeros((len(ids), self.dim), dtype=np.float32)
         for at in range(0, len(ids), batch_size):
             states = self.token_states(ids[at : at + batch_size])

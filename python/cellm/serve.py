@@ -1,7 +1,9 @@
 """`cellm serve` (`python -m cellm.serve`): an OpenAI-compatible HTTP server over one model.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (each streaming over server-sent
-events when `stream` is true), `GET /v1/models`, `GET /health`. Every request joins the model's
+events when `stream` is true), `POST /v1/embeddings` (when started with `--embedding-model`:
+`cellm.Embedder`, texts only; an empty text or one longer than the encoder's positions is
+refused with 400, not cut), `GET /v1/models`, `GET /health`. Every request joins the model's
 continuous batch (`cellm.scheduler`). Bad requests get OpenAI error objects with 4xx codes
 (429 when the queue is full); a client that disconnects cancels its request. `response_format`
 (json_schema / json_object) constrains the answer (`cellm.structured`).
@@ -16,15 +18,17 @@ Built on Starlette and uvicorn (the `serve` extra: `pip install "cellm[serve]"`)
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+from cellm.embeddings import Embedder
 from cellm.errors import Busy, CellmError, InvalidArgument
 from cellm.generation import GenerationResult, Piece, TokenLogprob
 from cellm.llm import LLM
@@ -47,6 +51,8 @@ except ImportError:  # pragma: no cover - the optional extra
 DEFAULT_COMPLETION_TOKENS = 16
 # Choices per request (OpenAI allows 128; each one is a sequence in the batch).
 MAX_CHOICES = 16
+# Texts per embeddings request (OpenAI's limit).
+MAX_EMBEDDING_INPUTS = 2048
 
 
 class BadRequest(Exception):
@@ -63,6 +69,10 @@ class Server:
     model_name: str
     scheduler: Scheduler
     files: ImageFiles = NO_FILES  # the local image files clients may name
+    embedder: Optional[Embedder] = None
+    embedder_name: str = ""
+    # One embeddings batch at a time (the encoder runs off the event loop, on its threads).
+    embed_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     # -- routes ------------------------------------------------------------------------------
 
@@ -80,8 +90,56 @@ class Server:
         )
 
     async def models(self, request: HttpRequest) -> Response:
-        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "cellm"}
-        return JSONResponse({"object": "list", "data": [model]})
+        names = [self.model_name] + ([self.embedder_name] if self.embedder is not None else [])
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "cellm"} for n in names]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def embeddings(self, http: HttpRequest) -> Response:
+        if self.embedder is None:
+            return _error(
+                404,
+                "this server has no embedding model (start it with --embedding-model M)",
+                "invalid_request_error",
+                "model",
+            )
+        embedder = self.embedder
+        try:
+            body = await _json_body(http)
+            texts = _embedding_inputs(body)
+            base64_wanted = _encoding_format(body)
+            dims = body.get("dimensions")
+            if dims is not None and dims != embedder.dim:
+                raise BadRequest(
+                    f"this model's embeddings have {embedder.dim} dimensions", "dimensions"
+                )
+            async with self.embed_lock:
+                ids = await run_in_threadpool(embedder.token_ids, texts)
+                vectors = await run_in_threadpool(embedder.embed_ids, ids)
+        except BadRequest as e:
+            return _error(400, str(e), "invalid_request_error", e.param)
+        except CellmError as e:  # a text longer than the encoder's positions
+            return _error(400, str(e), "invalid_request_error", "input")
+        data = [
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": (
+                    base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
+                    if base64_wanted
+                    else v.tolist()
+                ),
+            }
+            for i, v in enumerate(vectors)
+        ]
+        tokens = sum(len(x) for x in ids)
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "model": self.embedder_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
 
     async def completions(self, request: HttpRequest) -> Response:
         return await self._handle(request, chat=False)
@@ -508,6 +566,28 @@ def _tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _embedding_inputs(body: Mapping[str, Any]) -> list[str]:
+    """`input`: a text or a non-empty list of texts, none empty."""
+    raw = body.get("input")
+    texts = [raw] if isinstance(raw, str) else raw
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise BadRequest("input must be a string or a non-empty list of strings", "input")
+    if len(texts) > MAX_EMBEDDING_INPUTS:
+        raise BadRequest(f"input has {len(texts)} texts, more than {MAX_EMBEDDING_INPUTS}", "input")
+    for i, t in enumerate(texts):
+        if not t.strip():
+            raise BadRequest(f"input {i} is empty", "input")
+    return texts
+
+
+def _encoding_format(body: Mapping[str, Any]) -> bool:
+    """True for base64 (little-endian float32), False for float lists (the default)."""
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise BadRequest("encoding_format must be float or base64", "encoding_format")
+    return bool(fmt == "base64")
+
+
 def _error_body(message: str, kind: str, param: Optional[str] = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
@@ -521,18 +601,24 @@ def build_app(
     model_name: str,
     scheduler: Optional[Scheduler] = None,
     image_root: Optional[str] = None,
+    embedder: Optional[Embedder] = None,
+    embedder_name: str = "",
 ) -> Starlette:
     """The ASGI app serving `llm` as `model_name`, on `scheduler` (default: the model's
-    shared one). Image parts may name local files under `image_root` only (none without)."""
+    shared one). Image parts may name local files under `image_root` only (none without).
+    `embedder` (named `embedder_name`) answers `/v1/embeddings`."""
     if Starlette is None:
         raise ImportError('cellm serve needs Starlette and uvicorn: pip install "cellm[serve]"')
     files = NO_FILES if image_root is None else ImageFiles(anywhere=False, root=image_root)
-    server = Server(llm, model_name, scheduler or llm.shared_scheduler(), files)
+    server = Server(
+        llm, model_name, scheduler or llm.shared_scheduler(), files, embedder, embedder_name
+    )
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", server.embeddings, methods=["POST"]),
     ]
     return Starlette(routes=routes)
 
@@ -553,6 +639,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         default=None,
         help="let image parts name local files under DIR (default: data: URLs only)",
     )
+    p.add_argument(
+        "--embedding-model",
+        metavar="M",
+        default=None,
+        help="also serve /v1/embeddings with this encoder (registry name, .cellm, HF directory)",
+    )
     args = p.parse_args(argv)
     if args.image_root is not None and not os.path.isdir(args.image_root):
         p.error(f"--image-root {args.image_root}: not a directory")
@@ -562,6 +654,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         args.kv_capacity_tokens = args.kv_capacity
         llm = load_model(args)
+        embedder = None
+        if args.embedding_model is not None:
+            embedder = Embedder(args.embedding_model, threads=args.threads)
         try:  # now, so that the first request with a response_format does not wait for it
             ll_tokenizer(llm.tokenizer, llm.eos_token_ids)
         except CellmError as e:
@@ -570,7 +665,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         scheduler.start()
         name = args.model or llm.path.stem
         print(f"cellm serve: {name} on http://{args.host}:{args.port}", file=sys.stderr)
-        app = build_app(llm, name, scheduler, args.image_root)
+        app = build_app(
+            llm, name, scheduler, args.image_root, embedder, str(args.embedding_model or "")
+        )
         uvicorn.run(app, host=args.host, port=args.port)
         scheduler.close()
         return 0
