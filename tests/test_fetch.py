@@ -34,8 +34,8 @@ def test_registry_entries():
     assert default == "qwen2.5-coder-0.5b-instruct" and default in entries
     assert {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m"} <= set(entries)
     for e in entries.values():
-        # A HF checkpoint entry (an encoder) is its safetensors weights and its side files.
-        weights = ".safetensors" if e.is_checkpoint else ".gguf"
+        # A checkpoint entry (an encoder's safetensors, a CTranslate2 model.bin) has side files.
+        weights = (".safetensors", "model.bin") if e.is_checkpoint else (".gguf",)
         assert e.architecture and e.license and e.file.endswith(weights)
         assert e.size > 0 and len(e.sha256) == 64 and int(e.sha256, 16) >= 0
         assert e.parts and all(p.package and p.version and p.path for p in e.parts)
@@ -58,7 +58,8 @@ def test_registry_says_which_models_are_base_models():
     from cellm.fetch import load_registry
 
     entries, default = load_registry()
-    assert {e.kind for e in entries.values()} <= {"base", "instruct", "embedding"}
+    assert {e.kind for e in entries.values()} <= {"base", "instruct", "embedding", "speech"}
+    assert entries["whisper-base"].kind == "speech" and entries["whisper-base"].is_ct2
     assert entries["gemma-3-270m"].kind == "base"
     minilm = entries["all-minilm-l6-v2"]
     assert minilm.kind == "embedding" and minilm.architecture == "bert"

@@ -44,7 +44,10 @@ from cellm.errors import FormatError, InvalidArgument
 
 REGISTRY_PATH = Path(__file__).with_name("registry.toml")
 _REQUIRED = ("name", "architecture", "license", "file", "size", "sha256", "parts")
-MODEL_KINDS = ("instruct", "base", "vlm", "embedding")
+MODEL_KINDS = ("instruct", "base", "vlm", "embedding", "speech")
+# A CTranslate2 model's weights file: a checkpoint entry whose `file` is this is converted by
+# `cellm.convert.convert_ct2_whisper` from its directory (the file and its side files).
+CT2_FILE = "model.bin"
 _COPY_CHUNK = 1 << 20
 LOCK_FILE = ".lock"
 
@@ -87,8 +90,10 @@ class ModelEntry:
     # no chat) or "vlm" (a vision-language chat model, whose `file` is a prebuilt `.cellm`:
     # GGUF keeps such a model's vision tower in a separate mmproj file).
     kind: str = "instruct"
-    # A HF checkpoint (`file` its safetensors weights) rather than a GGUF: the config and
-    # tokenizer files beside it, each pinned by size and SHA-256. Converted in float32.
+    # A checkpoint directory rather than a GGUF: a HF checkpoint (`file` its safetensors
+    # weights, converted in float32) or a CTranslate2 model (`file` its model.bin, converted
+    # keeping its f16), with the config and tokenizer files beside it, each pinned by size and
+    # SHA-256.
     side_files: tuple[SideFile, ...] = ()
 
     @property
@@ -99,6 +104,11 @@ class ModelEntry:
     def is_checkpoint(self) -> bool:
         """A HF checkpoint directory (weights and `side_files`), converted with convert_hf."""
         return bool(self.side_files)
+
+    @property
+    def is_ct2(self) -> bool:
+        """A CTranslate2 directory (faster-whisper's models): `model.bin` and side files."""
+        return self.is_checkpoint and self.file == CT2_FILE
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -261,7 +271,7 @@ def _keep_marker(entry: ModelEntry) -> Path:
 
 def _convert(entry: ModelEntry, gguf: Path, progress: bool) -> Path:
     """Convert with a progress bar on a terminal, one plain line otherwise."""
-    from cellm.convert import convert_gguf, convert_hf  # only needed on first use
+    from cellm.convert import convert_ct2_whisper, convert_gguf, convert_hf  # on first use
 
     bar = progress and _isatty(sys.stderr)
     if progress and not bar:
@@ -270,7 +280,9 @@ def _convert(entry: ModelEntry, gguf: Path, progress: bool) -> Path:
     ok = False
     try:
         # The writer writes a temporary file and renames it: an interrupted run leaves no .cellm.
-        if entry.is_checkpoint:  # encoders are small and read once per text: float32
+        if entry.is_ct2:  # f16 weights stay f16
+            path = convert_ct2_whisper(entry.checkpoint_dir, entry.cellm_path, progress=bar)
+        elif entry.is_checkpoint:  # encoders are small and read once per text: float32
             path = convert_hf(entry.checkpoint_dir, entry.cellm_path, "f32", progress=bar)
         else:
             path = convert_gguf(gguf, entry.cellm_path, progress=bar)

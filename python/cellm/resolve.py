@@ -85,16 +85,21 @@ def _unknown_model_message(name: str) -> str:
 
 
 def _converted(src: Path, dtype: str) -> Path:
-    from cellm.convert import convert_hf  # the converter is only needed on this path
+    # The converter is only needed on this path.
+    from cellm.convert import convert_ct2_whisper, convert_hf, is_ct2_whisper_dir
 
-    if not (src / "config.json").is_file():
+    ct2 = is_ct2_whisper_dir(src) and not any(src.glob("*.safetensors*"))
+    if not ct2 and not (src / "config.json").is_file():
         raise FormatError(f"{src} has no config.json (not a HuggingFace checkpoint)")
     out = (
         cache_dir() / "converted" / f"{src.resolve().name}-{dtype}-{_fingerprint(src, dtype)}.cellm"
     )
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        convert_hf(src, out, dtype)
+        if ct2:  # faster-whisper's model directories
+            convert_ct2_whisper(src, out, dtype)
+        else:
+            convert_hf(src, out, dtype)
     return out
 
 

@@ -15,22 +15,24 @@ from .quantize import FLOAT_DTYPES, GROUP_SIZES, SCHEMES
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m cellm.convert",
-        description="Convert a HuggingFace checkpoint directory or a GGUF file to a .cellm file.",
+        description="Convert a HuggingFace checkpoint directory, a GGUF file or a CTranslate2 "
+        "Whisper directory (faster-whisper's) to a .cellm file.",
     )
     p.add_argument(
         "--input",
         "-i",
         required=True,
-        metavar="HF_DIR|M.gguf|M-v1.cellm",
-        help="HF checkpoint directory, GGUF file or .cellm v1 file (the earlier engine's)",
+        metavar="HF_DIR|M.gguf|M-v1.cellm|CT2_DIR",
+        help="HF checkpoint directory, GGUF file, .cellm v1 file (the earlier engine's) or"
+        " CTranslate2 Whisper directory",
     )
     p.add_argument("--output", "-o", required=True, metavar="M.cellm", help="file to write")
     p.add_argument(
         "--dtype",
         choices=FORMATS,
         default=None,
-        help="HF only: storage format of 2-D+ tensors (1-D ones are always f32); default f16. "
-        "GGUF tensors keep their formats",
+        help="HF and CTranslate2 only: storage format of 2-D+ tensors (1-D ones are always "
+        "f32); default f16. GGUF tensors keep their formats",
     )
     p.add_argument(
         "--quantize",

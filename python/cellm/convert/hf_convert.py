@@ -20,7 +20,7 @@ from .processor_files import load_processor_config
 from .progress import conversion_bar
 from .quantize import Quantization, plan_quantization, quantize_rows
 from .safetensors import open_checkpoint
-from .tokenizer_files import TOKENIZER_BLOB, load_tokenizer_files
+from .tokenizer_files import TOKENIZER_BLOB, TokenizerFiles, load_tokenizer_files
 from .weights import PlannedTensor, layers_present, left_out, plan_tensors
 from .writer import TensorEntry, check_output_is_not_input, write_cellm
 
@@ -100,6 +100,8 @@ class Converting:
     dtype: str
     quantization: Optional[Quantization]
     vision_quantization: Optional[Quantization]
+    # The tokenizer's files, where they are not HF's in `files` (a CTranslate2 directory).
+    tokenizer_files: Optional[Callable[[], TokenizerFiles]] = None
 
 
 def convert_loaded(
@@ -136,7 +138,7 @@ def convert_loaded(
         else:
             entry = _entry(checkpoint, tensor, how.dtype, scheme, transform, tensor_source)
         entries.append(tensor.finished(entry))
-    tok = load_tokenizer_files(how.files, config)
+    tok = how.tokenizer_files() if how.tokenizer_files else load_tokenizer_files(how.files, config)
     # A vision-language model keeps its image processing settings.
     processor = {"processor": load_processor_config(how.files)} if "vision" in model else {}
     vision_scheme = how.vision_quantization.scheme if how.vision_quantization else None
