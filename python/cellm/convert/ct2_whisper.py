@@ -57,6 +57,16 @@ class Ct2WhisperCheckpoint:
     `hf_convert.convert_loaded` reads)."""
 
     def __init__(self, model: Ct2Model) -> None:
+        if model.spec != SPEC:
+            raise UnsupportedArchitecture(
+                f"{model.path}: a CTranslate2 {model.spec or 'unnamed'} model; only {SPEC} "
+                "(Whisper) converts"
+            )
+        if model.revision > MAX_REVISION:
+            raise UnsupportedArchitecture(
+                f"{model.path}: {SPEC} revision {model.revision} is newer than this reader's "
+                f"({MAX_REVISION})"
+            )
         self.model = model
         self.source = model.path
         self.sources: dict[str, _Source] = {}
@@ -174,14 +184,6 @@ def _count(model: Ct2Model, side: str) -> int:
 def whisper_config(model: Ct2Model, ct2_config: dict[str, Any]) -> dict[str, Any]:
     """The HF `WhisperConfig` that matches `model`, read off its tensors and scalars."""
     path = model.path
-    if model.spec != SPEC:
-        raise UnsupportedArchitecture(
-            f"{path}: a CTranslate2 {model.spec or 'unnamed'} model; only {SPEC} (Whisper) converts"
-        )
-    if model.revision > MAX_REVISION:
-        raise UnsupportedArchitecture(
-            f"{path}: {SPEC} revision {model.revision} is newer than this reader's ({MAX_REVISION})"
-        )
     checks = {
         "decoder/pre_norm": 1,
         "decoder/scale_embeddings": 0,
