@@ -53,6 +53,7 @@ def make_clip(directory: Path, name: str, text: str, wpm: int) -> Path:
     exe = espeak()
     if exe is None:
         raise RuntimeError("espeak-ng is not installed")
+    Path(directory).mkdir(parents=True, exist_ok=True)
     path = Path(directory) / f"{name}.wav"
     if not path.is_file():
         tmp = path.with_suffix(".tmp.wav")

