@@ -1,16 +1,16 @@
 """Speech to text speed: cellm against faster-whisper on whisper-base (the registry's
-CTranslate2 files; cellm converts them: f16 kept, f32, or int8 rows), on a 29-second espeak-ng
+CTranslate2 files; cellm converts them: f16 kept, f32, int8 rows or q8_0), on a 29-second espeak-ng
 clip (one 30-second window; tests/speech_clips.py), same threads.
 
     python benches/whisper_bench.py [--threads 2] [--runs 3] [--out docs/benchmarks.md]
 
-Pairs: cellm f32 and f16 against CTranslate2 `float32`, cellm int8 against CTranslate2
-`int8`. Each measurement is a fresh process (`--worker`): load the model, transcribe the
-clip's first 5 s untimed (warm-up), then transcribe the whole clip (timestamps on, greedy,
-beam 1, language detected, VAD off) timed. The two engines of a pair run back to back, in
-alternating order from run to run; a cell is the median over runs, and a ratio the median of
-the runs' own ratios. Real-time factor = seconds / audio seconds; peak memory = the worker's
-peak RSS (ru_maxrss), the model included."""
+Pairs: cellm f32 and f16 against CTranslate2 `float32`, cellm int8 (rows) and q8_0 (blocks of
+32) against CTranslate2 `int8`. Each measurement is a fresh process (`--worker`): load the
+model, transcribe the clip's first 5 s untimed (warm-up), then transcribe the whole clip
+(timestamps on, greedy, beam 1, language detected, VAD off) timed. The two engines of a pair
+run back to back, in alternating order from run to run; a cell is the median over runs, and a
+ratio the median of the runs' own ratios. Real-time factor = seconds / audio seconds; peak
+memory = the worker's peak RSS (ru_maxrss), the model included."""
 
 from __future__ import annotations
 
@@ -30,7 +30,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from speech_clips import BENCH_CLIP, make_clip  # noqa: E402
 
-PAIRS = [("f32", "float32"), ("f16", "float32"), ("int8", "int8")]
+# cellm's int8 rows run batched products with integer row kernels; q8_0 (8-bit blocks of 32,
+# 8 rows interleaved) with its group kernels: both are int8 weights times int8 activations,
+# as CTranslate2's int8 is.
+PAIRS = [("f32", "float32"), ("f16", "float32"), ("int8", "int8"), ("q8_0", "int8")]
 
 
 def worker(engine: str, model: str, precision: str, clip: str, threads: int) -> dict:
@@ -96,7 +99,8 @@ def models() -> tuple[dict[str, str], str]:
     ct2 = fetch_gguf("whisper-base").parent
     f16 = fetch("whisper-base")
     out = {"f16": str(f16)}
-    for precision, kw in (("f32", {"dtype": "f32"}), ("int8", {"quantize": "int8"})):
+    variants = {"f32": {"dtype": "f32"}, "int8": {"quantize": "int8"}, "q8_0": {"quantize": "q8_0"}}
+    for precision, kw in variants.items():
         path = f16.parent / f"whisper-base-{precision}.cellm"
         if not path.exists():
             convert_ct2_whisper(ct2, path, progress=False, **kw)
@@ -126,6 +130,7 @@ def main() -> None:
     p.add_argument("--worker", nargs=4, metavar=("ENGINE", "MODEL", "PRECISION", "CLIP"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--only", help="cellm precisions to run (comma-separated; default all)")
     p.add_argument("--clips", default=str(ROOT / "target" / "speech-clips"))
     p.add_argument("--out", help="rewrite this thread count's table between its markers")
     args = p.parse_args()
@@ -139,13 +144,14 @@ def main() -> None:
 
     clip_s = sf.info(str(clip)).duration
     ours, ct2 = models()
-    results: dict[tuple[str, str], list[tuple[dict, dict]]] = {pair: [] for pair in PAIRS}
+    pairs = [p for p in PAIRS if not args.only or p[0] in args.only.split(",")]
+    results: dict[tuple[str, str], list[tuple[dict, dict]]] = {pair: [] for pair in pairs}
     loads = []
     for run in range(args.runs):
-        for pair in PAIRS:
+        for i, pair in enumerate(pairs):
             mine, theirs = pair
             order = [("cellm", ours[mine], mine), ("fw", ct2, theirs)]
-            if (run + PAIRS.index(pair)) % 2:
+            if (run + i) % 2:
                 order.reverse()
             got = {e: measure(e, m, prec, clip, args.threads) for e, m, prec in order}
             results[pair].append((got["cellm"], got["fw"]))
