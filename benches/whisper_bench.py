@@ -101,7 +101,9 @@ def models() -> tuple[dict[str, str], str]:
     out = {"f16": str(f16)}
     variants = {"f32": {"dtype": "f32"}, "int8": {"quantize": "int8"}, "q8_0": {"quantize": "q8_0"}}
     for precision, kw in variants.items():
-        path = f16.parent / f"whisper-base-{precision}.cellm"
+        # Beside the repository's other bench models, not in the registry's cache folder.
+        path = ROOT / "target" / "bench-models" / f"whisper-base-{precision}.cellm"
+        path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
             convert_ct2_whisper(ct2, path, progress=False, **kw)
         out[precision] = str(path)
