@@ -188,3 +188,16 @@ def _cli(args: list[str]) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
     )
+
+
+def test_a_whisper_model_is_not_a_text_model(model_path):
+    """`cellm infer --model whisper-base` (a registry name now) says what to use instead."""
+    with pytest.raises(cellm.errors.UnsupportedArchitecture, match="cellm.Whisper"):
+        cellm.LLM(model_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "cellm.infer", "--model", str(model_path), "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1

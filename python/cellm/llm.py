@@ -15,7 +15,13 @@ import numpy as np
 from cellm import _core
 from cellm.chat import render_chat_template, resolve_template
 from cellm.conversation import Conversation
-from cellm.errors import ContextOverflow, FormatError, InvalidArgument, TemplateError
+from cellm.errors import (
+    ContextOverflow,
+    FormatError,
+    InvalidArgument,
+    TemplateError,
+    UnsupportedArchitecture,
+)
 from cellm.families import by_architecture
 from cellm.fetch import registry_entry_for
 from cellm.generation import Decoding, GenerationResult, KvSession, Timings
@@ -157,6 +163,11 @@ class LLM:
         self.kv_capacity_tokens = kv_capacity_tokens or 8 * self._context_length
         self._vocab_size = self._engine.vocab_size
         self.header: dict[str, Any] = json.loads(self._engine.header_json())
+        if self.header["model"]["architecture"] == "whisper":
+            raise UnsupportedArchitecture(
+                f"{self.path} is a Whisper speech model, not a text model: use cellm.Whisper "
+                "or python -m cellm.transcribe"
+            )
         # Chat format and tool-call parser of the model's family.
         self.family = by_architecture(self.header["model"]["architecture"])
         entry = registry_entry_for(self.path)
