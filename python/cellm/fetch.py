@@ -295,9 +295,12 @@ def _convert(entry: ModelEntry, gguf: Path, progress: bool) -> Path:
 
 
 def _ensure_gguf(entry: ModelEntry, progress: bool) -> Path:
-    """The verified GGUF of `entry`: cached, or downloaded part by part and joined."""
-    if entry.gguf_path.is_file() and entry.gguf_path.stat().st_size == entry.size:
-        return entry.gguf_path  # only ever renamed into place after its checks passed
+    """The verified GGUF (or checkpoint weights, with their side files) of `entry`: cached,
+    or downloaded part by part and joined."""
+    have = entry.gguf_path.is_file() and entry.gguf_path.stat().st_size == entry.size
+    sides = (entry.gguf_path.parent / side.file for side in entry.side_files)
+    if have and all(side.is_file() for side in sides):
+        return entry.gguf_path  # each only ever renamed into place after its checks passed
     _say(progress, f"fetching {entry.name} ({entry.size / (1 << 20):,.0f} MiB)")
     work = entry.directory / DOWNLOADS
     work.mkdir(parents=True, exist_ok=True)
