@@ -322,7 +322,7 @@ def convert_ct2_whisper(
             tokenizer_files=lambda: _tokenizer_files(src, config),
         )
         return convert_loaded(
-            checkpoint,  # type: ignore[arg-type]  # the TensorSource interface, duck-typed
+            checkpoint,  # the TensorSource interface, duck-typed
             config,
             output_path,
             how,
