@@ -21,10 +21,10 @@ def alone(llm, ids):
 @pytest.mark.parametrize("name", MODEL_FIXTURES)
 def test_interleaved_sessions_match_each_alone(name, converted):
     """Per-session state (KV pages, and conv/recurrent state where a family has it) stays
-    apart. 1e-4: a different batch split only reorders f32 sums; for Qwen3.5 (and its VLM wrapper) it also moves
-    DeltaNet chunk boundaries, up to 1.5e-4 on its ill-conditioned fixture (see
-    test_parity.ATOL_BY_FIXTURE), so 1e-3 there. State leaking between sessions moves logits
-    by far more than either."""
+    apart. 1e-4: a different batch split only reorders f32 sums; for Qwen3.5 (and its VLM
+    wrapper) it also moves DeltaNet chunk boundaries, up to 1.5e-4 on its ill-conditioned
+    fixture (see test_parity.ATOL_BY_FIXTURE), so 1e-3 there. State leaking between sessions
+    moves logits by far more than either."""
     llm = LLM(converted(name, "f32"), kv_encoding="f32", context_length=1024)
     ref = Reference(name)
     a_ids, b_ids = ref.sequence(0), ref.sequence(1)
