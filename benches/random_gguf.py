@@ -20,7 +20,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Shape:
-    arch: str  # GGUF architecture: llama, or qwen2 (q/k/v biases)
+    arch: str  # GGUF architecture: llama, qwen2 (q/k/v biases) or gemma3 (Gemma's norms)
     vocab: int
     hidden: int
     intermediate: int
@@ -28,12 +28,20 @@ class Shape:
     heads: int
     kv_heads: int
     rope_theta: float
+    head_dim: int = 0  # 0: hidden // heads
+    sliding_window: int = 0  # gemma3: local layers' window (llama.cpp: every 6th layer full)
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 SHAPES = {
     "smollm2-135m": Shape("llama", 49152, 576, 1536, 30, 9, 3, 100000.0),
     "qwen2.5-0.5b": Shape("qwen2", 151936, 896, 4864, 24, 14, 2, 1000000.0),
     "llama-3.2-1b": Shape("llama", 128256, 2048, 8192, 16, 32, 8, 500000.0),
+    "llama-3.2-3b": Shape("llama", 128256, 3072, 8192, 28, 24, 8, 500000.0),
+    "gemma-3-270m": Shape("gemma3", 262144, 640, 2048, 18, 4, 1, 1000000.0, 256, 512),
 }
 FORMATS = ("f16", "q8_0", "q4_0", "q4_k_m")
 
@@ -44,7 +52,7 @@ def _tensors(shape: Shape, rng: np.random.Generator):
     def w(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float32)
 
-    h, hd = shape.hidden, shape.hidden // shape.heads
+    h, hd = shape.hidden, shape.hd
     q, kv = shape.heads * hd, shape.kv_heads * hd
     yield "token_embd.weight", w(shape.vocab, h)
     for i in range(shape.layers):
@@ -54,6 +62,11 @@ def _tensors(shape: Shape, rng: np.random.Generator):
             yield p + name + ".weight", w(rows, h)
             if shape.arch == "qwen2":
                 yield p + name + ".bias", np.zeros(rows, np.float32)
+        if shape.arch == "gemma3":
+            yield p + "attn_q_norm.weight", np.ones(hd, np.float32)
+            yield p + "attn_k_norm.weight", np.ones(hd, np.float32)
+            yield p + "post_attention_norm.weight", np.ones(h, np.float32)
+            yield p + "post_ffw_norm.weight", np.ones(h, np.float32)
         yield p + "attn_output.weight", w(h, q)
         yield p + "ffn_norm.weight", np.ones(h, np.float32)
         yield p + "ffn_gate.weight", w(shape.intermediate, h)
@@ -81,7 +94,11 @@ def write_gguf(path: Path, shape: Shape, fmt: str) -> None:
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(shape.rope_theta)
-    writer.add_uint32(f"{a}.rope.dimension_count", shape.hidden // shape.heads)
+    writer.add_uint32(f"{a}.rope.dimension_count", shape.hd)
+    if shape.arch == "gemma3":
+        writer.add_key_length(shape.hd)
+        writer.add_value_length(shape.hd)
+        writer.add_sliding_window(shape.sliding_window)
     writer.add_tokenizer_model("llama")
     # ASCII only: llama.cpp logs a cut-off prefix of this list, which must stay valid UTF-8.
     tokens = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(shape.vocab - 3)]

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 from cellm.cli import Parser, bounded, run
 from cellm.errors import CellmError, InvalidArgument
+from cellm.llm import BACKENDS
 
 ENGINES = ("cellm", "llama.cpp")
 SCENARIOS = ((128, 64), (512, 128))  # (prompt tokens, decoded tokens)
@@ -35,12 +36,12 @@ def _text_ids(n: int) -> list[int]:
     return [(i * 7919 + 13) % 20000 + 100 for i in range(n)]
 
 
-def _worker(engine: str, model: str, threads: int) -> dict[str, Any]:
+def _worker(engine: str, model: str, threads: int, backend: str = "cpu") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if engine == "cellm":
         from cellm import LLM
 
-        eng = LLM(model, threads=threads, context_length=1024)._engine
+        eng = LLM(model, threads=threads, context_length=1024, backend=backend)._engine
 
         def prefill(ids: list[int]) -> Any:
             s = eng.create_session()
@@ -99,8 +100,9 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _run_worker(engine: str, model: Path, threads: int) -> dict[str, Any]:
+def _run_worker(engine: str, model: Path, threads: int, backend: str = "cpu") -> dict[str, Any]:
     cmd = [sys.executable, "-m", "cellm.bench", "--worker", engine, str(model), str(threads)]
+    cmd.append(backend)
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         # The worker's last line names what failed (an exception, or llama_cpp missing).
@@ -143,7 +145,11 @@ def resolve(name: str) -> tuple[str, Path, Path]:
 
 
 def bench_model(
-    model: tuple[str, Path, Path], threads: int, runs: int, probe: Callable[[], float]
+    model: tuple[str, Path, Path],
+    threads: int,
+    runs: int,
+    probe: Callable[[], float],
+    backend: str = "cpu",
 ) -> dict[str, Any]:
     """`runs` alternating runs of both engines on one model; `probe()` measures the read
     bandwidth (GB/s) before each run's workers."""
@@ -152,7 +158,7 @@ def bench_model(
     bandwidths = []
     for _ in range(runs):  # alternate, so machine noise hits both engines alike
         bandwidths.append(probe())
-        samples["cellm"].append(_run_worker("cellm", cellm_file, threads))
+        samples["cellm"].append(_run_worker("cellm", cellm_file, threads, backend))
         samples["llama.cpp"].append(_run_worker("llama.cpp", gguf, threads))
     return {"name": name, **summarize(samples, bandwidths, decode_bytes(cellm_file, 128))}
 
@@ -210,7 +216,7 @@ def _table(results: list[dict[str, Any]], threads: int, runs: int) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        print(json.dumps(_worker(argv[1], argv[2], int(argv[3]))))
+        print(json.dumps(_worker(argv[1], argv[2], int(argv[3]), *argv[4:5])))
         return 0
     p = Parser(prog="python -m cellm.bench", description=__doc__.splitlines()[0])
     p.add_argument(
@@ -219,6 +225,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="registry names or GGUF paths (benches/random_gguf.py writes random-weight ones)",
     )
     p.add_argument("--threads", type=bounded(int, 1), default=2)
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="cpu",
+        help="cellm's backend (llama.cpp runs on the CPU; benches/gpu_device.sh times GPU peers)",
+    )
     p.add_argument("--runs", type=bounded(int, 1), default=5)
     p.add_argument("--out", help="also write the table to this markdown file")
     args = p.parse_args(argv)
@@ -226,7 +238,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     def body() -> int:
         from cellm import _core
 
-        # Bad names and paths fail here, before any timing.
+        # Bad names and paths fail here, before any timing (a backend without an adapter
+        # fails in the first worker, with its one line).
         if args.out and not Path(args.out).parent.is_dir():
             raise InvalidArgument(f"--out {args.out}: no such directory")
         models = [resolve(n) for n in args.models.split(",")]
@@ -234,7 +247,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         def probe() -> float:
             return _core.read_bandwidth(PROBE_MIB, args.threads, PROBE_PASSES)
 
-        results = [bench_model(m, args.threads, args.runs, probe) for m in models]
+        results = [bench_model(m, args.threads, args.runs, probe, args.backend) for m in models]
         table = _table(results, args.threads, args.runs)
         print(table)
         if args.out:

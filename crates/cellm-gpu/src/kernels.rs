@@ -44,6 +44,8 @@ impl KernelId {
             Layout::Bf16,
             Layout::Q8_0,
             Layout::Q4_0,
+            Layout::Q4_1,
+            Layout::Q5_0,
             Layout::Q4K,
             Layout::Q6K,
         ];

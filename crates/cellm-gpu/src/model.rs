@@ -281,6 +281,16 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
         state_fixed: false,
     };
     gpu.check()?;
+    if std::env::var_os("CELLM_GPU_INFO").is_some() {
+        // For benchmarks: what runs where, and how many launches one step records.
+        eprintln!(
+            "cellm-gpu: {} ({:?}, {:?}), {} dispatches per step, one submit per step",
+            gpu.info.name,
+            gpu.info.backend,
+            gpu.info.device_type,
+            ops.len()
+        );
+    }
     let runner = Runner { gpu, dims, ops, ropes, bufs };
     Ok(Box::new(GpuModel { cfg, layout, runner: Mutex::new(runner) }))
 }

@@ -17,6 +17,8 @@ pub enum Layout {
     Bf16,
     Q8_0,
     Q4_0,
+    Q4_1,
+    Q5_0,
     Q4K,
     Q6K,
 }
@@ -31,6 +33,8 @@ impl Layout {
             TensorFormat::BF16 => Self::Bf16,
             TensorFormat::Q8_0 => Self::Q8_0,
             TensorFormat::Q4_0 => Self::Q4_0,
+            TensorFormat::Q4_1 => Self::Q4_1,
+            TensorFormat::Q5_0 => Self::Q5_0,
             TensorFormat::Q4K => Self::Q4K,
             TensorFormat::Q6K => Self::Q6K,
             _ => return None,
@@ -39,7 +43,7 @@ impl Layout {
 
     /// The names of the formats the GPU runs, for error messages.
     pub fn supported() -> &'static str {
-        "f32, f16, bf16, q8_0, q4_0, q4_k, q6_k (and their x8 variants)"
+        "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q4_k, q6_k (and their x8 variants)"
     }
 
     pub fn wgsl_name(self) -> &'static str {
@@ -49,6 +53,8 @@ impl Layout {
             Self::Bf16 => "bf16",
             Self::Q8_0 => "q8_0",
             Self::Q4_0 => "q4_0",
+            Self::Q4_1 => "q4_1",
+            Self::Q5_0 => "q5_0",
             Self::Q4K => "q4_k",
             Self::Q6K => "q6_k",
         }
@@ -63,7 +69,7 @@ impl Layout {
     pub fn block(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::Bf16 => 4,
-            Self::Q8_0 | Self::Q4_0 => 32,
+            Self::Q8_0 | Self::Q4_0 | Self::Q4_1 | Self::Q5_0 => 32,
             Self::Q4K | Self::Q6K => 256,
         }
     }
@@ -76,6 +82,10 @@ impl Layout {
             // Scales are f16 pairs over the whole part, so a row holds half a word each.
             Self::Q8_0 => (cols / 4, cols / 32),
             Self::Q4_0 => (cols / 8, cols / 32),
+            // d and m, one word a block.
+            Self::Q4_1 => (cols / 8, cols / 32),
+            // 4 words of nibbles and the word of fifth bits a block; f16 scales as q4_0.
+            Self::Q5_0 => (cols / 32 * 5, cols / 32),
             Self::Q4K => (cols / 256 * 32, cols / 256 * 5),
             Self::Q6K => (cols / 256 * 48, cols / 256 * 5),
         }
@@ -153,6 +163,20 @@ pub fn repack(t: &WeightRows, layout: Layout, rows: std::ops::Range<usize>) -> P
                 for b in row.chunks_exact(18) {
                     halves.push(half_at(b));
                     quants.extend(b[2..].chunks_exact(4).map(word));
+                }
+            }
+            Layout::Q4_1 => {
+                for b in row.chunks_exact(20) {
+                    scales.push(word(b));
+                    quants.extend(b[4..].chunks_exact(4).map(word));
+                }
+            }
+            Layout::Q5_0 => {
+                for b in row.chunks_exact(22) {
+                    // f16 d, 4 bytes of fifth bits (bit j: element j), 16 bytes of nibbles.
+                    halves.push(half_at(b));
+                    quants.extend(b[6..].chunks_exact(4).map(word));
+                    quants.push(word(&b[2..6]));
                 }
             }
             Layout::Q4K => {

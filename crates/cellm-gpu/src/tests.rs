@@ -45,8 +45,8 @@ impl Rng {
 /// set to a small finite value (random bytes there would be NaNs and infinities).
 fn random_rows(format: TensorFormat, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
     let halves_at: &[usize] = match format {
-        TensorFormat::Q8_0 | TensorFormat::Q4_0 => &[0],
-        TensorFormat::Q4K => &[0, 2],
+        TensorFormat::Q8_0 | TensorFormat::Q4_0 | TensorFormat::Q5_0 => &[0],
+        TensorFormat::Q4K | TensorFormat::Q4_1 => &[0, 2],
         TensorFormat::Q6K => &[208],
         _ => &[],
     };
@@ -193,6 +193,8 @@ fn matvec_matches_cpu_decoding_in_every_layout() {
         TensorFormat::BF16,
         TensorFormat::Q8_0,
         TensorFormat::Q4_0,
+        TensorFormat::Q4_1,
+        TensorFormat::Q5_0,
         TensorFormat::Q4K,
         TensorFormat::Q6K,
     ];
@@ -208,7 +210,7 @@ fn matvec_matches_cpu_decoding_in_every_layout() {
             for tokens in [1, 5] {
                 let x: Vec<f32> = (0..tokens * cols).map(|_| rng.uniform()).collect();
                 let row_bytes = (data.len() / rows) as u64 * 2;
-                for cap in [u64::MAX, row_bytes * 10] {
+                for cap in [u64::MAX, row_bytes * 5] {
                     let (got, parts) = gpu_matvec(&gpu, w, &x, tokens, cap);
                     assert_eq!(parts > 1, cap != u64::MAX, "{format:?}: {parts} parts");
                     let mut decoded = vec![0f32; cols];

@@ -57,6 +57,40 @@ fn w4$(r: u32, i: u32) -> vec4<f32> {
 }
 //# end
 
+//# q4_1
+// Blocks of 32: q4_0's nibbles, and one word a block of f16 d and m; w = d * q + m.
+@group(0) @binding($Q) var<storage, read> wq$: array<u32>;
+@group(0) @binding($S) var<storage, read> ws$: array<u32>;
+fn w4$(r: u32, i: u32) -> vec4<f32> {
+    let b = r * (p.cols / 32u) + i / 8u;
+    let dm = unpack2x16float(ws$[b]);
+    let j = i % 8u;
+    let w = wq$[b * 4u + j % 4u] >> select(0u, 4u, j >= 4u);
+    let q = vec4<f32>(f32(w & 15u), f32((w >> 8u) & 15u), f32((w >> 16u) & 15u),
+                      f32((w >> 24u) & 15u));
+    return dm.x * q + vec4<f32>(dm.y);
+}
+//# end
+
+//# q5_0
+// Blocks of 32 as 5 words: q4_0's nibbles, then the fifth bits (bit e: element e); f16
+// scales two to a word; w = d * (q - 16).
+@group(0) @binding($Q) var<storage, read> wq$: array<u32>;
+@group(0) @binding($S) var<storage, read> ws$: array<u32>;
+fn w4$(r: u32, i: u32) -> vec4<f32> {
+    let b = r * (p.cols / 32u) + i / 8u;
+    let d = unpack2x16float(ws$[b / 2u])[b % 2u];
+    let j = i % 8u;
+    let w = wq$[b * 5u + j % 4u] >> select(0u, 4u, j >= 4u);
+    let h = wq$[b * 5u + 4u] >> (4u * j);
+    let q = vec4<f32>(f32((w & 15u) | ((h & 1u) << 4u)),
+                      f32(((w >> 8u) & 15u) | (((h >> 1u) & 1u) << 4u)),
+                      f32(((w >> 16u) & 15u) | (((h >> 2u) & 1u) << 4u)),
+                      f32(((w >> 24u) & 15u) | (((h >> 3u) & 1u) << 4u)));
+    return d * (q - 16.0);
+}
+//# end
+
 //# q4_k
 // Super-blocks of 256: ggml's 128 bytes of nibbles (32 words; in each 64 elements, byte l
 // holds elements l and l + 32), and 5 words: f16 d and dmin, then the 8 sub-block scales
