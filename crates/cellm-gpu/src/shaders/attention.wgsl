@@ -1,6 +1,8 @@
 // Attention of one query head of one token over its session's cached positions (the
 // token's own already stored), a chunk of CH positions at a time with an online softmax:
-// each thread scores whole positions, then owns head dims li, li + 64, ... of the output.
+// each thread scores whole positions; then the WG threads split into WG / head_dim slices
+// of head_dim threads, thread (slice, d) summing dim d of the values over every slices-th
+// position, and the slices' sums are added at the end.
 struct Params {
     kv: Kv,
     n_heads: u32,
@@ -18,12 +20,12 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read> pool: array<u32>;
 
-const WG: u32 = 64u;
+const WG: u32 = 256u;
 const CH: u32 = 256u;
 const MAX_HD: u32 = 256u;
 var<workgroup> qs: array<f32, MAX_HD>;
 var<workgroup> sc: array<f32, CH>;
-var<workgroup> red: array<f32, 64>;
+var<workgroup> red: array<f32, WG>;
 
 fn kv_at(i: u32) -> vec2<f32> {
     // Values i, i + 1 (i even).
@@ -51,7 +53,7 @@ fn reduce(v: f32, li: u32, is_max: bool) -> f32 {
     return r;
 }
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let h = wg.x;
     let t = wg.y;
@@ -70,7 +72,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     }
     var m = -3.4e38;
     var l = 0.0;
-    var acc = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
+    // head_dim <= MAX_HD == WG, so every dim has a thread in slice 0.
+    let slices = WG / hd;
+    let dv = li % hd;
+    let slice = li / hd;
+    var acc = 0.0;
     workgroupBarrier();
     for (var start = first; start <= pos; start += CH) {
         let n = min(CH, pos + 1u - start);
@@ -101,31 +107,31 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         let alpha = exp(m - m_new);
         l = l * alpha + reduce(local_sum, li, false);
         m = m_new;
-        for (var k = 0u; k < 4u; k++) {
-            let d = li + k * WG;
-            if (d < hd) {
-                var a = acc[k] * alpha;
-                for (var j = 0u; j < n; j++) {
-                    let q = start + j;
-                    let page = page_of(t, p.layer, q / p.kv.page_size);
-                    let at = kv_index(p.kv, page, 1u, q % p.kv.page_size, kvh * hd + d);
-                    var v = 0.0;
-                    if (p.kv.f16 != 0u) {
-                        v = unpack2x16float(pool[at / 2u])[at % 2u];
-                    } else {
-                        v = bitcast<f32>(pool[at]);
-                    }
-                    a += sc[j] * v;
+        if (slice < slices) {
+            var a = acc * alpha;
+            for (var j = slice; j < n; j += slices) {
+                let q = start + j;
+                let page = page_of(t, p.layer, q / p.kv.page_size);
+                let at = kv_index(p.kv, page, 1u, q % p.kv.page_size, kvh * hd + dv);
+                var v = 0.0;
+                if (p.kv.f16 != 0u) {
+                    v = unpack2x16float(pool[at / 2u])[at % 2u];
+                } else {
+                    v = bitcast<f32>(pool[at]);
                 }
-                acc[k] = a;
+                a += sc[j] * v;
             }
+            acc = a;
         }
         workgroupBarrier();
     }
-    for (var k = 0u; k < 4u; k++) {
-        let d = li + k * WG;
-        if (d < hd) {
-            out[t * p.n_heads * hd + h * hd + d] = acc[k] / l;
+    red[li] = select(0.0, acc, slice < slices);
+    workgroupBarrier();
+    if (slice == 0u) {
+        var total = 0.0;
+        for (var k = 0u; k < slices; k++) {
+            total += red[k * hd + dv];
         }
+        out[t * p.n_heads * hd + h * hd + dv] = total / l;
     }
 }
