@@ -6,6 +6,7 @@
 mod device;
 pub mod kernels;
 mod model;
+mod ops;
 pub mod repack;
 mod step;
 mod weights;

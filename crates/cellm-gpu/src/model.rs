@@ -14,7 +14,8 @@ use cellm_models::{
 };
 
 use crate::device::Gpu;
-use crate::kernels::{Kernel, KernelId, Kernels};
+use crate::kernels::{KernelId, Kernels};
+use crate::ops::{Buf, Dims, Grid, Op};
 use crate::step::{HostStep, StepBuffers};
 use crate::weights::{Matrix, Uploader};
 use crate::GpuOptions;
@@ -24,42 +25,6 @@ pub const GPU_ARCHITECTURES: &[&str] = &["llama", "gemma3"];
 /// The widest attention head the attention kernel holds.
 const MAX_HEAD_DIM: usize = 256;
 
-/// A buffer a launch binds: a step buffer (resized with the step's capacity) or a weight.
-#[derive(Clone)]
-pub enum Buf {
-    X,
-    Qkv,
-    Ctx,
-    Act,
-    Tmp,
-    Logits,
-    Rope,
-    Pool,
-    Dummy,
-    W(wgpu::Buffer),
-}
-
-/// How many workgroups a launch runs, as a function of the step's tokens.
-#[derive(Clone, Copy)]
-pub enum Grid {
-    /// One per output row (a 2-D grid of `groups_x` columns) per 4 tokens.
-    Rows { rows: u32, groups_x: u32 },
-    /// The same over the rows whose logits are wanted.
-    HeadRows { rows: u32, groups_x: u32 },
-    /// `n` per token.
-    PerToken(u32),
-    /// 64 columns of 4 per workgroup, per token.
-    Columns(u32),
-}
-
-/// One kernel launch of a step.
-pub struct Op {
-    pub kernel: Arc<Kernel>,
-    pub params: [u32; 16],
-    pub binds: Vec<(u32, Buf)>,
-    pub grid: Grid,
-}
-
 /// Matvec flags (`shaders/matvec.wgsl`).
 const NORM: u32 = 1;
 const RESIDUAL: u32 = 2;
@@ -68,22 +33,6 @@ const SOFTCAP: u32 = 8;
 const HEAD: u32 = 16;
 const GELU: u32 = 32;
 const MAX_GROUPS: usize = 65535;
-
-/// Static sizes every step shares.
-#[derive(Clone, Copy)]
-pub struct Dims {
-    pub hidden: usize,
-    pub q_dim: usize,
-    pub kv_dim: usize,
-    pub qkv: usize,
-    pub inter: usize,
-    pub vocab: usize,
-    pub layers: usize,
-    pub kv_f16: bool,
-    /// Rotated pairs of the widest RoPE (the cos/sin table's row).
-    pub max_half: usize,
-    pub ropes: usize,
-}
 
 pub struct GpuModel {
     cfg: ModelConfig,

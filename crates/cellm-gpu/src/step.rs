@@ -7,7 +7,7 @@ use cellm_format::{Error, Result};
 use cellm_models::{RopeConfig, Step};
 
 use crate::device::Gpu;
-use crate::model::{Buf, Dims, Op};
+use crate::ops::{Buf, Dims, Op};
 use crate::weights::as_bytes;
 
 /// Words before the per-token records (`shaders/step.wgsl`).

@@ -1,0 +1,58 @@
+//! What a step runs, planned once at load: each kernel launch (`Op`) with its parameters,
+//! the buffers it binds and its grid, and the sizes every step shares.
+
+use std::sync::Arc;
+
+use crate::kernels::Kernel;
+
+/// A buffer a launch binds: a step buffer (resized with the step's capacity) or a weight.
+#[derive(Clone)]
+pub enum Buf {
+    X,
+    Qkv,
+    Ctx,
+    Act,
+    Tmp,
+    Logits,
+    Rope,
+    Pool,
+    Dummy,
+    W(wgpu::Buffer),
+}
+
+/// How many workgroups a launch runs, as a function of the step's tokens.
+#[derive(Clone, Copy)]
+pub enum Grid {
+    /// One per output row (a 2-D grid of `groups_x` columns) per 4 tokens.
+    Rows { rows: u32, groups_x: u32 },
+    /// The same over the rows whose logits are wanted.
+    HeadRows { rows: u32, groups_x: u32 },
+    /// `n` per token.
+    PerToken(u32),
+    /// 64 columns of 4 per workgroup, per token.
+    Columns(u32),
+}
+
+/// One kernel launch of a step.
+pub struct Op {
+    pub kernel: Arc<Kernel>,
+    pub params: [u32; 16],
+    pub binds: Vec<(u32, Buf)>,
+    pub grid: Grid,
+}
+
+/// Static sizes every step shares.
+#[derive(Clone, Copy)]
+pub struct Dims {
+    pub hidden: usize,
+    pub q_dim: usize,
+    pub kv_dim: usize,
+    pub qkv: usize,
+    pub inter: usize,
+    pub vocab: usize,
+    pub layers: usize,
+    pub kv_f16: bool,
+    /// Rotated pairs of the widest RoPE (the cos/sin table's row).
+    pub max_half: usize,
+    pub ropes: usize,
+}
