@@ -272,6 +272,10 @@ def test_a_checkpoint_entry_fetches_its_side_files_and_converts_in_f32(tmp_path,
             "tokenizer.json",
             "tokenizer_config.json",
         ]
+        from cellm.cache import cached_items
+
+        (item,) = cached_items()
+        assert item.contents.startswith("checkpoint (kept) ")
         path = fetch.fetch("tiny-bert", progress=False, keep_gguf=False)
         assert read_header(path)["source"]["dtype"] == "f32"
         assert sorted(p.name for p in entry.directory.iterdir()) == [".lock", path.name]

@@ -83,6 +83,10 @@ def _model_contents(folder: Path) -> str:
     for gguf in sorted(folder.glob("*.gguf")):
         kept = " (kept)" if (folder / KEEP_GGUF_MARKER).exists() else ""
         parts.append(f"gguf{kept} {gguf.stat().st_size / _MIB:,.1f} MiB")
+    checkpoint = folder / "checkpoint"  # a HF-checkpoint registry entry's files (fetch.py)
+    if checkpoint.is_dir():
+        kept = " (kept)" if (folder / KEEP_GGUF_MARKER).exists() else ""
+        parts.append(f"checkpoint{kept} {_size(checkpoint) / _MIB:,.1f} MiB")
     for cellm in sorted(folder.glob("*.cellm")):
         m = _VERSIONED.search(cellm.name)
         version = int(m.group(1)) if m else None
