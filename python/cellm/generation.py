@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -76,10 +76,21 @@ class GenerationResult:
     logprobs: Optional[list[TokenLogprob]] = None
 
 
+class KvStats(NamedTuple):
+    """The KV pool's usage (`LLM.kv_stats()`)."""
+
+    pages_in_use: int  # held by sessions (a page shared by several counts once)
+    pages_allocated: int  # the pool's high-water mark
+    page_bytes: int
+    cached_pages: int  # listed by the prefix cache (held by sessions or idle)
+    prefix_hit_tokens: int  # prompt positions taken from the prefix cache instead of prefill
+
+
 class KvSession:
     """An engine session and the token ids its cache holds, so that a later prompt which
-    starts with them prefills only the rest. Every engine call holds `lock`, the model's
-    (shared by all its sessions: the engine takes one call at a time)."""
+    starts with them prefills only the rest; an empty session starts from the engine's prefix
+    cache (pages of earlier requests with the same leading ids). Every engine call holds
+    `lock`, the model's (shared by all its sessions: the engine takes one call at a time)."""
 
     def __init__(self, engine: _core.Engine, lock: threading.RLock) -> None:
         self._engine = engine
@@ -88,9 +99,11 @@ class KvSession:
             self.id: Optional[int] = engine.create_session()
         self.ids: list[int] = []
 
-    def reuse(self, ids: list[int]) -> list[int]:
+    def reuse(self, ids: list[int], shareable: Optional[int] = None) -> list[int]:
         """Keeps the longest cached prefix of `ids` (all but its last id, which must be
-        stepped for its logits) and returns the ids still to prefill."""
+        stepped for its logits) and returns the ids still to prefill. Only the first
+        `shareable` ids (default: all) may come from the engine's prefix cache: the rows of
+        image tokens follow from the image, not from their ids."""
         keep = 0
         limit = min(len(self.ids), len(ids) - 1)
         while keep < limit and self.ids[keep] == ids[keep]:
@@ -103,6 +116,10 @@ class KvSession:
                     self._engine.truncate_session(self.live(), 0)
                     keep = 0
             del self.ids[keep:]
+        if not self.ids:
+            with self._lock:
+                keep = self._engine.reuse_prefix(self.live(), ids[:shareable])
+            self.ids = ids[:keep]
         return ids[keep:]
 
     def step(

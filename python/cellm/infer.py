@@ -118,6 +118,7 @@ def load_model(args: argparse.Namespace) -> LLM:
         tokenizer=args.tokenizer,
         kv_capacity_tokens=getattr(args, "kv_capacity_tokens", None),
         max_layers=args.max_layers,
+        prefix_cache=getattr(args, "prefix_cache", True),
     )
 
 

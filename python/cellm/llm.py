@@ -24,7 +24,7 @@ from cellm.errors import (
 )
 from cellm.families import by_architecture
 from cellm.fetch import registry_entry_for
-from cellm.generation import Decoding, GenerationResult, KvSession, Timings
+from cellm.generation import Decoding, GenerationResult, KvSession, KvStats, Timings
 from cellm.multimodal import ANY_FILE, ImageFiles, ImagePrompt, Vision, split_messages
 from cellm.resolve import resolve_model
 from cellm.sampling import SamplingParams
@@ -127,6 +127,7 @@ class LLM:
         kv_capacity_tokens: Optional[int] = None,
         processor: Optional[Mapping[str, Any]] = None,
         max_layers: Optional[int] = None,
+        prefix_cache: bool = True,
     ) -> None:
         if backend not in BACKENDS:
             raise InvalidArgument(f"unknown backend {backend!r} (available: {', '.join(BACKENDS)})")
@@ -152,6 +153,7 @@ class LLM:
             kv_capacity_tokens=kv_capacity_tokens,
             max_layers=max_layers,
             backend=backend,
+            prefix_cache=prefix_cache,
         )
         # Held for each engine call: the engine is not reentrant (see the class docstring).
         self._lock = threading.RLock()
@@ -623,10 +625,17 @@ class LLM:
         context length, its images with it."""
         return Request(self.prompt_ids(prompt.ids), params, images=prompt.images)
 
-    def kv_stats(self) -> tuple[int, int, int]:
-        """KV pool usage: pages in use, pages allocated so far, bytes per page."""
+    def kv_stats(self) -> KvStats:
+        """KV pool usage: pages held by sessions, pages allocated so far, bytes per page, pages
+        the prefix cache lists and the prompt tokens it saved from prefill so far."""
         with self._lock:
-            return self._engine.kv_stats()
+            return KvStats(*self._engine.kv_stats())
+
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether requests share the KV pages of a common prompt prefix (off when asked, for
+        models with recurrent state and on the GPU; see docs/architecture.md)."""
+        return self._engine.prefix_cache
 
     def shared_scheduler(self) -> Scheduler:
         """The model's background scheduler, started on first use (asyncio callers, the
@@ -720,7 +729,7 @@ class LLM:
         decoding = Decoding(ids, params, self.tokenizer, self.eos_token_ids, self.context_length)
         session = kv if kv is not None else KvSession(self._engine, self._lock)
         try:
-            new = session.reuse(ids)
+            new = session.reuse(ids, self._shareable(ids))
             timings = Timings(prefill_tokens=len(new))
             t0 = time.perf_counter()
             embeds = None
@@ -745,6 +754,12 @@ class LLM:
                 session.close()
         return decoding.result(timings)
 
+    def _shareable(self, ids: list[int]) -> int:
+        """How many leading ids of a prompt may come from the prefix cache: those before its
+        first image token (whose rows follow from the image, not from the id)."""
+        image = None if self.vision is None else self.vision.image_token_id
+        return ids.index(image) if image in ids else len(ids)
+
     def prompt_ids(self, prompt: Union[Prompt, Sequence[Mapping[str, Any]]]) -> list[int]:
         """The ids of a prompt to generate from: encoded text, checked token ids, or chat
         messages rendered and tokenized with each image's placeholder expanded into its image
@@ -762,4 +777,12 @@ class LLM:
 
 
 # Re-exported: results and conversations are part of the LLM API (`from cellm.llm import ...`).
-__all__ = ["BACKENDS", "KV_ENCODINGS", "LLM", "Conversation", "GenerationResult", "Timings"]
+__all__ = [
+    "BACKENDS",
+    "KV_ENCODINGS",
+    "LLM",
+    "Conversation",
+    "GenerationResult",
+    "KvStats",
+    "Timings",
+]

@@ -5,10 +5,12 @@ to a token budget (chunked prefill), so a long prompt never stalls the running s
 request keeps its own sampler (parameters, seed), stop rules and detokenizer (a `Decoding`).
 
 KV memory: a request is admitted only when the pool can hold its worst case (prompt plus
-`max_tokens`, rounded up to whole pages), and that room stays reserved until it ends. A running
-request therefore never runs out of pages: nothing is preempted or recomputed. Requests that do
-not fit yet wait in a bounded queue; past its bound `submit` raises `Busy`. A request that
-could never fit (its worst case exceeds the whole pool) is refused at once. Cancelling a
+`max_tokens`, rounded up to whole pages), and that room stays reserved until it ends (even when
+part of its prompt comes from the engine's prefix cache, whose pages it then shares: the count
+errs on the safe side, and idle cached pages give way to new ones whenever the pool is full). A
+running request therefore never runs out of pages: nothing is preempted or recomputed. Requests
+that do not fit yet wait in a bounded queue; past its bound `submit` raises `Busy`. A request
+that could never fit (its worst case exceeds the whole pool) is refused at once. Cancelling a
 request frees its pages at the next step.
 
 Images (a vision-language model's): a request carries its processed images; they are encoded
@@ -249,11 +251,12 @@ class Scheduler:
                     llm.context_length,
                 )
                 request.kv = KvSession(llm._engine, llm._lock)
+                # A prefix other requests left in the engine's cache is not prefilled again.
+                request.pending = request.kv.reuse(request.ids, llm._shareable(request.ids))
             except Exception as e:  # noqa: BLE001 - bad parameters end this request only
                 self._end(request, e)
                 continue
-            request.pending = list(request.ids)
-            request.timings.prefill_tokens = len(request.ids)
+            request.timings.prefill_tokens = len(request.pending)
             request.reserved = need
             self.reserved += need
             self.running.append(request)

@@ -77,15 +77,17 @@ class Server:
     # -- routes ------------------------------------------------------------------------------
 
     async def health(self, request: HttpRequest) -> Response:
-        in_use, allocated, page_bytes = self.llm.kv_stats()
+        kv = self.llm.kv_stats()
         return JSONResponse(
             {
                 "status": "ok",
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
-                "kv_pages_in_use": in_use,
-                "kv_pages_allocated": allocated,
-                "kv_page_bytes": page_bytes,
+                "kv_pages_in_use": kv.pages_in_use,
+                "kv_pages_allocated": kv.pages_allocated,
+                "kv_page_bytes": kv.page_bytes,
+                "kv_cached_pages": kv.cached_pages,
+                "prefix_hit_tokens": kv.prefix_hit_tokens,
             }
         )
 
@@ -633,6 +635,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--port", type=bounded(int, 1, 65535), default=8000)
     p.add_argument("--max-sessions", type=bounded(int, 1), default=16, help="requests per batch")
     p.add_argument("--kv-capacity", type=bounded(int, 1), default=None, help="KV tokens in all")
+    p.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="prefill every prompt in full (default: share the KV pages of common prefixes)",
+    )
     p.add_argument(
         "--image-root",
         metavar="DIR",

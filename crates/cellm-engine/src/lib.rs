@@ -41,6 +41,9 @@ pub struct EngineOptions {
     pub gpu: Option<GpuKind>,
     /// A cap on one GPU binding below the device's (tests split matrices with it).
     pub gpu_max_binding: Option<u64>,
+    /// Share full KV pages between sessions by their token ids ([`Engine::reuse_prefix`]);
+    /// models with recurrent state and the GPU backend keep it off whatever this says.
+    pub prefix_cache: bool,
 }
 
 impl Default for EngineOptions {
@@ -53,6 +56,7 @@ impl Default for EngineOptions {
             max_layers: None,
             gpu: None,
             gpu_max_binding: None,
+            prefix_cache: true,
         }
     }
 }
@@ -152,10 +156,16 @@ impl Engine {
             values_in_keys: layout.values_in_keys,
         };
         // On a GPU the pool only hands out page ids; the model keeps the rows on the device.
-        let pool = match opts.gpu {
+        let mut pool = match opts.gpu {
             None => PagePool::new(kv_config),
             Some(_) => PagePool::without_storage(kv_config),
         };
+        // A recurrent state (a short convolution's inputs, a linear-attention matrix, a
+        // speech model's encoded audio) is not in the pages: a cached page alone cannot
+        // restore the session that made it. Such models opt out.
+        if opts.prefix_cache && layout.state.is_empty() {
+            pool.enable_prefix_cache();
+        }
         Ok(Self {
             file,
             model,
@@ -253,6 +263,20 @@ impl Engine {
             session.state.reset();
         }
         Ok(())
+    }
+
+    /// Starts the empty session `id` with the longest cached prefix of `tokens` (whole
+    /// pages, leaving at least the last token to step) and returns how many positions it
+    /// holds now; the caller steps the rest. 0 with the prefix cache off.
+    pub fn reuse_prefix(&mut self, id: SessionId, tokens: &[u32]) -> Result<usize> {
+        let session = self.sessions.get_mut(&id).ok_or_else(|| unknown(id))?;
+        if !session.kv.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "session {id} already holds {} positions; reuse_prefix starts an empty one",
+                session.kv.len()
+            )));
+        }
+        Ok(self.pool.reuse_prefix(&mut session.kv, tokens))
     }
 
     pub fn session_len(&self, id: SessionId) -> Result<usize> {
@@ -365,10 +389,12 @@ impl Engine {
                 });
             }
         };
-        for &(id, t) in batch {
+        for (i, &(id, t)) in batch.iter().enumerate() {
             let seq = &mut self.sessions.get_mut(&id).expect("validated").kv;
             let new_len = seq.len() + t.len();
-            self.pool.commit(seq, new_len);
+            // Rows computed from given embeddings are not named by their token ids.
+            let known = !given.iter().any(|g| g.entry == i && !g.rows.is_empty());
+            self.pool.commit_tokens(seq, new_len, known.then_some(t));
         }
         Ok((logits, logit_rows.len()))
     }

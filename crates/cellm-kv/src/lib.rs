@@ -7,6 +7,7 @@ mod attention;
 mod call;
 mod encoding;
 mod pool;
+mod prefix;
 mod query_rows;
 mod query_tiles;
 mod rotation;

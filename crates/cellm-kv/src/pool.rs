@@ -3,6 +3,7 @@
 use cellm_format::{Error, Result};
 
 use crate::encoding::KvEncoding;
+use crate::prefix::{chain_key, PrefixCache};
 
 #[derive(Debug, Clone)]
 pub struct KvConfig {
@@ -40,6 +41,11 @@ pub struct SeqKv {
     pages: Vec<Vec<u32>>,
     /// Per layer, how many leading pages were released (sliding layers only).
     released: Vec<usize>,
+    /// The token ids of the leading positions whose rows follow from ids alone (all of them
+    /// unless a step gave some positions' embeddings): what the prefix cache keys pages by.
+    tokens: Vec<u32>,
+    /// The chain keys of the full pages within `tokens`, in order.
+    keys: Vec<u64>,
 }
 
 impl SeqKv {
@@ -73,6 +79,11 @@ pub struct PagePool {
     free: Vec<u32>,
     /// False: pages are ids only and their rows live elsewhere (on a GPU).
     host_storage: bool,
+    /// Per page id: how many page tables hold it. A page held by none is on `free`, or idle
+    /// in the prefix cache.
+    refs: Vec<u32>,
+    /// Full pages shared between sessions by their ids' hash chain (None: off).
+    prefix: Option<PrefixCache>,
 }
 
 impl PagePool {
@@ -80,7 +91,42 @@ impl PagePool {
     pub fn new(mut cfg: KvConfig) -> Self {
         cfg.max_pages = cfg.max_pages.min(MAX_PAGES);
         let row_bytes = cfg.kv_heads * cfg.encoding.head_bytes(cfg.head_dim);
-        Self { cfg, row_bytes, pages: Vec::new(), free: Vec::new(), host_storage: true }
+        Self {
+            cfg,
+            row_bytes,
+            pages: Vec::new(),
+            free: Vec::new(),
+            host_storage: true,
+            refs: Vec::new(),
+            prefix: None,
+        }
+    }
+
+    /// Turns the prefix cache on: each full page whose positions follow from token ids alone
+    /// is kept after its sessions let it go, keyed by the hash chain of its ids, for
+    /// [`PagePool::reuse_prefix`] to hand to later sessions (read-only, shared); the least
+    /// recently used of those no session holds make room when the pool is full. A pool
+    /// without host storage cannot copy a page on write and keeps it off.
+    pub fn enable_prefix_cache(&mut self) {
+        if self.host_storage && self.prefix.is_none() {
+            let mut cache = PrefixCache::default();
+            cache.grow(self.pages.len());
+            self.prefix = Some(cache);
+        }
+    }
+
+    pub fn prefix_cache_enabled(&self) -> bool {
+        self.prefix.is_some()
+    }
+
+    /// Pages the prefix cache lists (held by sessions or idle).
+    pub fn cached_pages(&self) -> usize {
+        self.prefix.as_ref().map_or(0, PrefixCache::cached_pages)
+    }
+
+    /// Positions [`PagePool::reuse_prefix`] has handed out instead of their prefill.
+    pub fn prefix_hit_tokens(&self) -> u64 {
+        self.prefix.as_ref().map_or(0, |c| c.hit_tokens)
     }
 
     /// A pool that hands out page ids and keeps page tables but stores no rows: a GPU model
@@ -96,12 +142,51 @@ impl PagePool {
 
     pub fn new_seq(&self) -> SeqKv {
         let layers = self.cfg.num_layers;
-        SeqKv { len: 0, pages: vec![Vec::new(); layers], released: vec![0; layers] }
+        SeqKv { pages: vec![Vec::new(); layers], released: vec![0; layers], ..SeqKv::default() }
     }
 
-    /// Pages handed out to sessions right now.
+    /// Pages held by sessions right now (a page shared by several counts once).
     pub fn pages_in_use(&self) -> usize {
-        self.pages.len() - self.free.len()
+        self.pages.len() - self.free.len() - self.prefix.as_ref().map_or(0, |c| c.idle_pages())
+    }
+
+    /// Pages a reserve can still get: free, never allocated, or idle in the prefix cache.
+    fn available(&self) -> usize {
+        let idle = self.prefix.as_ref().map_or(0, PrefixCache::idle_pages);
+        self.free.len() + idle + self.cfg.max_pages.saturating_sub(self.pages.len())
+    }
+
+    /// A page for new rows: a free one, a new one, else the least recently used idle cached
+    /// one. Callers check [`Self::available`] first.
+    fn take_page(&mut self) -> u32 {
+        let id = match self.free.pop() {
+            Some(id) => id,
+            None if self.pages.len() < self.cfg.max_pages => {
+                let words = if self.host_storage { self.page_bytes().div_ceil(4) } else { 0 };
+                self.pages.push(vec![0u32; words].into_boxed_slice());
+                self.refs.push(0);
+                if let Some(c) = &mut self.prefix {
+                    c.grow(self.pages.len());
+                }
+                (self.pages.len() - 1) as u32
+            }
+            None => self.prefix.as_mut().and_then(PrefixCache::evict).expect("checked available"),
+        };
+        self.refs[id as usize] = 1;
+        id
+    }
+
+    /// A page table lets `id` go: back to the free list, or idle in the prefix cache.
+    fn unref(&mut self, id: u32) {
+        let refs = &mut self.refs[id as usize];
+        *refs -= 1;
+        if *refs > 0 {
+            return;
+        }
+        match &mut self.prefix {
+            Some(c) if c.is_cached(id) => c.park(id),
+            _ => self.free.push(id),
+        }
     }
 
     /// Pages that exist (in use or on the free list): the pool's memory high-water mark.
@@ -123,49 +208,172 @@ impl PagePool {
     }
 
     /// Makes room for positions `0..new_len` in every layer. On failure nothing changes.
+    ///
+    /// A cached page is read-only: when the session's next position falls inside one (it
+    /// was cut back into it) the session gets its own copy first, or takes the page out of
+    /// the cache when it is the only holder.
     pub fn reserve(&mut self, seq: &mut SeqKv, new_len: usize) -> Result<()> {
         let want = new_len.div_ceil(self.cfg.page_size);
         let have = seq.pages.first().map_or(0, Vec::len);
-        let needed = want.saturating_sub(have) * self.cfg.num_layers;
-        let available = self.free.len() + self.cfg.max_pages.saturating_sub(self.pages.len());
+        let copies = match new_len > seq.len {
+            true => self.shared_tail(seq).len(),
+            false => 0,
+        };
+        let needed = want.saturating_sub(have) * self.cfg.num_layers + copies;
+        let available = self.available();
         if needed > available {
             return Err(Error::ContextOverflow(format!(
                 "KV cache is full: {needed} more pages needed, {available} free \
                  (raise context_length or free sessions)"
             )));
         }
-        for table in &mut seq.pages {
-            while table.len() < want {
-                let id = match self.free.pop() {
-                    Some(id) => id,
-                    None => {
-                        let words =
-                            if self.host_storage { self.page_bytes().div_ceil(4) } else { 0 };
-                        self.pages.push(vec![0u32; words].into_boxed_slice());
-                        (self.pages.len() - 1) as u32
-                    }
-                };
-                table.push(id);
+        if new_len > seq.len {
+            self.own_tail(seq);
+        }
+        for layer in 0..seq.pages.len() {
+            while seq.pages[layer].len() < want {
+                let id = self.take_page();
+                seq.pages[layer].push(id);
             }
         }
         Ok(())
     }
 
+    /// The layers whose page at the session's next position is cached (a write would
+    /// change the rows other sessions read), with whether other tables hold it too.
+    fn shared_tail(&self, seq: &SeqKv) -> Vec<(usize, bool)> {
+        let (Some(cache), index) = (&self.prefix, seq.len / self.cfg.page_size) else {
+            return Vec::new();
+        };
+        if seq.len.is_multiple_of(self.cfg.page_size) {
+            return Vec::new(); // the next write starts a page of its own
+        }
+        (0..self.cfg.num_layers)
+            .filter_map(|layer| {
+                let id = *seq.pages[layer].get(index)?;
+                (id != RELEASED && cache.is_cached(id)).then(|| (layer, self.refs[id as usize] > 1))
+            })
+            .collect()
+    }
+
+    /// Copy-on-write of the cached pages [`Self::shared_tail`] lists (room was checked).
+    fn own_tail(&mut self, seq: &mut SeqKv) {
+        let index = seq.len / self.cfg.page_size;
+        for (layer, shared) in self.shared_tail(seq) {
+            let old = seq.pages[layer][index];
+            if !shared {
+                self.prefix.as_mut().expect("cached").forget(old);
+                continue;
+            }
+            let new = self.take_page();
+            let rows = self.pages[old as usize].clone();
+            self.pages[new as usize].copy_from_slice(&rows);
+            seq.pages[layer][index] = new;
+            self.unref(old);
+        }
+    }
+
     /// Marks positions `..new_len` filled (after their keys and values were written), then
-    /// returns the pages of sliding layers that no later query can reach.
+    /// returns the pages of sliding layers that no later query can reach. The new positions'
+    /// ids are not known, so their pages are never cached.
     pub fn commit(&mut self, seq: &mut SeqKv, new_len: usize) {
+        self.commit_tokens(seq, new_len, None);
+    }
+
+    /// [`Self::commit`] of positions whose rows follow from `tokens` (their ids, `new_len -
+    /// len` of them) alone: the pages they fill are cached (before a sliding layer lets
+    /// them go) when the whole prefix before them was also known by ids.
+    pub fn commit_tokens(&mut self, seq: &mut SeqKv, new_len: usize, tokens: Option<&[u32]>) {
         debug_assert!(seq.pages.iter().all(|t| t.len() * self.cfg.page_size >= new_len));
+        if let Some(t) = tokens.filter(|_| seq.tokens.len() == seq.len) {
+            debug_assert_eq!(seq.len + t.len(), new_len);
+            seq.tokens.extend_from_slice(t);
+        }
         seq.len = new_len;
+        self.cache_full_pages(seq);
         for layer in 0..self.cfg.num_layers {
             let Some(window) = self.cfg.window(layer) else { continue };
             // The next query sits at `new_len` and reads from `new_len + 1 - window` on.
             let dead = (new_len + 1).saturating_sub(window) / self.cfg.page_size;
             let (table, released) = (&mut seq.pages[layer], &mut seq.released[layer]);
             while *released < dead {
-                self.free.push(std::mem::replace(&mut table[*released], RELEASED));
+                let id = std::mem::replace(&mut table[*released], RELEASED);
                 *released += 1;
+                self.unref(id);
             }
         }
+    }
+
+    /// Keys the session's full pages past those already keyed and lists them in the cache.
+    fn cache_full_pages(&mut self, seq: &mut SeqKv) {
+        let Some(cache) = &mut self.prefix else { return };
+        let (ps, layers) = (self.cfg.page_size, self.cfg.num_layers);
+        for index in seq.keys.len()..seq.tokens.len() / ps {
+            let parent = seq.keys.last().copied().unwrap_or(0);
+            let ids = &seq.tokens[index * ps..(index + 1) * ps];
+            let key = chain_key(parent, ids);
+            for layer in 0..layers {
+                let id = seq.pages[layer][index];
+                if id != RELEASED && !cache.is_cached(id) {
+                    cache.insert((key, parent, ids), layers, layer, id);
+                }
+            }
+            seq.keys.push(key);
+        }
+    }
+
+    /// Starts the empty `seq` with the longest cached prefix of `tokens` that leaves at
+    /// least one token to step (whose logits the caller wants), in whole pages, and returns
+    /// its length in positions (0 with the cache off or nothing cached). The pages are
+    /// shared: the session reads them and never writes them. A sliding layer needs only the
+    /// pages the next position's window reaches.
+    pub fn reuse_prefix(&mut self, seq: &mut SeqKv, tokens: &[u32]) -> usize {
+        let Some(cache) = &mut self.prefix else { return 0 };
+        if seq.len != 0 || seq.pages.iter().any(|t| !t.is_empty()) {
+            return 0;
+        }
+        let (ps, layers) = (self.cfg.page_size, self.cfg.num_layers);
+        // The chain of cached entries along `tokens`, each entry's pages.
+        let mut chain: Vec<(u64, &[u32])> = Vec::new();
+        for ids in tokens[..tokens.len().saturating_sub(1)].chunks_exact(ps) {
+            let parent = chain.last().map_or(0, |c| c.0);
+            let key = chain_key(parent, ids);
+            match cache.get(key, parent, ids) {
+                Some(entry) => chain.push((key, &entry.pages)),
+                None => break,
+            }
+        }
+        // The most pages whose every layer has what the next position reads.
+        let first_needed = |layer: usize, n: usize| match self.cfg.window(layer) {
+            Some(w) => (n * ps + 1).saturating_sub(w) / ps,
+            None => 0,
+        };
+        let usable = |n: usize| {
+            (0..layers).all(|l| chain[first_needed(l, n)..n].iter().all(|c| c.1[l] != RELEASED))
+        };
+        let Some(n) = (1..=chain.len()).rev().find(|&n| usable(n)) else { return 0 };
+        let keys: Vec<u64> = chain[..n].iter().map(|c| c.0).collect();
+        let tables: Vec<Vec<u32>> = (0..layers)
+            .map(|l| {
+                let first = first_needed(l, n);
+                (0..n).map(|i| if i < first { RELEASED } else { chain[i].1[l] }).collect()
+            })
+            .collect();
+        for (layer, table) in tables.into_iter().enumerate() {
+            for &id in table.iter().filter(|&&id| id != RELEASED) {
+                self.refs[id as usize] += 1;
+                if self.refs[id as usize] == 1 {
+                    cache.unpark(id);
+                }
+            }
+            seq.released[layer] = first_needed(layer, n);
+            seq.pages[layer] = table;
+        }
+        seq.len = n * ps;
+        seq.tokens = tokens[..n * ps].to_vec();
+        seq.keys = keys;
+        cache.hit_tokens += seq.len as u64;
+        seq.len
     }
 
     /// Whether `seq` can be cut back to `new_len` positions: a sliding layer must still hold
@@ -185,15 +393,17 @@ impl PagePool {
     pub fn truncate(&mut self, seq: &mut SeqKv, new_len: usize) {
         debug_assert!(self.can_truncate(seq, new_len));
         seq.len = seq.len.min(new_len);
+        seq.tokens.truncate(seq.len);
+        seq.keys.truncate(seq.tokens.len() / self.cfg.page_size);
         let keep = seq.len.div_ceil(self.cfg.page_size);
-        for (table, released) in seq.pages.iter_mut().zip(&mut seq.released) {
-            while table.len() > keep {
-                let id = table.pop().expect("len > keep");
+        for layer in 0..seq.pages.len() {
+            while seq.pages[layer].len() > keep {
+                let id = seq.pages[layer].pop().expect("len > keep");
                 if id != RELEASED {
-                    self.free.push(id);
+                    self.unref(id);
                 }
             }
-            *released = (*released).min(keep);
+            seq.released[layer] = seq.released[layer].min(keep);
         }
     }
 
@@ -280,6 +490,11 @@ mod tests {
     use super::*;
 
     fn pool(max_pages: usize) -> PagePool {
+        pool_with(max_pages, Some(5))
+    }
+
+    /// Two layers of one head of 4, pages of 4; layer 1 slides over `window`.
+    fn pool_with(max_pages: usize, window: Option<usize>) -> PagePool {
         PagePool::new(KvConfig {
             num_layers: 2,
             kv_heads: 1,
@@ -287,7 +502,7 @@ mod tests {
             page_size: 4,
             max_pages,
             encoding: KvEncoding::F32,
-            windows: vec![None, Some(5)],
+            windows: vec![None, window],
             values_in_keys: false,
         })
     }
@@ -336,6 +551,135 @@ mod tests {
         p.reserve(&mut s, 4).unwrap();
         p.commit(&mut s, 4);
         assert_eq!(p.pages_in_use(), 2, "a reset session starts over");
+    }
+
+    fn cached_pool(max_pages: usize, window: Option<usize>) -> PagePool {
+        let mut p = pool_with(max_pages, window);
+        p.enable_prefix_cache();
+        p
+    }
+
+    /// Steps `tokens` into `s` the way a forward does: reserve, write each new position's
+    /// rows (a function of the position's id and layer), commit.
+    fn feed(p: &mut PagePool, s: &mut SeqKv, tokens: &[u32]) {
+        let (start, end) = (s.len(), s.len() + tokens.len());
+        p.reserve(s, end).unwrap();
+        for (pos, &t) in (start..end).zip(tokens) {
+            for layer in 0..2 {
+                if p.cfg.window(layer).is_some_and(|w| pos + w < end) {
+                    continue; // out of the window before the step ends: never read
+                }
+                let k = [t as f32, layer as f32, pos as f32, 1.0];
+                p.write(s, (layer, 4), pos, &k, &k.map(|x| -x));
+            }
+        }
+        p.commit_tokens(s, end, Some(tokens));
+    }
+
+    fn key_of(p: &PagePool, s: &SeqKv, layer: usize, pos: usize) -> [f32; 4] {
+        let k = p.rows(s, layer, pos).0;
+        std::array::from_fn(|i| f32::from_le_bytes(k[4 * i..4 * i + 4].try_into().unwrap()))
+    }
+
+    /// Two sessions share a cached prefix read-only; freeing the first keeps the second's
+    /// pages; a write into a shared page copies it first; nothing leaks.
+    #[test]
+    fn prefix_pages_are_shared_refcounted_and_copied_on_write() {
+        let mut p = cached_pool(64, None);
+        let ids: Vec<u32> = (100..111).collect(); // 11 ids: pages 0 and 1 full
+        let mut a = p.new_seq();
+        feed(&mut p, &mut a, &ids);
+        assert_eq!(p.cached_pages(), 4, "pages 0-1 of both layers");
+        let mut b = p.new_seq();
+        assert_eq!(p.reuse_prefix(&mut b, &ids[..8]), 4, "the last id stays to be stepped");
+        p.release(&mut b);
+        assert_eq!(p.reuse_prefix(&mut b, &ids), 8);
+        assert_eq!(p.prefix_hit_tokens(), 12);
+        assert_eq!(b.page_table(0), &a.page_table(0)[..2]);
+        let in_use = p.pages_in_use();
+        feed(&mut p, &mut b, &ids[8..]);
+        assert_eq!(p.pages_in_use(), in_use + 2, "b adds its own page 2 in both layers");
+        p.release(&mut a);
+        for (pos, &id) in ids.iter().enumerate() {
+            assert_eq!(key_of(&p, &b, 0, pos), [id as f32, 0.0, pos as f32, 1.0]);
+        }
+        // Cut back into page 1, which a third session also holds: b writes into a copy.
+        let mut c = p.new_seq();
+        assert_eq!(p.reuse_prefix(&mut c, &ids), 8);
+        p.truncate(&mut b, 6);
+        feed(&mut p, &mut b, &[7]);
+        assert_ne!(b.page_table(0)[1], c.page_table(0)[1], "copied on write");
+        assert_eq!(key_of(&p, &b, 0, 5), key_of(&p, &c, 0, 5), "the copy kept the rows");
+        assert_eq!(key_of(&p, &c, 0, 6), [ids[6] as f32, 0.0, 6.0, 1.0], "c's page unchanged");
+        assert_eq!(key_of(&p, &b, 0, 6), [7.0, 0.0, 6.0, 1.0]);
+        // b's page 1 now holds other ids: a lookup along `ids` still finds c's.
+        let mut d = p.new_seq();
+        assert_eq!(p.reuse_prefix(&mut d, &ids), 8);
+        assert_eq!(d.page_table(0), c.page_table(0));
+        for s in [&mut b, &mut c, &mut d] {
+            p.release(s);
+        }
+        assert_eq!(p.pages_in_use(), 0, "no page leaked");
+    }
+
+    /// A full pool evicts idle cached pages, least recently used first, and never a page a
+    /// session holds; rows given as embeddings are never cached.
+    #[test]
+    fn idle_cached_pages_are_evicted_lru_first() {
+        let mut p = cached_pool(8, Some(5));
+        let (x, y): (Vec<u32>, Vec<u32>) = ((0..9).collect(), (50..59).collect());
+        for ids in [&x, &y] {
+            let mut s = p.new_seq();
+            feed(&mut p, &mut s, &ids[..8]);
+            p.release(&mut s);
+        }
+        assert_eq!((p.pages_in_use(), p.pages_allocated(), p.cached_pages()), (0, 8, 8));
+        let mut held = p.new_seq();
+        assert_eq!(p.reuse_prefix(&mut held, &y), 8, "y's prefix is held from now on");
+        let mut s = p.new_seq();
+        feed(&mut p, &mut s, &[1, 2, 3, 4, 5, 6]); // 2 pages x 2 layers: x's go first
+        let mut probe = p.new_seq();
+        assert_eq!(p.reuse_prefix(&mut probe, &x), 0, "x's pages were evicted");
+        assert_eq!(p.reuse_prefix(&mut probe, &y), 8, "held pages survive");
+        let mut more = p.new_seq();
+        assert!(p.reserve(&mut more, 16).is_err(), "nothing idle left to evict");
+        for t in [&mut held, &mut s, &mut probe] {
+            p.release(t);
+        }
+        assert_eq!(p.pages_in_use(), 0);
+        let mut g = p.new_seq();
+        p.reserve(&mut g, 5).unwrap();
+        p.commit_tokens(&mut g, 5, None);
+        p.reserve(&mut g, 9).unwrap();
+        p.commit_tokens(&mut g, 9, Some(&[1, 2, 3, 4]));
+        let cache = p.prefix.as_ref().unwrap();
+        assert!(
+            g.page_table(0)[..2].iter().all(|&id| !cache.is_cached(id)),
+            "pages with rows from given embeddings (or after them) are not named by ids"
+        );
+    }
+
+    /// Layer 1 slides (window 5, pages of 4): a prefix of 3 pages needs only its page 2
+    /// there (position 12 reads 8-12), so evicting its pages 0 and 1 keeps the prefix usable.
+    #[test]
+    fn sliding_layers_reuse_only_the_window() {
+        let mut p = cached_pool(64, Some(5));
+        let ids: Vec<u32> = (0..13).collect();
+        let mut a = p.new_seq();
+        feed(&mut p, &mut a, &ids);
+        p.release(&mut a);
+        let entries = |p: &PagePool| p.prefix.as_ref().unwrap().entries.len();
+        assert_eq!(entries(&p), 3);
+        let mut b = p.new_seq();
+        assert_eq!(p.reuse_prefix(&mut b, &ids), 12);
+        assert_eq!(&b.page_table(1)[..2], &[RELEASED, RELEASED]);
+        assert!(p.can_truncate(&b, 12) && !p.can_truncate(&b, 11));
+        feed(&mut p, &mut b, &ids[12..]);
+        for (pos, &id) in ids.iter().enumerate().skip(8) {
+            assert_eq!(key_of(&p, &b, 1, pos), [id as f32, 1.0, pos as f32, 1.0]);
+        }
+        p.release(&mut b);
+        assert_eq!(p.pages_in_use(), 0);
     }
 
     #[test]

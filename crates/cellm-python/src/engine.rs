@@ -23,7 +23,7 @@ pub struct Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (path, *, threads=None, kv_encoding="f16", context_length=None, kv_capacity_tokens=None, max_layers=None, backend="cpu", gpu_max_binding=None))]
+    #[pyo3(signature = (path, *, threads=None, kv_encoding="f16", context_length=None, kv_capacity_tokens=None, max_layers=None, backend="cpu", gpu_max_binding=None, prefix_cache=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -35,6 +35,7 @@ impl Engine {
         max_layers: Option<usize>,
         backend: &str,
         gpu_max_binding: Option<u64>,
+        prefix_cache: bool,
     ) -> PyResult<Self> {
         let gpu = match backend {
             "cpu" => None,
@@ -52,6 +53,7 @@ impl Engine {
             max_layers,
             gpu,
             gpu_max_binding,
+            prefix_cache,
         };
         let inner = py.detach(|| Inner::open(&path, &opts)).map_err(to_py)?;
         Ok(Self { inner })
@@ -82,10 +84,25 @@ impl Engine {
         self.inner.threads()
     }
 
-    /// KV pool usage: pages in use, pages allocated, bytes per page.
-    fn kv_stats(&self) -> (usize, usize, usize) {
+    /// KV pool usage: pages held by sessions, pages allocated, bytes per page, pages the
+    /// prefix cache lists, positions reused from it so far.
+    fn kv_stats(&self) -> (usize, usize, usize, usize, u64) {
         let p = self.inner.pool();
-        (p.pages_in_use(), p.pages_allocated(), p.page_bytes())
+        let cache = (p.cached_pages(), p.prefix_hit_tokens());
+        (p.pages_in_use(), p.pages_allocated(), p.page_bytes(), cache.0, cache.1)
+    }
+
+    /// Whether sessions share full KV pages by their token ids (off for models with
+    /// recurrent state, on the GPU, or when asked).
+    #[getter]
+    fn prefix_cache(&self) -> bool {
+        self.inner.pool().prefix_cache_enabled()
+    }
+
+    /// Starts the empty `session` with the longest cached prefix of `ids` (whole pages, all
+    /// but at least the last id) and returns how many positions it holds; step the rest.
+    fn reuse_prefix(&mut self, session: SessionId, ids: Vec<u32>) -> PyResult<usize> {
+        self.inner.reuse_prefix(session, &ids).map_err(to_py)
     }
 
     fn create_session(&mut self) -> SessionId {
