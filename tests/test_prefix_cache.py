@@ -165,3 +165,34 @@ def test_reuse_prefix_needs_an_empty_session(converted):
     engine.step([(s, [1, 2, 3])])
     with pytest.raises(InvalidArgument, match="already holds 3 positions"):
         engine.reuse_prefix(s, [1, 2, 3, 4])
+
+
+def test_server_reports_hits_and_turns_the_cache_off(converted, monkeypatch):
+    pytest.importorskip("uvicorn")
+    from starlette.testclient import TestClient
+
+    import cellm.serve as serve
+    from cellm.scheduler import Scheduler
+
+    path = converted("llama", "f32")
+    llm = LLM(path, kv_encoding="f32", threads=1)
+    scheduler = Scheduler(llm)
+    scheduler.start()
+    try:
+        http = TestClient(serve.build_app(llm, "tiny", scheduler))
+        prompt = Reference("llama").sequence(1)[:40]
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        texts = [http.post("/v1/completions", json=body).json() for _ in range(2)]
+        assert texts[0]["choices"][0]["text"] == texts[1]["choices"][0]["text"]
+        health = http.get("/health").json()
+        assert health["prefix_hit_tokens"] >= 32 and health["kv_cached_pages"] > 0
+    finally:
+        scheduler.close()
+    # `cellm serve --no-prefix-cache` loads the model without it.
+    import uvicorn
+
+    loaded = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    monkeypatch.setattr(serve, "build_app", lambda llm, *a: loaded.append(llm))
+    assert serve.main(["--model", str(path), "--threads", "1", "--no-prefix-cache"]) == 0
+    assert not loaded[0].prefix_cache
