@@ -162,9 +162,11 @@ impl Engine {
         };
         // A recurrent state (a short convolution's inputs, a linear-attention matrix, a
         // speech model's encoded audio) is not in the pages: a cached page alone cannot
-        // restore the session that made it. Such models opt out.
+        // restore the session that made it. Such models opt out. Idle cached pages are kept
+        // up to one full context's worth, so an idle engine holds no more than that.
         if opts.prefix_cache && layout.state.is_empty() {
-            pool.enable_prefix_cache();
+            let context_pages = context_length.div_ceil(PAGE_SIZE);
+            pool.enable_prefix_cache(context_pages.saturating_mul(layout.kv_layers));
         }
         Ok(Self {
             file,

@@ -105,11 +105,14 @@ impl PagePool {
     /// Turns the prefix cache on: each full page whose positions follow from token ids alone
     /// is kept after its sessions let it go, keyed by the hash chain of its ids, for
     /// [`PagePool::reuse_prefix`] to hand to later sessions (read-only, shared); the least
-    /// recently used of those no session holds make room when the pool is full. A pool
-    /// without host storage cannot copy a page on write and keeps it off.
-    pub fn enable_prefix_cache(&mut self) {
+    /// recently used of those no session holds make room when the pool is full, or when
+    /// more than `max_idle_pages` are idle (which bounds what an idle engine holds beyond its
+    /// sessions' pages). A pool without host storage cannot copy a page on write and keeps
+    /// it off.
+    pub fn enable_prefix_cache(&mut self, max_idle_pages: usize) {
         if self.host_storage && self.prefix.is_none() {
             let mut cache = PrefixCache::default();
+            cache.max_idle = max_idle_pages;
             cache.grow(self.pages.len());
             self.prefix = Some(cache);
         }
@@ -184,7 +187,11 @@ impl PagePool {
             return;
         }
         match &mut self.prefix {
-            Some(c) if c.is_cached(id) => c.park(id),
+            Some(c) if c.is_cached(id) => {
+                if let Some(evicted) = c.park(id) {
+                    self.free.push(evicted);
+                }
+            }
             _ => self.free.push(id),
         }
     }
@@ -555,7 +562,7 @@ mod tests {
 
     fn cached_pool(max_pages: usize, window: Option<usize>) -> PagePool {
         let mut p = pool_with(max_pages, window);
-        p.enable_prefix_cache();
+        p.enable_prefix_cache(usize::MAX);
         p
     }
 
@@ -657,6 +664,25 @@ mod tests {
             g.page_table(0)[..2].iter().all(|&id| !cache.is_cached(id)),
             "pages with rows from given embeddings (or after them) are not named by ids"
         );
+    }
+
+    /// Past `max_idle_pages` idle pages the oldest go back to the free list, where new rows
+    /// take them before the pool grows.
+    #[test]
+    fn idle_pages_are_capped() {
+        let mut p = pool_with(64, None);
+        p.enable_prefix_cache(4);
+        for first in [0, 100, 200] {
+            let ids: Vec<u32> = (first..first + 8).collect();
+            let mut s = p.new_seq();
+            feed(&mut p, &mut s, &ids);
+            p.release(&mut s);
+        }
+        assert_eq!((p.cached_pages(), p.pages_allocated()), (4, 8), "the third took freed pages");
+        let mut s = p.new_seq();
+        assert_eq!(p.reuse_prefix(&mut s, &(200..209).collect::<Vec<_>>()), 8);
+        p.release(&mut s);
+        assert_eq!(p.reuse_prefix(&mut s, &(100..109).collect::<Vec<_>>()), 0, "evicted");
     }
 
     /// Layer 1 slides (window 5, pages of 4): a prefix of 3 pages needs only its page 2

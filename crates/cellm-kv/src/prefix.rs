@@ -30,6 +30,8 @@ pub(crate) struct PrefixCache {
     /// Per page id: its key in `idle` (0: not idle).
     idle_at: Vec<u64>,
     tick: u64,
+    /// The most idle pages kept; past it the least recently used goes back to the free list.
+    pub(crate) max_idle: usize,
     /// Positions handed out from the cache instead of being prefilled.
     pub(crate) hit_tokens: u64,
 }
@@ -92,10 +94,12 @@ impl PrefixCache {
     }
 
     /// A cached page's last holder let it go: it becomes the most recently used idle page.
-    pub(crate) fn park(&mut self, page: u32) {
+    /// Returns the page evicted to stay within `max_idle`, if one was.
+    pub(crate) fn park(&mut self, page: u32) -> Option<u32> {
         self.tick += 1;
         self.idle.insert(self.tick, page);
         self.idle_at[page as usize] = self.tick;
+        (self.idle.len() > self.max_idle).then(|| self.evict()).flatten()
     }
 
     /// A page table takes an idle cached page.
