@@ -196,3 +196,35 @@ def test_server_reports_hits_and_turns_the_cache_off(converted, monkeypatch):
     monkeypatch.setattr(serve, "build_app", lambda llm, *a: loaded.append(llm))
     assert serve.main(["--model", str(path), "--threads", "1", "--no-prefix-cache"]) == 0
     assert not loaded[0].prefix_cache
+
+
+def test_image_tokens_are_never_taken_from_the_cache(tmp_path):
+    """An image token's rows follow from the image: a prompt with the same ids and another
+    image reuses at most the pages before its first image token."""
+    from PIL import Image
+
+    from cellm.convert import convert_hf
+
+    mm = FIXTURES.parent / "mm" / "idefics3"
+    path = convert_hf(mm, tmp_path / "idefics3.cellm", "f32")
+    bird = FIXTURES.parent / "images" / "bird.jpg"
+    flipped = Image.open(bird).transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    llm = LLM(path, kv_encoding="f32", threads=1)
+    fresh = LLM(path, kv_encoding="f32", threads=1, prefix_cache=False)
+
+    def ask(model, picture):
+        content = [
+            {"type": "text", "text": "Look closely at the picture below, then answer. " * 4},
+            {"type": "image", "image": picture},
+            {"type": "text", "text": "What is it?"},
+        ]
+        messages = [{"role": "user", "content": content}]
+        out = model.chat(messages, max_tokens=6, logprobs=True)
+        return out, [round(t.logprob, 4) for t in out.logprobs], model.prompt_ids(messages)
+
+    ask(llm, bird)
+    got, logprobs, ids = ask(llm, flipped)
+    want, want_logprobs, _ = ask(fresh, flipped)
+    assert got.token_ids == want.token_ids and logprobs == want_logprobs
+    first_image = ids.index(llm.vision.image_token_id)
+    assert llm.kv_stats().prefix_hit_tokens == first_image - first_image % PAGE > 0

@@ -394,9 +394,10 @@ impl Engine {
         for (i, &(id, t)) in batch.iter().enumerate() {
             let seq = &mut self.sessions.get_mut(&id).expect("validated").kv;
             let new_len = seq.len() + t.len();
-            // Rows computed from given embeddings are not named by their token ids.
-            let known = !given.iter().any(|g| g.entry == i && !g.rows.is_empty());
-            self.pool.commit_tokens(seq, new_len, known.then_some(t));
+            // Rows from given embeddings (and all after them) are not named by token ids.
+            let rows = given.iter().filter(|g| g.entry == i).flat_map(|g| g.rows.iter());
+            let known = rows.copied().min().unwrap_or(t.len());
+            self.pool.commit_tokens(seq, new_len, &t[..known]);
         }
         Ok((logits, logit_rows.len()))
     }

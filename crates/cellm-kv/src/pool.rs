@@ -284,17 +284,18 @@ impl PagePool {
     /// returns the pages of sliding layers that no later query can reach. The new positions'
     /// ids are not known, so their pages are never cached.
     pub fn commit(&mut self, seq: &mut SeqKv, new_len: usize) {
-        self.commit_tokens(seq, new_len, None);
+        self.commit_tokens(seq, new_len, &[]);
     }
 
-    /// [`Self::commit`] of positions whose rows follow from `tokens` (their ids, `new_len -
-    /// len` of them) alone: the pages they fill are cached (before a sliding layer lets
-    /// them go) when the whole prefix before them was also known by ids.
-    pub fn commit_tokens(&mut self, seq: &mut SeqKv, new_len: usize, tokens: Option<&[u32]>) {
+    /// [`Self::commit`] where `known` holds the ids of the leading new positions whose rows
+    /// follow from their ids alone (all of them, or those before the first one stepped with
+    /// a given embedding): the full pages within them are cached (before a sliding layer
+    /// lets them go) when the whole prefix before them was known by ids too.
+    pub fn commit_tokens(&mut self, seq: &mut SeqKv, new_len: usize, known: &[u32]) {
         debug_assert!(seq.pages.iter().all(|t| t.len() * self.cfg.page_size >= new_len));
-        if let Some(t) = tokens.filter(|_| seq.tokens.len() == seq.len) {
-            debug_assert_eq!(seq.len + t.len(), new_len);
-            seq.tokens.extend_from_slice(t);
+        if seq.tokens.len() == seq.len {
+            debug_assert!(seq.len + known.len() <= new_len);
+            seq.tokens.extend_from_slice(known);
         }
         seq.len = new_len;
         self.cache_full_pages(seq);
@@ -580,7 +581,7 @@ mod tests {
                 p.write(s, (layer, 4), pos, &k, &k.map(|x| -x));
             }
         }
-        p.commit_tokens(s, end, Some(tokens));
+        p.commit_tokens(s, end, tokens);
     }
 
     fn key_of(p: &PagePool, s: &SeqKv, layer: usize, pos: usize) -> [f32; 4] {
@@ -656,9 +657,9 @@ mod tests {
         assert_eq!(p.pages_in_use(), 0);
         let mut g = p.new_seq();
         p.reserve(&mut g, 5).unwrap();
-        p.commit_tokens(&mut g, 5, None);
+        p.commit_tokens(&mut g, 5, &[1, 2]); // positions 2-4 had given embeddings
         p.reserve(&mut g, 9).unwrap();
-        p.commit_tokens(&mut g, 9, Some(&[1, 2, 3, 4]));
+        p.commit_tokens(&mut g, 9, &[1, 2, 3, 4]);
         let cache = p.prefix.as_ref().unwrap();
         assert!(
             g.page_table(0)[..2].iter().all(|&id| !cache.is_cached(id)),
