@@ -293,7 +293,7 @@ impl PagePool {
     /// lets them go) when the whole prefix before them was known by ids too.
     pub fn commit_tokens(&mut self, seq: &mut SeqKv, new_len: usize, known: &[u32]) {
         debug_assert!(seq.pages.iter().all(|t| t.len() * self.cfg.page_size >= new_len));
-        if seq.tokens.len() == seq.len {
+        if self.prefix.is_some() && seq.tokens.len() == seq.len {
             debug_assert!(seq.len + known.len() <= new_len);
             seq.tokens.extend_from_slice(known);
         }
