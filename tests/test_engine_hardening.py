@@ -168,6 +168,7 @@ def test_kernel_functions_refuse_empty_shapes():
         lambda: _core.matmul("f32", b"\0" * 4, 1, 1, np.zeros((0, 1), np.float32)),
         lambda: _core.read_bandwidth(mib=0),
         lambda: _core.read_bandwidth(mib=1 << 40),
+        lambda: _core.fma_peak(threads=0),
     ]:
         with pytest.raises(InvalidArgument):
             call()

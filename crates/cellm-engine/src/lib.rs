@@ -15,6 +15,7 @@ use cellm_models::{CausalLm, ForwardError, GivenEmbeds, Step, MAX_CONTEXT};
 
 pub use cellm_format;
 pub use cellm_gpu::GpuKind;
+pub use cellm_kernels::peak::fma_chains;
 pub use cellm_kernels::pool::{stream_read, ThreadPool};
 pub use cellm_kernels::{decode_row_raw, dot, isa, matmul_raw, WeightRows};
 pub use cellm_kv::KvEncoding;

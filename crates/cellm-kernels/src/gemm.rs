@@ -52,10 +52,21 @@ pub fn pack_tokens(x: &[f32], tokens: usize, cols: usize) -> Vec<f32> {
         // SAFETY: each (block, group) pair owns these PANEL_TOKENS * width elements, and the
         // last pair's end is the buffer's.
         let dst = unsafe { std::slice::from_raw_parts_mut(out.at(at), PANEL_TOKENS * width) };
-        for (lane, t) in (g * PANEL_TOKENS..((g + 1) * PANEL_TOKENS).min(tokens)).enumerate() {
-            let src = &x[t * cols + block.start..][..width];
-            for (c, &v) in src.iter().enumerate() {
-                dst[c * PANEL_TOKENS + lane] = v;
+        let live = (tokens - g * PANEL_TOKENS).min(PANEL_TOKENS);
+        let src: [&[f32]; PANEL_TOKENS] = std::array::from_fn(|lane| {
+            let t = g * PANEL_TOKENS + lane.min(live - 1);
+            &x[t * cols + block.start..][..width]
+        });
+        // Written in order, read from six rows at once: stores stream, loads stay sequential.
+        if live == PANEL_TOKENS {
+            for (c, out) in dst.chunks_exact_mut(PANEL_TOKENS).enumerate() {
+                out.iter_mut().zip(&src).for_each(|(o, s)| *o = s[c]);
+            }
+        } else {
+            for (c, out) in dst.chunks_exact_mut(PANEL_TOKENS).enumerate() {
+                for (lane, o) in out.iter_mut().enumerate().take(live) {
+                    *o = src[lane][c];
+                }
             }
         }
     });
@@ -114,12 +125,12 @@ impl<'a> FloatGemm<'a> {
             }
             (stored, count)
         };
-        for row_block in rows.clone().step_by(ROW_BLOCK_PANELS * PANEL_ROWS) {
-            let block_end = (row_block + ROW_BLOCK_PANELS * PANEL_ROWS).min(rows.end);
-            let panels: Vec<usize> = (row_block..block_end).step_by(PANEL_ROWS).collect();
-            for g0 in (0..groups).step_by(TOKEN_BLOCK) {
-                let token_groups = g0..(g0 + TOKEN_BLOCK).min(groups);
-                let n_groups = token_groups.len();
+        for g0 in (0..groups).step_by(TOKEN_BLOCK) {
+            let token_groups = g0..(g0 + TOKEN_BLOCK).min(groups);
+            let n_groups = token_groups.len();
+            for row_block in rows.clone().step_by(ROW_BLOCK_PANELS * PANEL_ROWS) {
+                let block_end = (row_block + ROW_BLOCK_PANELS * PANEL_ROWS).min(rows.end);
+                let panels: Vec<usize> = (row_block..block_end).step_by(PANEL_ROWS).collect();
                 acc.iter_mut().for_each(|a| *a = [[0.0; PANEL_ROWS]; PANEL_TOKENS]);
                 for block in column_blocks(k) {
                     let width = block.len();

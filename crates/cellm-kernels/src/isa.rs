@@ -16,7 +16,8 @@ pub enum Isa {
     /// AVX2 plus the VEX-encoded `vpdpbusd` (Alder Lake, Sapphire Rapids, Zen 5).
     AvxVnni,
     /// AVX2 plus AVX-512 VL + VNNI: the EVEX `vpdpbusd` on 256-bit registers (Ice Lake
-    /// server and later Xeons, Zen 4), which keeps the AVX2 kernels' data layout.
+    /// server and later Xeons, Zen 4), which keeps the AVX2 kernels' data layout; the float
+    /// GEMM's register tile (`panel::avx512`) runs on 512-bit registers.
     Avx512Vnni,
     /// aarch64 Advanced SIMD (every ARMv8-A core): bytes multiplied by `smull` and pairwise
     /// adds.

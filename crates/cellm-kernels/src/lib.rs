@@ -14,6 +14,7 @@ pub mod kv_rows;
 pub mod matmul;
 pub mod ops;
 pub mod panel;
+pub mod peak;
 pub mod pool;
 pub mod rows;
 

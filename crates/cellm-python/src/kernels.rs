@@ -147,3 +147,31 @@ pub fn read_bandwidth(py: Python<'_>, mib: usize, threads: usize, reps: usize) -
     });
     Ok((buf.len() * 8) as f64 / best / 1e9)
 }
+
+/// The float multiply-add peak in GFLOP/s on `threads` threads: independent FMA chains in
+/// the selected path's widest vectors (`cellm_kernels::peak`), `reps` passes of about 50 ms,
+/// the best kept (the benchmarks' compute roofline).
+#[pyfunction]
+#[pyo3(signature = (threads=2, reps=5))]
+pub fn fma_peak(py: Python<'_>, threads: usize, reps: usize) -> PyResult<f64> {
+    if !(1..=MAX_BANDWIDTH_THREADS).contains(&threads) {
+        return Err(to_py(Error::InvalidArgument(format!(
+            "fma_peak needs 1 to {MAX_BANDWIDTH_THREADS} threads, not {threads}"
+        ))));
+    }
+    let pool = cellm_engine::ThreadPool::new(threads)
+        .map_err(|e| to_py(Error::InvalidArgument(format!("cannot start threads: {e}"))))?;
+    const STEPS: usize = 20_000_000;
+    let best = py.detach(|| {
+        pool.install(|| {
+            (0..reps.max(1))
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    let flop = cellm_engine::fma_chains(threads, STEPS);
+                    flop / t.elapsed().as_secs_f64()
+                })
+                .fold(0.0, f64::max)
+        })
+    });
+    Ok(best / 1e9)
+}

@@ -21,6 +21,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::matmul, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::read_bandwidth, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::fma_peak, m)?)?;
     m.add_function(wrap_pyfunction!(models::architectures, m)?)?;
     m.add_function(wrap_pyfunction!(models::expected_tensors, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -40,9 +40,10 @@ static SCALAR: PathKernels = PathKernels {
     tile: panel::tile_scalar,
 };
 
-/// The AVX2 float kernels with the integer kernels of byte path `P`.
+/// The AVX2 float kernels with the integer kernels of byte path `P` and the GEMM's register
+/// `tile`.
 #[cfg(target_arch = "x86_64")]
-const fn avx2_family<const P: u8>() -> PathKernels {
+const fn avx2_family<const P: u8>(tile: TileFn) -> PathKernels {
     PathKernels {
         floats: avx2::kernels,
         integer: int_avx2::entries::<P>,
@@ -50,19 +51,21 @@ const fn avx2_family<const P: u8>() -> PathKernels {
         heads: avx2::head_kernels,
         dot_tiles: avx2::dot_tiles,
         panel_widener: Some(avx2::panel_widener),
-        tile: panel::avx2::tile,
+        tile,
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-static AVX2: PathKernels = avx2_family::<{ bytes::AVX2 }>();
+static AVX2: PathKernels = avx2_family::<{ bytes::AVX2 }>(panel::avx2::tile);
 #[cfg(target_arch = "x86_64")]
-static AVX_VNNI: PathKernels = avx2_family::<{ bytes::AVX_VNNI }>();
+static AVX_VNNI: PathKernels = avx2_family::<{ bytes::AVX_VNNI }>(panel::avx2::tile);
+/// AVX-512's register tile for the float GEMM and dense attention (twice the AVX2 tile's
+/// multiply-adds per instruction); the row kernels stay AVX2's.
 #[cfg(target_arch = "x86_64")]
-static AVX512_VNNI: PathKernels = avx2_family::<{ bytes::AVX512_VNNI }>();
+static AVX512_VNNI: PathKernels = avx2_family::<{ bytes::AVX512_VNNI }>(panel::avx512::tile);
 /// The VNNI paths' kernel code on AVX2 with `vpdpbusd` emulated (tests).
 #[cfg(all(test, target_arch = "x86_64"))]
-static EMULATED_VNNI: PathKernels = avx2_family::<{ bytes::EMULATED_VNNI }>();
+static EMULATED_VNNI: PathKernels = avx2_family::<{ bytes::EMULATED_VNNI }>(panel::avx2::tile);
 
 /// The NEON float kernels with the integer kernels of byte path `P`.
 #[cfg(target_arch = "aarch64")]
