@@ -126,6 +126,26 @@ def test_two_images_in_one_prompt_take_their_features_in_order(fx):
     np.testing.assert_allclose(both, np.concatenate([first, second]), atol=1e-5, rtol=0)
 
 
+def test_tiles_past_one_chunk_of_the_tower_keep_their_features(fx):
+    """The tower passes tiles through its layers in chunks of about 1024 patches (whole
+    tiles): enough copies of one image to fill several chunks, and one tile larger than a
+    chunk, give each tile the features it has alone."""
+    e = fx.engine()
+    one = fx.image()
+    alone = e.encode_images(one.patches, list(one.grids))
+    # Each copy scaled differently, so a chunk given another chunk's patches shows.
+    copies = [one.patches * (1 - 0.02 * i) for i in range(1100 // one.patches.shape[0] + 2)]
+    many = e.encode_images(np.concatenate(copies), list(one.grids) * len(copies))
+    each = [e.encode_images(c, list(one.grids)) for c in copies]
+    np.testing.assert_allclose(many, np.concatenate(each), atol=1e-5, rtol=0)
+    if fx.name == "lfm2_vl":  # NaFlex takes any grid: one 34x34 tile, over 1024 patches
+        rng = np.random.default_rng(0)
+        big = rng.uniform(-1, 1, (34 * 34, one.patches.shape[1])).astype(np.float32)
+        got = e.encode_images(np.concatenate([big, one.patches]), [(34, 34), *one.grids])
+        want = e.encode_images(big, [(34, 34)])
+        np.testing.assert_allclose(got, np.concatenate([want, alone]), atol=1e-5, rtol=0)
+
+
 def test_quantized_text_keeps_a_float_vision_tower(tmp_path):
     path = convert_hf(MM / "lfm2_vl", tmp_path / "q.cellm", "f16", quantize="q8_0")
     header = json.loads(_core.Engine(path).header_json())
