@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.util
 import json
 import os
 import sys
@@ -81,6 +82,8 @@ class Server:
         return JSONResponse(
             {
                 "status": "ok",
+                # Which process answered (a Ray Serve deployment has several).
+                "pid": os.getpid(),
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "kv_pages_in_use": kv.pages_in_use,
@@ -653,11 +656,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         default=None,
         help="also serve /v1/embeddings with this encoder (registry name, .cellm, HF directory)",
     )
+    ray = p.add_argument_group("Ray Serve (the ray extra: cellm.serve_ray)")
+    ray.add_argument(
+        "--ray", action="store_true", help="serve as a Ray Serve deployment of --replicas copies"
+    )
+    ray.add_argument("--replicas", type=bounded(int, 1), default=1, help="with --ray")
+    ray.add_argument(
+        "--replicas-per-node",
+        type=bounded(int, 1),
+        default=1,
+        help="with --ray: most replicas on one Ray node (default 1: one per machine)",
+    )
+    ray.add_argument(
+        "--ray-address", default=None, help="with --ray: join this cluster (default: start one)"
+    )
     args = p.parse_args(argv)
     if args.image_root is not None and not os.path.isdir(args.image_root):
         p.error(f"--image-root {args.image_root}: not a directory")
+    if not args.ray and (args.replicas != 1 or args.ray_address is not None):
+        p.error("--replicas and --ray-address need --ray")
+    if args.ray and importlib.util.find_spec("ray") is None:
+        p.error('--ray needs Ray Serve: pip install "cellm[ray]"')
 
     def body() -> int:
+        if args.ray:
+            return _serve_on_ray(args)
         import uvicorn
 
         args.kv_capacity_tokens = args.kv_capacity
@@ -681,6 +704,39 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
 
     return run(body)
+
+
+def _serve_on_ray(args: Any) -> int:
+    from cellm.fetch import default_model
+    from cellm.serve_ray import run as run_on_ray
+
+    config = {
+        "model": args.model or default_model(),
+        "model_name": args.model,
+        "max_sessions": args.max_sessions,
+        "image_root": args.image_root,
+        "embedding_model": args.embedding_model,
+        "llm": {
+            "backend": args.backend,
+            "kv_encoding": args.kv_encoding,
+            "threads": args.threads,
+            "context_length": args.context_length,
+            "tokenizer": args.tokenizer,
+            "kv_capacity_tokens": args.kv_capacity,
+            "max_layers": args.max_layers,
+            "prefix_cache": args.prefix_cache,
+        },
+    }
+    run_on_ray(
+        config,
+        replicas=args.replicas,
+        replicas_per_node=args.replicas_per_node,
+        cpus_per_replica=float(args.threads or 1),
+        host=args.host,
+        port=args.port,
+        address=args.ray_address,
+    )
+    return 0
 
 
 if __name__ == "__main__":
