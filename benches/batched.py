@@ -1,22 +1,29 @@
 """Aggregate decode speed with many sessions at once: cellm's continuous batching against
-llama.cpp's `llama-batched-bench`, on the same GGUF file and threads, in one run.
+llama.cpp's `llama-batched-bench`, on the same GGUF file and threads, alternating in one run.
 
 usage: python benches/batched.py --gguf FILE --batched-bench PATH/llama-batched-bench
-           [--threads 2] [--sessions 1,2,4,8,16] [--prompt 128] [--new 64]
+           [--threads 2] [--sessions 1,2,4,8,16] [--prompt 128] [--new 64] [--rounds 3]
 
-cellm side: N prompts of `--prompt` random token ids go through `cellm.scheduler` (prefilled
-in one step, then decoded together, greedy, `--new` tokens each, end-of-turn ids ignored); the
-rate is the tokens decoded after the first ones over the decode time, Python sampling and
-detokenizing included (what `generate_batch` and the server see). llama.cpp side: its
-`S_TG t/s` column for the same prompt and generation lengths (`-npp`, `-ntg`, `-npl`).
-Prints a markdown table: sessions, cellm tok/s, llama.cpp tok/s, ratio, and each side's
-speed-up over one session.
+Each round runs, for each session count in turn, llama.cpp then cellm's two measures, so that
+machine noise (the machine is shared) hits the engines alike; the table gives each cell's
+median over the rounds, and each ratio as the median of the rounds' own ratios.
+
+- cellm, scheduler: N prompts of `--prompt` random token ids go through `cellm.scheduler`
+  (prefilled in one step, then decoded together, greedy, `--new` tokens each, end-of-turn ids
+  ignored); the rate is the tokens decoded after the first ones over the decode time, Python
+  sampling and detokenizing included (what `generate_batch` and the server see).
+- cellm, engine: the same prompts prefilled in one `Engine.step`, then `--new` steps that each
+  feed every session a fixed token id (no sampling), timed after the first: the engine alone.
+- llama.cpp: a `llama-batched-bench` process per session count (`-npl N -npp PROMPT -ntg NEW
+  -kvu`, random token ids, its own warm-up), its `S_TG t/s` column (N * NEW tokens over the
+  decode time).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import subprocess
 import time
 
@@ -24,38 +31,45 @@ from cellm import LLM, SamplingParams
 from cellm.scheduler import Request, Scheduler
 
 
-def cellm_rates(llm: LLM, sessions: list[int], prompt: int, new: int) -> dict[int, float]:
-    rng = random.Random(0)
-    vocab = llm.tokenizer.vocab_size
-    rates = {}
-    for n in sessions:
-        prompts = [[rng.randrange(vocab) for _ in range(prompt)] for _ in range(n)]
-        params = SamplingParams(max_tokens=new, ignore_eos=True)
-        scheduler = Scheduler(llm, max_running=n, token_budget=n * prompt)
-        requests = [scheduler.submit(Request(ids, params)) for ids in prompts]
-        scheduler.step()  # every prompt prefilled, first tokens sampled
-        assert all(not r.prefilling for r in requests)
+def cellm_scheduler_rate(llm: LLM, n: int, prompt: int, new: int, rng: random.Random) -> float:
+    vocab = llm.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(prompt)] for _ in range(n)]
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    scheduler = Scheduler(llm, max_running=n, token_budget=n * prompt)
+    requests = [scheduler.submit(Request(ids, params)) for ids in prompts]
+    scheduler.step()  # every prompt prefilled, first tokens sampled
+    assert all(not r.prefilling for r in requests)
+    t0 = time.perf_counter()
+    scheduler.run_until_idle()
+    return n * (new - 1) / (time.perf_counter() - t0)
+
+
+def cellm_engine_rate(llm: LLM, n: int, prompt: int, new: int, rng: random.Random) -> float:
+    engine, vocab = llm._engine, llm.vocab_size
+    sessions = [engine.create_session() for _ in range(n)]
+    try:
+        engine.step([(s, [rng.randrange(vocab) for _ in range(prompt)]) for s in sessions])
+        engine.step([(s, [rng.randrange(vocab)]) for s in sessions])
         t0 = time.perf_counter()
-        scheduler.run_until_idle()
-        rates[n] = n * (new - 1) / (time.perf_counter() - t0)
-    return rates
+        for _ in range(new - 1):
+            engine.step([(s, [rng.randrange(vocab)]) for s in sessions])
+        return n * (new - 1) / (time.perf_counter() - t0)
+    finally:
+        for s in sessions:
+            engine.free_session(s)
 
 
-def llama_cpp_rates(
-    binary: str, gguf: str, threads: int, sessions: list[int], prompt: int, new: int
-) -> dict[int, float]:
-    context = max(sessions) * (prompt + new) + 64
+def llama_cpp_rate(binary: str, gguf: str, threads: int, n: int, prompt: int, new: int) -> float:
+    context = n * (prompt + new) + 256
     cmd = [binary, "-m", gguf, "-t", str(threads), "-c", str(context), "-b", "2048"]
-    cmd += ["-ub", "512", "-npp", str(prompt), "-ntg", str(new)]
-    cmd += ["-npl", ",".join(map(str, sessions))]
+    cmd += ["-ub", "512", "-npp", str(prompt), "-ntg", str(new), "-npl", str(n), "-kvu"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    rates = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         # |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s | ...
-        if len(cells) >= 8 and cells[2].isdigit():
-            rates[int(cells[2])] = float(cells[7])
-    return rates
+        if len(cells) >= 8 and cells[2].isdigit() and int(cells[2]) == n:
+            return float(cells[7])
+    raise RuntimeError(f"no row for {n} sessions in llama-batched-bench's output:\n{out}")
 
 
 def main() -> None:
@@ -66,25 +80,56 @@ def main() -> None:
     p.add_argument("--sessions", default="1,2,4,8,16")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     sessions = [int(x) for x in args.sessions.split(",")]
-    peer = llama_cpp_rates(
-        args.batched_bench, args.gguf, args.threads, sessions, args.prompt, args.new
-    )
     llm = LLM(args.gguf, threads=args.threads, kv_capacity_tokens=max(sessions) * 2048)
-    ours = cellm_rates(llm, sessions, args.prompt, args.new)
-    print(f"{args.gguf}, {args.threads} threads, prompt {args.prompt}, {args.new} new tokens\n")
+    rng = random.Random(0)
+    rates: dict[tuple[str, int], list[float]] = {}
+    for r in range(args.rounds):
+        for n in sessions:
+            got = {
+                "llama.cpp": llama_cpp_rate(
+                    args.batched_bench, args.gguf, args.threads, n, args.prompt, args.new
+                ),
+                "scheduler": cellm_scheduler_rate(llm, n, args.prompt, args.new, rng),
+                "engine": cellm_engine_rate(llm, n, args.prompt, args.new, rng),
+            }
+            for k, v in got.items():
+                rates.setdefault((k, n), []).append(v)
+            print(
+                f"round {r + 1}, {n} sessions: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in got.items()),
+                flush=True,
+            )
+
+    def med(k: str, n: int) -> float:
+        return statistics.median(rates[(k, n)])
+
+    def ratio(a: str, na: int, b: str, nb: int) -> float:
+        return statistics.median(x / y for x, y in zip(rates[(a, na)], rates[(b, nb)]))
+
+    one = sessions[0]
     print(
-        "| sessions | cellm tok/s | llama.cpp tok/s | cellm / llama.cpp "
-        "| speed-up cellm | speed-up llama.cpp |"
+        f"\n{args.gguf}, {args.threads} threads, prompt {args.prompt}, {args.new} new tokens, "
+        f"{args.rounds} alternating rounds; aggregate decode tok/s, medians (ratios: medians "
+        "of the rounds' own ratios)\n"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
-    one_ours, one_peer = ours[sessions[0]], peer.get(sessions[0], float("nan"))
+    print(
+        "| sessions | cellm scheduler | cellm engine | llama-batched-bench "
+        "| scheduler / llama.cpp | engine / llama.cpp "
+        f"| scheduler vs {one} | engine vs {one} | llama.cpp vs {one} |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in sessions:
-        mine, theirs = ours[n], peer.get(n, float("nan"))
         print(
-            f"| {n} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.2f}x "
-            f"| {mine / one_ours:.2f}x | {theirs / one_peer:.2f}x |"
+            f"| {n} | {med('scheduler', n):.1f} | {med('engine', n):.1f} "
+            f"| {med('llama.cpp', n):.1f} "
+            f"| {ratio('scheduler', n, 'llama.cpp', n):.2f}x "
+            f"| {ratio('engine', n, 'llama.cpp', n):.2f}x "
+            f"| {ratio('scheduler', n, 'scheduler', one):.2f}x "
+            f"| {ratio('engine', n, 'engine', one):.2f}x "
+            f"| {ratio('llama.cpp', n, 'llama.cpp', one):.2f}x |"
         )
 
 
