@@ -16,12 +16,13 @@ median over the rounds, and each ratio as the median of the rounds' own ratios.
   feed every session a fixed token id (no sampling), timed after the first: the engine alone.
 - llama.cpp: a `llama-batched-bench` process per session count (`-npl N -npp PROMPT -ntg NEW
   -kvu`, random token ids, its own warm-up), its `S_TG t/s` column (N * NEW tokens over the
-  decode time).
+  decode time), run with OMP_WAIT_POLICY=PASSIVE (see `llama_cpp_rate`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import subprocess
@@ -63,7 +64,10 @@ def llama_cpp_rate(binary: str, gguf: str, threads: int, n: int, prompt: int, ne
     context = n * (prompt + new) + 256
     cmd = [binary, "-m", gguf, "-t", str(threads), "-c", str(context), "-b", "2048"]
     cmd += ["-ub", "512", "-npp", str(prompt), "-ntg", str(new), "-npl", str(n), "-kvu"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    # Its OpenMP threads wait passively: spinning at barriers (the default) collapses on a
+    # machine shared with other work (0.9 tok/s for one SmolLM2 session here, 19 passive).
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         # |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s | ...

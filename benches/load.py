@@ -131,13 +131,23 @@ def main() -> None:
     scheduler.close()
 
     # Every completed answer against the same request run alone (greedy).
+    # Where one differs: the first token whose text leaves the served answer, and the alone
+    # run's gap (nats) between its best and second-best token there (a near tie that the
+    # batch's different rounding can flip, or not).
     mismatches = 0
     tokens = 0
+    gaps = []
     for (prompt, _), r in zip(jobs, results):
         if r["text"] is not None:
-            alone = llm.generate(prompt, max_tokens=args.new)
+            alone = llm.generate(prompt, max_tokens=args.new, logprobs=True, top_logprobs=2)
             tokens += len(alone.token_ids)
-            mismatches += r["text"] != alone.text
+            if r["text"] != alone.text:
+                mismatches += 1
+                for k in range(len(alone.token_ids)):
+                    if not r["text"].startswith(llm.tokenizer.decode(alone.token_ids[: k + 1])):
+                        top = (alone.logprobs or [])[k].top_logprobs
+                        gaps.append((k, top[0][1] - top[1][1]))
+                        break
     ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
     completed = sum(r["text"] is not None for r in results)
     left = sum(r["left"] for r in results)
@@ -157,6 +167,13 @@ def main() -> None:
     print(f"| cancelled (client disconnected mid-stream) | {left} |")
     print(f"| 5xx / 4xx responses | {errors_5xx} / {errors_4xx} |")
     print(f"| completed answers equal to the request run alone | {completed - mismatches} |")
+    if gaps:
+        where = ", ".join(f"{k}" for k, _ in gaps)
+        print(f"| first differing token (index) of each other answer | {where} |")
+        print(
+            "| alone run's top-2 logprob gap there (nats), largest | "
+            f"{max(g for _, g in gaps):.4f} |"
+        )
     print(
         f"| time to first token p50 / p99 (s) | {statistics.median(ttfts):.2f} / "
         f"{percentile(ttfts, 0.99):.2f} |"
