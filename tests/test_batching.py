@@ -10,7 +10,7 @@ import pytest
 
 from cellm import LLM, SamplingParams
 from cellm.errors import Busy, ContextOverflow
-from cellm.scheduler import Request, Scheduler
+from cellm.scheduler import Request, Scheduler, _chunk_length
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * k for k in (1, 2, 3, 5)] + [[3]]
 
@@ -142,3 +142,22 @@ def drain(events):
             next(events)
         except StopIteration as done:
             return done.value
+
+
+@pytest.mark.parametrize(
+    "prompt,done,budget,want",
+    [
+        (300, 0, 400, 300),  # it fits: all of it
+        (300, 0, 250, 240),  # up to the last multiple of 16 within the budget
+        (300, 240, 50, 48),  # from 240: up to 288, leaving 12
+        (300, 288, 10, 12),  # no multiple of 16 within reach, and 10 would leave 2: all 12
+        (20, 0, 16, 20),  # 16 would leave 4 (< 8 rows): all 20
+        (40, 0, 7, 7),  # no multiple of 16 within the budget: the budget
+    ],
+)
+def test_prefill_chunks_end_on_aligned_positions(prompt, done, budget, want):
+    """Chunks end on multiples of 16 positions and leave no tail under 8 rows, so that a prompt
+    prefilled in chunks gets the logits it gets in one step (see scheduler.CHUNK_ALIGN)."""
+    request = Request(list(range(prompt)), SamplingParams())
+    request.pending = request.ids[done:]
+    assert _chunk_length(request, budget) == want
