@@ -56,7 +56,21 @@ def main() -> None:
     alone = last_logits([n - 1, 1])
     for others in (1, 7, 15):
         got = last_logits([n - 1, 1], others)
-        print(f"  decode step beside {others} others vs alone: {np.abs(got - alone).max():.3g}")
+        print(f"  decode step beside {others} 1-token sessions: {np.abs(got - alone).max():.3g}")
+    # A decode step of this prompt beside other sessions that hold longer contexts.
+    for contexts in ([50], [1000, 1000], [448, 336, 137]):
+        s = engine.create_session()
+        engine.step([(s, ids[:-1])])
+        xs = [engine.create_session() for _ in contexts]
+        for x, c in zip(xs, contexts):
+            engine.step([(x, [rng.randrange(llm.vocab_size) for _ in range(c)])])
+        got = np.asarray(
+            engine.step([(x, [rng.randrange(llm.vocab_size)]) for x in xs] + [(s, ids[-1:])])
+        )[-1]
+        for x in [s, *xs]:
+            engine.free_session(x)
+        diff = np.abs(got - alone).max()
+        print(f"  decode step beside sessions of {contexts} tokens: {diff:.3g}")
 
 
 if __name__ == "__main__":

@@ -150,9 +150,9 @@ def drain(events):
         (300, 0, 400, 300),  # it fits: all of it
         (300, 0, 250, 240),  # up to the last multiple of 16 within the budget
         (300, 240, 50, 48),  # from 240: up to 288, leaving 12
-        (300, 288, 10, 12),  # no multiple of 16 within reach, and 10 would leave 2: all 12
+        (300, 288, 10, 0),  # no multiple of 16 within reach: wait for more room
         (20, 0, 16, 20),  # 16 would leave 4 (< 8 rows): all 20
-        (40, 0, 7, 7),  # no multiple of 16 within the budget: the budget
+        (40, 0, 7, 0),  # likewise (the step's first prompt then takes the budget: _batch)
     ],
 )
 def test_prefill_chunks_end_on_aligned_positions(prompt, done, budget, want):

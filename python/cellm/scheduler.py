@@ -265,11 +265,19 @@ class Scheduler:
         """Every decoding request's token, then prompt chunks within the budget."""
         batch = [(r, r.pending) for r in self.running if not r.prefilling]
         budget = max(self.token_budget - len(batch), 1)
+        decoding = len(batch)
         for r in self.running:
             if r.prefilling and budget > 0:
                 chunk = r.pending[: _chunk_length(r, budget)]
-                batch.append((r, chunk))
-                budget -= len(chunk)
+                if chunk:
+                    batch.append((r, chunk))
+                    budget -= len(chunk)
+        if len(batch) == decoding:
+            # No aligned chunk fits the budget (a budget under CHUNK_ALIGN, or decoding rows
+            # taking nearly all of it): the first prompt takes what is left rather than wait.
+            first = next((r for r in self.running if r.prefilling), None)
+            if first is not None:
+                batch.append((first, first.pending[:budget]))
         return batch
 
     def _encode_images(
@@ -376,16 +384,16 @@ MIN_TILED_ROWS = 8
 
 def _chunk_length(request: Request, budget: int) -> int:
     """How many of `request`'s pending prompt tokens to prefill within `budget`: all when they
-    fit; else up to the last aligned position within the budget (or the budget, when no
-    aligned position lies within it), taking the rest too when fewer than MIN_TILED_ROWS
-    would be left (overrunning the budget by at most that)."""
+    fit; else up to the last aligned position within the budget (none when no aligned position
+    lies within it: the prompt waits for a step with more room), taking the rest too when fewer
+    than MIN_TILED_ROWS would be left (overrunning the budget by at most that)."""
     pending = len(request.pending)
     if pending <= budget:
         return pending
     start = len(request.ids) - pending
     length = (start + budget) // CHUNK_ALIGN * CHUNK_ALIGN - start
     if length <= 0:
-        length = budget
+        return 0
     return pending if pending - length < MIN_TILED_ROWS else length
 
 
