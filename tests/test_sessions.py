@@ -23,8 +23,10 @@ def test_interleaved_sessions_match_each_alone(name, converted):
     """Per-session state (KV pages, and conv/recurrent state where a family has it) stays
     apart. 1e-4: a different batch split only reorders f32 sums; for Qwen3.5 (and its VLM
     wrapper) it also moves DeltaNet chunk boundaries, up to 1.5e-4 on its ill-conditioned
-    fixture (see test_parity.ATOL_BY_FIXTURE), so 1e-3 there. State leaking between sessions
-    moves logits by far more than either."""
+    fixture (see test_parity.ATOL_BY_FIXTURE), so 1e-3 there. Gemma 4's attention is unscaled
+    (q/k-normed, scaling 1), so a reordered f32 score sum moves its peaked softmax more: a
+    different split measured up to 1.3e-4 (its HF parity is 4.7e-4), so 5e-4 there. State
+    leaking between sessions moves logits by far more than any of these."""
     llm = LLM(converted(name, "f32"), kv_encoding="f32", context_length=1024)
     ref = Reference(name)
     a_ids, b_ids = ref.sequence(0), ref.sequence(1)
@@ -50,7 +52,7 @@ def test_interleaved_sessions_match_each_alone(name, converted):
             (got_a if sid == a else got_b).append(chunk)
         pos_a += 1
         pos_b += 50
-    tol = 1e-3 if name.startswith("qwen3_5") else 1e-4
+    tol = 1e-3 if name.startswith("qwen3_5") else 5e-4 if name.startswith("gemma4") else 1e-4
     assert np.abs(np.concatenate(got_a) - want_a).max() < tol
     assert np.abs(np.concatenate(got_b) - want_b).max() < tol
     e.free_session(a)
