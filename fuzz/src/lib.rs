@@ -31,7 +31,8 @@ pub fn exercise(file: CellmFile, encoding: KvEncoding) {
         kv_encoding: encoding,
         context_length: Some(12),
         kv_capacity_tokens: Some(48),
-        max_layers: None,
+        // Every other option (GPU, prefix cache, layer limit) as a user gets it by default.
+        ..EngineOptions::default()
     };
     let Ok(mut engine) = Engine::from_file(file, &opts) else { return };
     let state: usize = engine.model().cache_layout().state.iter().sum();
