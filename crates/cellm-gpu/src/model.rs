@@ -436,34 +436,16 @@ fn plan(
             binds: vec![(1, Buf::Qkv), (2, Buf::Ctx), (5, Buf::Pool)],
             grid: Grid::PerToken(cfg.num_heads as u32),
         });
-        // x += o(ctx), or through Gemma's post-attention norm.
+        // x += o(ctx); Gemma writes o(ctx) aside and adds it through its post-attention norm.
         let o_args = MatvecArgs { cols: d.q_dim, x_stride: d.q_dim, ..base };
+        let (out, args) = match gemma {
+            true => (Buf::Tmp, o_args),
+            false => (Buf::X, MatvecArgs { flags: RESIDUAL, scale: res, ..o_args }),
+        };
+        let o_bias = l.o_bias.as_ref();
+        matvec_ops(gpu, kernels, &l.o, 0, (Buf::Ctx, out), None, o_bias, args, &mut ops);
         if gemma {
-            matvec_ops(
-                gpu,
-                kernels,
-                &l.o,
-                0,
-                (Buf::Ctx, Buf::Tmp),
-                None,
-                l.o_bias.as_ref(),
-                o_args,
-                &mut ops,
-            );
             ops.push(norm_add(gpu, kernels, d, &l.post_attn_norm, eps, res));
-        } else {
-            let args = MatvecArgs { flags: RESIDUAL, scale: res, ..o_args };
-            matvec_ops(
-                gpu,
-                kernels,
-                &l.o,
-                0,
-                (Buf::Ctx, Buf::X),
-                None,
-                l.o_bias.as_ref(),
-                args,
-                &mut ops,
-            );
         }
         // act = act(gate(n)) * up(n), n the normed x.
         let mlp_norm = l.pre_mlp_norm.as_ref().unwrap_or(&l.post_attn_norm);
