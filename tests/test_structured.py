@@ -364,3 +364,18 @@ def test_infer_cli_flags(converted, tmp_path, capsys):
             assert code == 2
         captured = capsys.readouterr()
         assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+
+
+def test_unconstrained_requests_do_not_need_llguidance(monkeypatch):
+    """Python 3.9 has no llguidance wheel: a request without a constraint (or asking for plain
+    text) must not import it."""
+    import cellm.structured as structured
+
+    def missing() -> None:
+        raise AssertionError("llguidance imported for an unconstrained request")
+
+    monkeypatch.setattr(structured, "_llguidance", missing)
+    assert structured.grammar_for() is None
+    assert structured.grammar_for({"type": "text"}) is None
+    with pytest.raises(AssertionError, match="llguidance imported"):
+        structured.grammar_for(regex="[0-9]+")

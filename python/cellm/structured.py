@@ -96,13 +96,15 @@ def grammar_for(
     given += ["grammar"] if grammar else []
     if len(given) > 1:
         raise GrammarError(f"give at most one of response_format, regex and grammar, got {given}")
-    llg = _llguidance()
+    schema = None
     if response_format is not None:
         if not isinstance(response_format, Mapping):
             raise GrammarError("response_format must be an object such as {'type': 'json_object'}")
         schema = _schema_of(response_format)
-        if schema is None:
-            return None
+    if schema is None and regex is None and grammar is None:
+        return None  # unconstrained: llguidance is not needed (nor there on Python 3.9)
+    llg = _llguidance()
+    if schema is not None:
         try:
             text = json.dumps(schema)
         except (TypeError, ValueError) as e:
@@ -112,14 +114,12 @@ def grammar_for(
         if not isinstance(regex, str):
             raise GrammarError(f"regex must be a string, got {type(regex).__name__}")
         compiled = llg.LLMatcher.grammar_from_regex(regex)
-    elif grammar is not None:
+    else:
         if not isinstance(grammar, str):
             raise GrammarError(
                 f"grammar must be a string (Lark syntax), got {type(grammar).__name__}"
             )
         compiled = llg.LLMatcher.grammar_from_lark(grammar)
-    else:
-        return None
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(compiled)
     if is_error:
         raise GrammarError(f"invalid {given[0]}: {_one_line(messages[0])}")
