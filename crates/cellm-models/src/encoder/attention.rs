@@ -4,11 +4,12 @@
 
 use cellm_format::TensorFormat;
 use cellm_kernels::gating::exp_in_place;
+use cellm_kernels::gemm::{pack_tokens, FloatGemm};
 use cellm_kernels::pool::{parallel_for, SharedOut};
-use cellm_kernels::{matmul_raw, WeightRows};
+use cellm_kernels::{isa, WeightRows};
 
 /// Queries per tile: their scores against the tile's keys stay in L2.
-const QUERY_TILE: usize = 64;
+const QUERY_TILE: usize = 128;
 
 /// The shape of one attention call.
 #[derive(Debug, Clone, Copy)]
@@ -24,14 +25,51 @@ pub struct Band<'a> {
     pub sinks: Option<&'a [f32]>,
 }
 
+/// Rows of a matrix that sit in a wider buffer: row `t` is `data[t * stride + offset..]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Rows<'a> {
+    pub data: &'a [f32],
+    pub stride: usize,
+    pub offset: usize,
+}
+
+impl<'a> Rows<'a> {
+    /// A plain `rows x width` matrix.
+    pub fn dense(data: &'a [f32], width: usize) -> Self {
+        Self { data, stride: width, offset: 0 }
+    }
+
+    /// Columns `c0..c0 + n` of row `t`.
+    fn at(&self, t: usize, c0: usize, n: usize) -> &'a [f32] {
+        &self.data[t * self.stride + self.offset + c0..][..n]
+    }
+}
+
 /// Context rows (`tokens x heads * head_dim`) of `q` (`tokens x heads * head_dim`) over `k`,
 /// `v` (`tokens x kv_heads * head_dim`), each sequence (`lens`, consecutive rows) on its own.
-/// (sequence, head) pairs run in parallel, each on the f32 GEMM serially.
 pub fn banded_attention(q: &[f32], k: &[f32], v: &[f32], lens: &[usize], a: &Band) -> Vec<f32> {
-    let (hd, group) = (a.head_dim, a.heads / a.kv_heads);
-    let (qw, kw) = (a.heads * hd, a.kv_heads * hd);
+    let (qw, kw) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
     let tokens: usize = lens.iter().sum();
     let mut ctx = vec![0.0; tokens * qw];
+    banded_attention_into(
+        Rows::dense(q, qw),
+        Rows::dense(k, kw),
+        Rows::dense(v, kw),
+        lens,
+        a,
+        &mut ctx,
+    );
+    ctx
+}
+
+/// [`banded_attention`] reading q, k and v where they lie (each head's columns in place) and
+/// writing the context into `ctx` (`tokens x heads * head_dim`). (sequence, head) pairs run
+/// in parallel on the installed pool, each on the f32 GEMM serially.
+pub fn banded_attention_into(q: Rows, k: Rows, v: Rows, lens: &[usize], a: &Band, ctx: &mut [f32]) {
+    let (hd, group) = (a.head_dim, a.heads / a.kv_heads);
+    let qw = a.heads * hd;
+    let tokens: usize = lens.iter().sum();
+    assert_eq!(ctx.len(), tokens * qw, "attention: context is not tokens x heads * head_dim");
     let starts: Vec<usize> =
         lens.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
     let out = SharedOut(ctx.as_mut_ptr());
@@ -42,48 +80,68 @@ pub fn banded_attention(q: &[f32], k: &[f32], v: &[f32], lens: &[usize], a: &Ban
             return;
         }
         let kv = h / group;
-        let part = |x: &[f32], width: usize, head: usize| -> Vec<f32> {
-            x[r0 * width..(r0 + n) * width]
-                .chunks_exact(width)
-                .flat_map(|row| row[head * hd..(head + 1) * hd].iter().copied())
-                .collect()
+        let head = Head {
+            q: Rows { data: q.data, stride: q.stride, offset: q.offset + h * hd },
+            k: Rows { data: k.data, stride: k.stride, offset: k.offset + kv * hd },
+            v: Rows { data: v.data, stride: v.stride, offset: v.offset + kv * hd },
+            first: r0,
+            n,
+            hd,
         };
-        let (qh, kh, vh) = (part(q, qw, h), part(k, kw, kv), part(v, kw, kv));
         let sink = a.sinks.map(|s| s[h]);
-        let head = one_head(&qh, &kh, &vh, n, hd, a.scale, a.band, sink);
-        for (i, row) in head.chunks_exact(hd).enumerate() {
-            // SAFETY: task (s, h) writes only head h's columns of sequence s's rows.
-            let dst = unsafe { std::slice::from_raw_parts_mut(out.at((r0 + i) * qw + h * hd), hd) };
-            dst.copy_from_slice(row);
-        }
+        // SAFETY: task (s, h) writes only head h's columns of sequence s's rows.
+        one_head(&head, a.scale, a.band, sink, |i, d0, vals| unsafe {
+            let at = out.at((r0 + i) * qw + h * hd + d0);
+            std::ptr::copy_nonoverlapping(vals.as_ptr(), at, vals.len());
+        });
     });
-    ctx
 }
 
-/// One head of one sequence: `n x hd` context rows.
-#[allow(clippy::too_many_arguments)]
-fn one_head(
-    qh: &[f32],
-    kh: &[f32],
-    vh: &[f32],
+/// One head of one sequence: rows `first..first + n` of q, k and v, each `hd` wide.
+struct Head<'a> {
+    q: Rows<'a>,
+    k: Rows<'a>,
+    v: Rows<'a>,
+    first: usize,
     n: usize,
     hd: usize,
+}
+
+/// One head of one sequence; `store(i, d0, vals)`: the context of query `i < n` at dims
+/// `d0..d0 + vals.len()`.
+fn one_head(
+    x: &Head,
     scale: f32,
     band: Option<usize>,
     sink: Option<f32>,
-) -> Vec<f32> {
+    mut store: impl FnMut(usize, usize, &[f32]),
+) {
+    let (n, hd) = (x.n, x.hd);
     let reach = band.unwrap_or(n);
-    let mut out = vec![0.0; n * hd];
+    // The head's keys as weight rows, its values transposed (one weight row per output dim).
+    let mut kh = Vec::with_capacity(n * hd);
+    let mut vt = vec![0.0; hd * n];
+    for j in 0..n {
+        kh.extend_from_slice(x.k.at(x.first + j, 0, hd));
+        for (d, &val) in x.v.at(x.first + j, 0, hd).iter().enumerate() {
+            vt[d * n + j] = val;
+        }
+    }
+    let mut qt = Vec::with_capacity(QUERY_TILE.min(n) * hd);
+    let mut vt_tile = Vec::new();
     for i0 in (0..n).step_by(QUERY_TILE) {
         let i1 = (i0 + QUERY_TILE).min(n);
+        let rows = i1 - i0;
         let (lo, hi) = (i0.saturating_sub(reach), (i1 - 1).saturating_add(reach + 1).min(n));
         let m = hi - lo;
-        let mut scores = vec![0.0; (i1 - i0) * m];
-        matmul_raw(
-            &qh[i0 * hd..i1 * hd],
-            i1 - i0,
-            f32_rows(&kh[lo * hd..hi * hd], m, hd),
-            &mut scores,
+        qt.clear();
+        (i0..i1).for_each(|i| qt.extend_from_slice(x.q.at(x.first + i, 0, hd)));
+        let mut scores = vec![0.0; rows * m];
+        gemm_of(f32_rows(&kh[lo * hd..hi * hd], m, hd)).run(
+            &pack_tokens(&qt, rows, hd),
+            rows,
+            0..m,
+            |t, r0, vals| scores[t * m + r0..][..vals.len()].copy_from_slice(vals),
         );
         for (r, row) in scores.chunks_exact_mut(m).enumerate() {
             let i = i0 + r;
@@ -103,16 +161,21 @@ fn one_head(
             let inv = 1.0 / total;
             seen.iter_mut().for_each(|s| *s *= inv);
         }
-        // Context = P V: the tile's values transposed give one weight row per output dim.
-        let mut vt = vec![0.0; hd * m];
-        for (j, row) in vh[lo * hd..hi * hd].chunks_exact(hd).enumerate() {
-            for (d, &x) in row.iter().enumerate() {
-                vt[d * m + j] = x;
-            }
-        }
-        matmul_raw(&scores, i1 - i0, f32_rows(&vt, hd, m), &mut out[i0 * hd..i1 * hd]);
+        // Context = P V over the tile's keys.
+        let vt_rows: &[f32] = if m == n {
+            &vt
+        } else {
+            vt_tile.clear();
+            (0..hd).for_each(|d| vt_tile.extend_from_slice(&vt[d * n + lo..d * n + hi]));
+            &vt_tile
+        };
+        let (pv, packed) = (gemm_of(f32_rows(vt_rows, hd, m)), pack_tokens(&scores, rows, m));
+        pv.run(&packed, rows, 0..hd, |t, d0, vals| store(i0 + t, d0, vals));
     }
-    out
+}
+
+fn gemm_of(w: WeightRows) -> FloatGemm {
+    FloatGemm::new(w, isa::selected())
 }
 
 /// An f32 matrix as weight rows for the kernels' products.

@@ -6,6 +6,7 @@
 mod attention;
 mod base;
 mod bert;
+mod dense;
 mod privacy_filter;
 
 pub use attention::{banded_attention, Band};
