@@ -92,7 +92,9 @@ pub fn banded_attention_into(q: Rows, k: Rows, v: Rows, lens: &[usize], a: &Band
         // SAFETY: task (s, h) writes only head h's columns of sequence s's rows.
         one_head(&head, a.scale, a.band, sink, |i, d0, vals| unsafe {
             let at = out.at((r0 + i) * qw + h * hd + d0);
-            std::ptr::copy_nonoverlapping(vals.as_ptr(), at, vals.len());
+            // An element loop, not a memcpy call per 16 values.
+            let dst = std::slice::from_raw_parts_mut(at, vals.len());
+            dst.iter_mut().zip(vals).for_each(|(d, v)| *d = *v);
         });
     });
 }
@@ -118,60 +120,79 @@ fn one_head(
 ) {
     let (n, hd) = (x.n, x.hd);
     let reach = band.unwrap_or(n);
-    // The head's keys as weight rows, its values transposed (one weight row per output dim).
-    let mut kh = Vec::with_capacity(n * hd);
-    let mut vt = vec![0.0; hd * n];
-    for j in 0..n {
-        kh.extend_from_slice(x.k.at(x.first + j, 0, hd));
-        for (d, &val) in x.v.at(x.first + j, 0, hd).iter().enumerate() {
-            vt[d * n + j] = val;
-        }
-    }
-    let mut qt = Vec::with_capacity(QUERY_TILE.min(n) * hd);
-    let mut vt_tile = Vec::new();
-    for i0 in (0..n).step_by(QUERY_TILE) {
-        let i1 = (i0 + QUERY_TILE).min(n);
-        let rows = i1 - i0;
-        let (lo, hi) = (i0.saturating_sub(reach), (i1 - 1).saturating_add(reach + 1).min(n));
-        let m = hi - lo;
-        qt.clear();
-        (i0..i1).for_each(|i| qt.extend_from_slice(x.q.at(x.first + i, 0, hd)));
-        let mut scores = vec![0.0; rows * m];
-        gemm_of(f32_rows(&kh[lo * hd..hi * hd], m, hd)).run(
-            &pack_tokens(&qt, rows, hd),
-            rows,
-            0..m,
-            |t, r0, vals| scores[t * m + r0..][..vals.len()].copy_from_slice(vals),
-        );
-        for (r, row) in scores.chunks_exact_mut(m).enumerate() {
-            let i = i0 + r;
-            // The keys this query sees: a contiguous run of the tile's keys.
-            let (a, b) = (i.saturating_sub(reach) - lo, (i + reach + 1).min(hi) - lo);
-            row[..a].fill(0.0);
-            row[b..].fill(0.0);
-            let seen = &mut row[a..b];
-            seen.iter_mut().for_each(|s| *s *= scale);
-            let mut max = seen.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            if let Some(s) = sink {
-                max = max.max(s);
+    SCRATCH.with_borrow_mut(|sc| {
+        let Scratch { kh, vt, vt_tile, qt, scores } = sc;
+        // The head's keys as weight rows, its values transposed (one weight row per dim).
+        kh.clear();
+        vt.resize(hd * n, 0.0);
+        for j in 0..n {
+            kh.extend_from_slice(x.k.at(x.first + j, 0, hd));
+            for (d, &val) in x.v.at(x.first + j, 0, hd).iter().enumerate() {
+                vt[d * n + j] = val;
             }
-            seen.iter_mut().for_each(|s| *s -= max);
-            exp_in_place(seen);
-            let total = seen.iter().sum::<f32>() + sink.map_or(0.0, |s| (s - max).exp());
-            let inv = 1.0 / total;
-            seen.iter_mut().for_each(|s| *s *= inv);
         }
-        // Context = P V over the tile's keys.
-        let vt_rows: &[f32] = if m == n {
-            &vt
-        } else {
-            vt_tile.clear();
-            (0..hd).for_each(|d| vt_tile.extend_from_slice(&vt[d * n + lo..d * n + hi]));
-            &vt_tile
-        };
-        let (pv, packed) = (gemm_of(f32_rows(vt_rows, hd, m)), pack_tokens(&scores, rows, m));
-        pv.run(&packed, rows, 0..hd, |t, d0, vals| store(i0 + t, d0, vals));
-    }
+        for i0 in (0..n).step_by(QUERY_TILE) {
+            let i1 = (i0 + QUERY_TILE).min(n);
+            let rows = i1 - i0;
+            let (lo, hi) = (i0.saturating_sub(reach), (i1 - 1).saturating_add(reach + 1).min(n));
+            let m = hi - lo;
+            qt.clear();
+            (i0..i1).for_each(|i| qt.extend_from_slice(x.q.at(x.first + i, 0, hd)));
+            // Every score is stored (and scaled) by the product: no clearing.
+            scores.resize(rows * m, 0.0);
+            let scores = &mut scores[..rows * m];
+            gemm_of(f32_rows(&kh[lo * hd..hi * hd], m, hd)).run(
+                &pack_tokens(qt, rows, hd),
+                rows,
+                0..m,
+                |t, r0, vals| {
+                    let dst = &mut scores[t * m + r0..][..vals.len()];
+                    dst.iter_mut().zip(vals).for_each(|(d, v)| *d = v * scale);
+                },
+            );
+            for (r, row) in scores.chunks_exact_mut(m).enumerate() {
+                let i = i0 + r;
+                // The keys this query sees: a contiguous run of the tile's keys.
+                let (a, b) = (i.saturating_sub(reach) - lo, (i + reach + 1).min(hi) - lo);
+                row[..a].fill(0.0);
+                row[b..].fill(0.0);
+                let seen = &mut row[a..b];
+                let mut max = seen.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                if let Some(s) = sink {
+                    max = max.max(s);
+                }
+                seen.iter_mut().for_each(|s| *s -= max);
+                exp_in_place(seen);
+                let total = seen.iter().sum::<f32>() + sink.map_or(0.0, |s| (s - max).exp());
+                let inv = 1.0 / total;
+                seen.iter_mut().for_each(|s| *s *= inv);
+            }
+            // Context = P V over the tile's keys.
+            let vt_rows: &[f32] = if m == n {
+                vt
+            } else {
+                vt_tile.clear();
+                (0..hd).for_each(|d| vt_tile.extend_from_slice(&vt[d * n + lo..d * n + hi]));
+                vt_tile
+            };
+            let (pv, packed) = (gemm_of(f32_rows(vt_rows, hd, m)), pack_tokens(scores, rows, m));
+            pv.run(&packed, rows, 0..hd, |t, d0, vals| store(i0 + t, d0, vals));
+        }
+    });
+}
+
+/// One thread's buffers for [`one_head`], kept from head to head.
+#[derive(Default)]
+struct Scratch {
+    kh: Vec<f32>,
+    vt: Vec<f32>,
+    vt_tile: Vec<f32>,
+    qt: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
 fn gemm_of(w: WeightRows) -> FloatGemm {
