@@ -8,7 +8,7 @@ use cellm_kernels::ops;
 use cellm_kernels::pool::{self, parallel_for, SharedOut};
 use serde::Deserialize;
 
-use super::attention::{banded_attention_into, Band, Rows};
+use super::attention::{banded_attention_into, lane_sum, Band, Rows};
 use super::base::{check_batch, description, positions, Encoder};
 use super::dense::{dense, Epilogue, Target};
 use crate::blocks::{Embedding, Linear};
@@ -240,18 +240,6 @@ impl Norm {
             *v = (*v - mean) * inv * w + b;
         }
     }
-}
-
-/// `sum f(v)` over `row` in eight lanes, which the compiler vectorizes.
-#[inline(always)]
-fn lane_sum(row: &[f32], f: impl Fn(f32) -> f32) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let chunks = row.chunks_exact(8);
-    let tail: f32 = chunks.remainder().iter().map(|&v| f(v)).sum();
-    for c in chunks {
-        acc.iter_mut().zip(c).for_each(|(a, &v)| *a += f(v));
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
 /// LayerNorm of each `h`-wide row of `x`, in `split` tasks on the pool.
