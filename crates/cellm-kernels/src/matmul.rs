@@ -11,6 +11,7 @@ use crate::acts::{ActScheme, Q8Acts, Q8Row, QBLOCK};
 use crate::dot::x8::{self, QDotX8Fn};
 use crate::dot::{DotTileFn, PathKernels, QDot4Fn, QDotFn, TILE_ROWS, TILE_TOKENS};
 use crate::gemm::{pack_tokens, FloatGemm};
+use crate::i8_gemm::{self, I8RowGemm};
 use crate::isa;
 use crate::pool::{self, SharedOut};
 use crate::rows::WeightRows;
@@ -105,6 +106,8 @@ struct Product<'a> {
 enum Kernel<'a> {
     Groups(QDotX8Fn, Vec<Q8Row<'a>>),
     Integer((QDotFn, QDot4Fn), &'a Q8Acts),
+    /// int8 rows times a batch: the blocked integer GEMM (`i8_gemm`).
+    I8Gemm(I8RowGemm<'a>),
     /// Float rows: decode in register tiles of rows x tokens, a batch as a GEMM over the
     /// packed activations.
     Float(DotTileFn, &'a [f32], Option<&'a [f32]>),
@@ -125,6 +128,9 @@ impl<'a> Product<'a> {
                 let acts = acts_for(scheme);
                 let kern = path.group_kernel(w.format).expect("interleaved kernel");
                 Kernel::Groups(kern, (0..tokens).map(|t| acts.row(t)).collect())
+            }
+            Some(scheme) if i8_gemm::applies(w, tokens) => {
+                Kernel::I8Gemm(I8RowGemm::new(w, acts_for(scheme)))
             }
             Some(scheme) => {
                 let qdot = path.row_kernels(w.format).qdot.expect("integer kernel");
@@ -147,6 +153,8 @@ impl<'a> Product<'a> {
     fn units_per_line(&self) -> usize {
         match self.kernel {
             Kernel::Groups(..) => 2,
+            // Whole panels: a task's last panel is not padded.
+            Kernel::I8Gemm(..) => i8_gemm::PANEL_ROWS,
             _ => 8,
         }
     }
@@ -157,6 +165,14 @@ impl<'a> Product<'a> {
     fn run(&self, units: std::ops::Range<usize>) {
         if let Kernel::Float(tile, x, packed) = self.kernel {
             return self.run_float(tile, x, packed, units);
+        }
+        if let Kernel::I8Gemm(gemm) = &self.kernel {
+            let n = self.w.rows;
+            // SAFETY: each task owns distinct rows, so outputs (t, r0..r0 + len) are written
+            // by it alone, and they lie inside `out` (tokens x n).
+            return gemm.run(units, |t, r0, vals| unsafe {
+                std::ptr::copy_nonoverlapping(vals.as_ptr(), self.out.at(t * n + r0), vals.len())
+            });
         }
         let (n, tokens) = (self.w.rows, self.tokens);
         // At least one 4-token step, however wide the rows.
@@ -189,7 +205,9 @@ impl<'a> Product<'a> {
                         }
                         1
                     }
-                    Kernel::Float(..) => unreachable!("float products run in tiles"),
+                    Kernel::Float(..) | Kernel::I8Gemm(..) => {
+                        unreachable!("float and i8 GEMM products run in tiles")
+                    }
                 };
                 for (i, v) in vals[..count].iter().enumerate() {
                     // SAFETY: each task owns distinct units `u`, so these `width` outputs of
