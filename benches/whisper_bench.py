@@ -10,7 +10,8 @@ model, transcribe the clip's first 5 s untimed (warm-up), then transcribe the wh
 (timestamps on, greedy, beam 1, language detected, VAD off) timed. The two engines of a pair
 run back to back, in alternating order from run to run; a cell is the median over runs, and a
 ratio the median of the runs' own ratios. Real-time factor = seconds / audio seconds; peak
-memory = the worker's peak RSS (ru_maxrss), the model included."""
+memory = the worker's peak RSS (VmHWM), the model included; CPU time (process_time) is
+reported beside wall time, since on a shared machine it is the steadier of the two."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def worker(engine: str, model: str, precision: str, clip: str, threads: int) -> 
         w = cellm.Whisper(model, threads=threads)
         load = time.perf_counter() - t0
         w.transcribe(warm, timestamps=True)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         text = w.transcribe(audio, timestamps=True).text
     else:
         from faster_whisper import WhisperModel
@@ -68,17 +69,30 @@ def worker(engine: str, model: str, precision: str, clip: str, threads: int) -> 
             return "".join(s.text for s in segments).strip()
 
         run(warm)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         text = run(audio)
     seconds = time.perf_counter() - t1
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    cpu = time.process_time() - c1
     return {
         "seconds": seconds,
+        "cpu_s": cpu,
         "rtf": seconds / (len(audio) / 16000),
-        "peak_mib": rss,
+        "peak_mib": peak_mib(),
         "load_s": load,
         "text": text,
     }
+
+
+def peak_mib() -> float:
+    """This process's peak RSS in MiB. /proc's VmHWM is the current image's own (ru_maxrss
+    would also count the parent's peak before exec, the converter's included)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def measure(engine: str, model: str, precision: str, clip: Path, threads: int) -> dict:
@@ -116,13 +130,13 @@ def table(rows: list[dict], threads: int, runs: int, clip_s: float, load: str) -
         f"alternating runs, medians; load average during the runs {load}.",
         "",
         "| cellm | faster-whisper | cellm RTF | fw RTF | speedup (fw s / cellm s) | "
-        "cellm peak MiB | fw peak MiB | same text |",
-        "|---|---|---|---|---|---|---|---|",
+        "CPU-time speedup | cellm peak MiB | fw peak MiB | same text |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['ours']} | {r['theirs']} | {r['rtf_c']:.3f} | {r['rtf_f']:.3f} | "
-            f"{r['speedup']:.2f}x | {r['mem_c']:.0f} | {r['mem_f']:.0f} | {r['same']} |"
+            f"{r['speedup']:.2f}x | {r['cpu_speedup']:.2f}x | {r['mem_c']:.0f} | {r['mem_f']:.0f} | {r['same']} |"
         )
     return "\n".join(lines)
 
@@ -162,7 +176,8 @@ def main() -> None:
             loads.append(load)
             print(
                 f"run {run + 1} {mine} vs {theirs}: cellm {c['seconds']:.2f} s "
-                f"({c['peak_mib']:.0f} MiB), fw {f['seconds']:.2f} s ({f['peak_mib']:.0f} MiB), "
+                f"(cpu {c['cpu_s']:.2f} s, {c['peak_mib']:.0f} MiB), fw {f['seconds']:.2f} s "
+                f"(cpu {f['cpu_s']:.2f} s, {f['peak_mib']:.0f} MiB), "
                 f"load {load:.1f}",
                 flush=True,
             )
@@ -175,6 +190,7 @@ def main() -> None:
                 "rtf_c": statistics.median(c["rtf"] for c, _ in pairs),
                 "rtf_f": statistics.median(f["rtf"] for _, f in pairs),
                 "speedup": statistics.median(f["seconds"] / c["seconds"] for c, f in pairs),
+                "cpu_speedup": statistics.median(f["cpu_s"] / c["cpu_s"] for c, f in pairs),
                 "mem_c": statistics.median(c["peak_mib"] for c, _ in pairs),
                 "mem_f": statistics.median(f["peak_mib"] for _, f in pairs),
                 "same": "yes" if all(c["text"] == f["text"] for c, f in pairs) else "no",
