@@ -251,13 +251,13 @@ mod tests {
         }
         let (rows, cols, tokens) = (45, 256, 23);
         let q =
-            |r: usize, k: usize| (((r * 131 + k * 71) * 2654435761usize >> 9) % 255) as i32 as i8;
+            |r: usize, k: usize| ((((r * 131 + k * 71) * 2654435761usize) >> 9) % 255) as i32 as i8;
         let q = move |r, k| q(r, k).wrapping_sub(127).max(-127);
         let bytes = rows_bytes(rows, cols, |_| 1.0, q);
         let w = WeightRows { format: TensorFormat::I8Row, bytes: &bytes, rows, cols };
         let xi = |t: usize, k: usize| -> i32 {
             if k % QBLOCK == (t % 7) {
-                if t % 2 == 0 {
+                if t.is_multiple_of(2) {
                     127
                 } else {
                     -127
@@ -292,7 +292,7 @@ mod tests {
         let bytes = rows_bytes(rows, cols, |r| 0.001 + r as f32 * 1e-4, q);
         let w = WeightRows { format: TensorFormat::I8Row, bytes: &bytes, rows, cols };
         let x: Vec<f32> = (0..tokens * cols)
-            .map(|i| ((i * 2654435761usize >> 5) % 1000) as f32 / 250.0 - 2.0)
+            .map(|i| (((i * 2654435761usize) >> 5) % 1000) as f32 / 250.0 - 2.0)
             .collect();
         let acts = Q8Acts::quantize(&x, cols, ActScheme::Q8_0);
         let range = 8..rows;
