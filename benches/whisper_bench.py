@@ -136,7 +136,8 @@ def table(rows: list[dict], threads: int, runs: int, clip_s: float, load: str) -
     for r in rows:
         lines.append(
             f"| {r['ours']} | {r['theirs']} | {r['rtf_c']:.3f} | {r['rtf_f']:.3f} | "
-            f"{r['speedup']:.2f}x | {r['cpu_speedup']:.2f}x | {r['mem_c']:.0f} | {r['mem_f']:.0f} | {r['same']} |"
+            f"{r['speedup']:.2f}x | {r['cpu_speedup']:.2f}x | "
+            f"{r['mem_c']:.0f} | {r['mem_f']:.0f} | {r['same']} |"
         )
     return "\n".join(lines)
 
