@@ -8,7 +8,7 @@ mod config;
 mod cross;
 mod encoder;
 
-use cellm_format::{Error, Result, Tensor};
+use cellm_format::{Error, Result, Tensor, TensorFormat};
 use cellm_kernels::gelu::gelu_in_place;
 use cellm_kernels::{matmul, ops};
 use cellm_kv::{AttentionShape, PagePool, SeqState};
@@ -108,7 +108,9 @@ pub fn load(w: &Weights, cfg: ModelConfig) -> Result<Box<dyn CausalLm>> {
                 gated: false,
             };
             let [q, k, v, out] = attention_linears(w, &format!("{l}.encoder_attn"), d)?;
+            let half = k.weight.format != TensorFormat::F32;
             let cross = CrossAttention {
+                half,
                 q,
                 k,
                 v,
