@@ -10,11 +10,12 @@
 //! so a tile's results are stored as they are.
 //!
 //! The activations are the per-row kernels' own (`ActScheme::Q8_0`: int8 in blocks of 32, each
-//! with an f16-rounded scale `d` and `s = d * sum(q)`), so both compute the same sum:
+//! with an f16-rounded scale `d`), so both compute the same sum:
 //! `scale_r * sum_b d_b * sum_{k in b} w_k q_k`. Per block the integer products
-//! `P_b = sum (w_k + 128) q_k` are converted once and multiplied by `d_b`; the offset's share,
-//! `128 * sum_b s_b`, is one number per token, subtracted at the end. `|P_b| <= 32 * 255 * 128`,
-//! exact in f32.
+//! `P_b = sum (w_k + 128) q_k` lose the offset's share `128 * sum_{k in b} q_k` (one integer
+//! per token and block, subtracted in the integer lanes, so each block's dot product is exact,
+//! as the row kernel's is), are converted once and multiplied by `d_b`.
+//! `|P_b| <= 32 * 255 * 128`: no int32 overflow.
 
 use std::ops::Range;
 
@@ -45,8 +46,9 @@ pub struct I8RowGemm<'a> {
     w: WeightRows<'a>,
     acts: &'a Q8Acts,
     tokens: usize,
-    /// Per token: `128 * sum_b s_b`, the +128 offset's share of every row's sum.
-    offset: Vec<f32>,
+    /// Per token and block: `128 * sum(q)`, the +128 offset's share of every row's block
+    /// product.
+    offset: Vec<i32>,
 }
 
 impl<'a> I8RowGemm<'a> {
@@ -57,9 +59,9 @@ impl<'a> I8RowGemm<'a> {
         let blocks = w.cols / QBLOCK;
         let tokens = acts.ds.len() / blocks.max(1);
         let offset = acts
-            .ds
-            .chunks_exact(blocks.max(1))
-            .map(|ds| 128.0 * ds.iter().map(|d| d[1]).sum::<f32>())
+            .qs
+            .chunks_exact(QBLOCK)
+            .map(|q| 128 * q.iter().map(|&v| i32::from(v)).sum::<i32>())
             .collect();
         Self { w, acts, tokens, offset }
     }
@@ -144,7 +146,7 @@ mod avx512 {
     pub(super) unsafe fn tile(
         panel: &[u8],
         acts: &Q8Acts,
-        offset: &[f32],
+        offset: &[i32],
         scales: &[f32; PANEL_ROWS],
         t0: usize,
         count: usize,
@@ -164,7 +166,7 @@ mod avx512 {
     unsafe fn tile_n<const M: usize>(
         panel: &[u8],
         acts: &Q8Acts,
-        offset: &[f32],
+        offset: &[i32],
         scales: &[f32; PANEL_ROWS],
         t0: usize,
         vals: &mut [[f32; PANEL_ROWS]; TILE_TOKENS],
@@ -191,6 +193,9 @@ mod avx512 {
                 }
             }
             for i in 0..M {
+                let off = _mm512_set1_epi32(offset[(t0 + i) * blocks + b]);
+                acci[i][0] = _mm512_sub_epi32(acci[i][0], off);
+                acci[i][1] = _mm512_sub_epi32(acci[i][1], off);
                 let d = _mm512_set1_ps((*ds[i].add(b))[0]);
                 accf[i][0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(acci[i][0]), accf[i][0]);
                 accf[i][1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(acci[i][1]), accf[i][1]);
@@ -199,10 +204,9 @@ mod avx512 {
         let s0 = _mm512_loadu_ps(scales.as_ptr());
         let s1 = _mm512_loadu_ps(scales.as_ptr().add(16));
         for i in 0..M {
-            let off = _mm512_set1_ps(offset[t0 + i]);
             let out = vals[i].as_mut_ptr();
-            _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_sub_ps(accf[i][0], off), s0));
-            _mm512_storeu_ps(out.add(16), _mm512_mul_ps(_mm512_sub_ps(accf[i][1], off), s1));
+            _mm512_storeu_ps(out, _mm512_mul_ps(accf[i][0], s0));
+            _mm512_storeu_ps(out.add(16), _mm512_mul_ps(accf[i][1], s1));
         }
     }
 }
@@ -309,6 +313,57 @@ mod tests {
                 let want = one(&bytes[r * stride..(r + 1) * stride], acts.row(t));
                 let tol = 1e-5 * want.abs().max(1.0);
                 assert!((g - want).abs() <= tol, "token {t} row {r}: {g} vs {want}");
+            }
+        }
+    }
+
+    /// Through `matmul`: a batch takes the GEMM, serial and on a pool of 2 (tasks of whole
+    /// panels) alike, and is as close to the exact (f64) sum of the integer block products as
+    /// the per-row kernel is.
+    #[test]
+    fn matmul_batches_take_the_gemm() {
+        if !vnni() {
+            eprintln!("no AVX-512 VNNI: skipped");
+            return;
+        }
+        let _serial = crate::isa::test_lock();
+        let (rows, cols, tokens) = (200, 256, 37);
+        let q = |r: usize, k: usize| ((r * 131 + k * 977) % 251) as i32 as u8 as i8;
+        let bytes = rows_bytes(rows, cols, |r| 0.01 + r as f32 * 1e-3, q);
+        let w = WeightRows { format: TensorFormat::I8Row, bytes: &bytes, rows, cols };
+        assert!(applies(w, tokens));
+        let x: Vec<f32> =
+            (0..tokens * cols).map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0).collect();
+        let mut serial = vec![0.0; tokens * rows];
+        crate::matmul_raw(&x, tokens, w, &mut serial);
+        let mut pooled = vec![0.0; tokens * rows];
+        let pool = crate::pool::ThreadPool::new(2).unwrap();
+        pool.install(|| crate::matmul_raw(&x, tokens, w, &mut pooled));
+        assert_eq!(serial, pooled);
+        // Against the f64 sum of the exact block products: the GEMM and the row kernel both
+        // within f32 rounding of the terms' magnitudes (the sum may cancel).
+        let acts = Q8Acts::quantize(&x, cols, ActScheme::Q8_0);
+        let (one, _) = PathKernels::selected().row_kernels(TensorFormat::I8Row).qdot.unwrap();
+        let stride = bytes.len() / rows;
+        let blocks = cols / QBLOCK;
+        for t in 0..tokens {
+            for r in 0..rows {
+                let scale = f64::from(0.01 + r as f32 * 1e-3);
+                let terms: Vec<f64> = (0..blocks)
+                    .map(|b| {
+                        let dot: i32 = (b * QBLOCK..(b + 1) * QBLOCK)
+                            .map(|k| i32::from(q(r, k)) * i32::from(acts.qs[t * cols + k]))
+                            .sum();
+                        f64::from(acts.ds[t * blocks + b][0]) * f64::from(dot) * scale
+                    })
+                    .collect();
+                let exact: f64 = terms.iter().sum();
+                let tol = 2e-6 * terms.iter().map(|v| v.abs()).sum::<f64>();
+                let row = one(&bytes[r * stride..(r + 1) * stride], acts.row(t));
+                for (what, v) in [("gemm", serial[t * rows + r]), ("row kernel", row)] {
+                    let err = (f64::from(v) - exact).abs();
+                    assert!(err <= tol, "{what}, token {t} row {r}: {v} vs {exact}");
+                }
             }
         }
     }
