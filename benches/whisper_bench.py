@@ -1,6 +1,6 @@
 """Speech to text speed: cellm against faster-whisper on whisper-base (the registry's
 CTranslate2 files; cellm converts them: f16 kept, f32, int8 rows or q8_0), on a 29-second espeak-ng
-clip (one 30-second window; tests/speech_clips.py), same threads.
+clip (it fits one 30-second window; tests/speech_clips.py), same threads.
 
     python benches/whisper_bench.py [--threads 2] [--runs 3] [--out docs/benchmarks.md]
 
@@ -31,9 +31,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from speech_clips import BENCH_CLIP, make_clip  # noqa: E402
 
-# cellm's int8 rows run batched products with integer row kernels; q8_0 (8-bit blocks of 32,
-# 8 rows interleaved) with its group kernels: both are int8 weights times int8 activations,
-# as CTranslate2's int8 is.
+# cellm's int8 rows run batches (the encoder, prompts) as a blocked int8 GEMM (i8_gemm.rs,
+# where the CPU has AVX-512 VNNI) and decode steps with integer row kernels; q8_0 (8-bit
+# blocks of 32, 8 rows interleaved) with its group kernels: both are int8 weights times int8
+# activations, as CTranslate2's int8 is.
 PAIRS = [("f32", "float32"), ("f16", "float32"), ("int8", "int8"), ("q8_0", "int8")]
 
 
@@ -126,7 +127,7 @@ def models() -> tuple[dict[str, str], str]:
 
 def table(rows: list[dict], threads: int, runs: int, clip_s: float, load: str) -> str:
     lines = [
-        f"Clip: {clip_s:.1f} s of espeak-ng speech (one window), {threads} thread(s), {runs} "
+        f"Clip: {clip_s:.1f} s of espeak-ng speech (fits one window), {threads} thread(s), {runs} "
         f"alternating runs, medians; load average during the runs {load}.",
         "",
         "| cellm | faster-whisper | cellm RTF | fw RTF | speedup (fw s / cellm s) | "
