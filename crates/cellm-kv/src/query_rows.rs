@@ -35,12 +35,36 @@ pub(crate) fn attend(
     let passes = n_heads.div_ceil(per_pass);
     let pass_heads = |p: usize| p * per_pass..((p + 1) * per_pass).min(n_heads);
     let rows = row_of.len();
-    let longest = row_of.iter().map(|&(_, _, pos)| pos / ps + 1).max().unwrap_or(1);
-    let chunks = (2 * current_threads()).div_ceil(rows * passes).clamp(1, longest);
+    // Each row's context splits into chunks of whole pages by its own length alone (at
+    // least MIN_CHUNK pages each, at most two per thread), never by the other rows of the
+    // batch: a session's output, and the order its chunks' partial softmaxes merge in, is
+    // then bitwise the same whether it is decoded alone or beside any others. A lone token's
+    // long context still spreads over every thread.
+    let most = 2 * current_threads();
+    let min_pages = (MIN_CHUNK / ps).max(1);
+    let page_span = |pos: usize| (shape.first_visible(pos) / ps, pos / ps + 1);
+    let split = |pos: usize| {
+        let (lo, hi) = page_span(pos);
+        let chunks = (hi - lo).div_ceil(min_pages).clamp(1, most);
+        (lo, hi, (hi - lo).div_ceil(chunks), chunks)
+    };
+    // Per (row, pass) unit: its first chunk's index in `partial`, and its chunk count.
+    let mut units = Vec::with_capacity(rows * passes);
+    let mut total = 0;
+    for &(_, _, pos) in &row_of {
+        let count = split(pos).3;
+        for _ in 0..passes {
+            units.push((total, count));
+            total += count;
+        }
+    }
+    // Task -> (unit, chunk within the unit).
+    let tasks: Vec<(usize, usize)> =
+        units.iter().enumerate().flat_map(|(u, &(_, n))| (0..n).map(move |c| (u, c))).collect();
     let width = n_heads * hd;
     let pass_width = per_pass.min(n_heads) * hd;
-    let mut partial = vec![Partial::default(); rows * passes * chunks];
-    let mut acc = vec![0.0f32; rows * passes * chunks * pass_width];
+    let mut partial = vec![Partial::default(); total];
+    let mut acc = vec![0.0f32; total * pass_width];
     let (parts, accs) = (SharedOut(partial.as_mut_ptr()), SharedOut(acc.as_mut_ptr()));
     // Each row's queries times the scale, once for all its chunks instead of in every
     // score.
@@ -48,34 +72,35 @@ pub(crate) fn attend(
         .iter()
         .flat_map(|&(r, _, _)| call.q[r * width..(r + 1) * width].iter().map(|x| x * shape.scale))
         .collect();
-    let tasks = RowTasks { pool, shape, reader: pool.config().encoding.reader() };
-    parallel_for(rows * passes * chunks, |task| {
-        let (unit, chunk) = (task / chunks, task % chunks);
+    let tasks_of = RowTasks { pool, shape, reader: pool.config().encoding.reader() };
+    parallel_for(tasks.len(), |task| {
+        let (unit, chunk) = tasks[task];
         let (row, heads) = (unit / passes, pass_heads(unit % passes));
         let (_, si, pos) = row_of[row];
         let first = shape.first_visible(pos);
-        let (lo, hi) = (first / ps, pos / ps + 1);
-        let per = (hi - lo).div_ceil(chunks);
+        let (lo, hi, per, _) = split(pos);
         let pages_of_chunk = (lo + chunk * per).min(hi)..(lo + (chunk + 1) * per).min(hi);
         let o_len = heads.len() * hd;
-        // SAFETY: task `task` alone writes its partial record and accumulator slice.
+        let slot = units[unit].0 + chunk;
+        // SAFETY: chunk `slot` belongs to this task alone: it writes that partial record
+        // and accumulator slice only.
         let (part, o) = unsafe {
             (
-                &mut *parts.at(task),
-                std::slice::from_raw_parts_mut(accs.at(task * pass_width), o_len),
+                &mut *parts.at(slot),
+                std::slice::from_raw_parts_mut(accs.at(slot * pass_width), o_len),
             )
         };
         let q = &scaled[row * width + heads.start * hd..row * width + heads.end * hd];
         let query = Query { seq: call.spans[si].kv, layer: call.layer, q, heads, first, pos };
-        tasks.attend_pages(&query, pages_of_chunk, part, o);
+        tasks_of.attend_pages(&query, pages_of_chunk, part, o);
     });
     for (row, &(r, _, _)) in row_of.iter().enumerate() {
         for pass in 0..passes {
             let heads = pass_heads(pass);
-            let unit = row * passes + pass;
+            let (at, count) = units[row * passes + pass];
             merge(
-                &partial[unit * chunks..(unit + 1) * chunks],
-                &acc[unit * chunks * pass_width..(unit + 1) * chunks * pass_width],
+                &partial[at..at + count],
+                &acc[at * pass_width..(at + count) * pass_width],
                 pass_width,
                 hd,
                 &mut out[r * width + heads.start * hd..r * width + heads.end * hd],
@@ -209,6 +234,10 @@ fn f32_bytes(v: &[f32]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
+/// The fewest cached positions a row's chunk takes (rounded to whole pages, at least one):
+/// shorter chunks cost more in merging than they gain in spreading.
+const MIN_CHUNK: usize = 64;
+
 /// The largest page and head count one attention task handles on its stack.
 const MAX_PAGE: usize = 64;
 const MAX_HEADS: usize = 64;
@@ -255,5 +284,130 @@ fn merge(parts: &[Partial], accs: &[f32], stride: usize, hd: usize, out: &mut [f
         }
         let inv = 1.0 / denom;
         oh.iter_mut().for_each(|o| *o *= inv);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{AttentionCall, AttentionShape, KvConfig, KvEncoding, PagePool, SeqKv, SeqSpan};
+
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n).map(|i| (((i + seed) * 7919) % 997) as f32 / 498.0 - 1.0).collect()
+    }
+
+    /// One decode step's attention output for `sessions[0]`, decoded alone and beside the
+    /// other sessions: it must not depend on what else is in the batch, bitwise, with and
+    /// without threads (the chunks a row's context splits into are the row's own).
+    #[test]
+    fn a_decode_row_ignores_the_rest_of_the_batch() {
+        let (n_heads, n_kv, hd) = (9, 3, 64);
+        let shape = AttentionShape {
+            n_heads,
+            n_kv_heads: n_kv,
+            head_dim: hd,
+            scale: 0.125,
+            window: None,
+            softcap: None,
+        };
+        let (w, kw) = (n_heads * hd, n_kv * hd);
+        for encoding in [KvEncoding::F32, KvEncoding::F16, KvEncoding::Int8, KvEncoding::Int4] {
+            for threads in [1, 2, 4] {
+                let workers = cellm_kernels::pool::ThreadPool::new(threads).unwrap();
+                let lens = [300, 7, 100, 45];
+                let mut pool = PagePool::new(KvConfig {
+                    num_layers: 1,
+                    kv_heads: n_kv,
+                    head_dim: hd,
+                    page_size: 16,
+                    max_pages: 64,
+                    encoding,
+                    windows: Vec::new(),
+                    values_in_keys: false,
+                });
+                let mut seqs: Vec<SeqKv> = lens.iter().map(|_| pool.new_seq()).collect();
+                for (i, (seq, &len)) in seqs.iter_mut().zip(&lens).enumerate() {
+                    pool.reserve(seq, len + 1).unwrap();
+                    let spans = [SeqSpan { kv: seq, start: 0, len, row0: 0 }];
+                    let (q, k, v) =
+                        (values(len * w, i), values(len * kw, i + 1), values(len * kw, i + 2));
+                    let call = AttentionCall {
+                        layer: 0,
+                        spans: &spans,
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        shape: &shape,
+                    };
+                    let mut out = vec![0.0; len * w];
+                    workers.install(|| call.run(&mut pool, &mut out));
+                }
+                let step = |pool: &mut PagePool, members: &[usize]| {
+                    let spans: Vec<SeqSpan> = members
+                        .iter()
+                        .enumerate()
+                        .map(|(r, &m)| SeqSpan { kv: &seqs[m], start: lens[m], len: 1, row0: r })
+                        .collect();
+                    let rows = members.len();
+                    let mut q = Vec::new();
+                    let (mut k, mut v) = (Vec::new(), Vec::new());
+                    for &m in members {
+                        q.extend(values(w, 50 + m));
+                        k.extend(values(kw, 60 + m));
+                        v.extend(values(kw, 70 + m));
+                    }
+                    let call = AttentionCall {
+                        layer: 0,
+                        spans: &spans,
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        shape: &shape,
+                    };
+                    let mut out = vec![0.0; rows * w];
+                    workers.install(|| call.run(pool, &mut out));
+                    out
+                };
+                let alone = step(&mut pool, &[0]);
+                if encoding == KvEncoding::F32 {
+                    check_dense(&shape, lens[0], &alone);
+                }
+                for others in [&[0, 1][..], &[0, 1, 2, 3], &[2, 0, 3]] {
+                    let got = step(&mut pool, others);
+                    let at = others.iter().position(|&m| m == 0).unwrap();
+                    let same = got[at * w..(at + 1) * w] == alone[..];
+                    assert!(same, "{encoding:?} on {threads} threads, batch {others:?}");
+                }
+            }
+        }
+    }
+
+    /// Session 0's decode row (its context split into several chunks) against a dense
+    /// softmax over the same f32 keys and values: sums of at most 301 products of
+    /// magnitude < 1, so within 1e-5.
+    fn check_dense(shape: &AttentionShape, len: usize, got: &[f32]) {
+        let (hd, group) = (shape.head_dim, shape.n_heads / shape.n_kv_heads);
+        let kw = shape.n_kv_heads * hd;
+        let (mut k, mut v) = (values(len * kw, 1), values(len * kw, 2));
+        k.extend(values(kw, 60));
+        v.extend(values(kw, 70));
+        let q = values(shape.n_heads * hd, 50);
+        for h in 0..shape.n_heads {
+            let g = h / group;
+            let scores: Vec<f32> = (0..=len)
+                .map(|p| {
+                    let key = &k[p * kw + g * hd..][..hd];
+                    q[h * hd..(h + 1) * hd].iter().zip(key).map(|(a, b)| a * b).sum::<f32>()
+                        * shape.scale
+                })
+                .collect();
+            let top = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = scores.iter().map(|s| (s - top).exp()).collect();
+            let z: f32 = e.iter().sum();
+            for d in 0..hd {
+                let want: f32 = (0..=len).map(|p| e[p] / z * v[p * kw + g * hd + d]).sum();
+                let g = got[h * hd + d];
+                assert!((want - g).abs() < 1e-5, "head {h} dim {d}: {want} vs {g}");
+            }
+        }
     }
 }
