@@ -37,6 +37,24 @@ def server(converted):
 
 
 @pytest.fixture(scope="module")
+def q4_1_server(tmp_path_factory):
+    """The same server on the llama fixture quantized to q4_1 (int8 activations, f16 KV) on 2
+    threads: a batched decode step there must give each session what it gets alone too."""
+    from cellm.convert import convert_hf
+    from conftest import FIXTURES
+
+    path = convert_hf(
+        FIXTURES / "llama", tmp_path_factory.mktemp("q4_1") / "q.cellm", "f32", quantize="q4_1"
+    )
+    llm = LLM(path, threads=2)
+    scheduler = Scheduler(llm, max_running=8)
+    scheduler.start()
+    with serving(build_app(llm, "tiny", scheduler)) as (url, port):
+        yield SimpleNamespace(url=url, llm=llm, scheduler=scheduler, port=port)
+    scheduler.close()
+
+
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=60)
 
@@ -249,10 +267,12 @@ def test_tool_calls_come_back_in_openai_form(server):
     assert call["function"]["arguments"] == '{"city": "Accra"}'
 
 
-def test_32_concurrent_streaming_clients_with_disconnects(server):
+@pytest.mark.parametrize("which", ["server", "q4_1_server"])
+def test_32_concurrent_streaming_clients_with_disconnects(which, request):
     """Random prompt lengths, a quarter of the clients leave mid-stream: every completed answer
     equals the request alone, nothing fails, the pool returns to its baseline and RSS stays
-    bounded."""
+    bounded. On the f32 fixture and on its q4_1 quantization."""
+    server = request.getfixturevalue(which)
     rng = random.Random(0)
     jobs = [
         ([rng.randrange(3, 900) for _ in range(rng.randrange(1, 60))], rng.random() < 0.25)
