@@ -173,6 +173,13 @@ mod tests {
                 let x: Vec<Q8Row> = acts[..tokens].iter().map(|a| a.row(0)).collect();
                 let mut out = vec![[0.0; INTERLEAVE]; tokens];
                 kern(&group, &x, &mut out);
+                // Each token gets bitwise what it gets alone: a session's result must not
+                // depend on the batch it is decoded in.
+                for (t, xt) in x.iter().enumerate() {
+                    let mut alone = [[0.0; INTERLEAVE]];
+                    kern(&group, std::slice::from_ref(xt), &mut alone);
+                    assert!(out[t] == alone[0], "{format:?} {path} {case}: token {t} of {tokens}");
+                }
                 for (t, xt) in x.iter().enumerate() {
                     for lane in 0..INTERLEAVE {
                         let src = &data[lane * row.len()..(lane + 1) * row.len()];
