@@ -146,7 +146,10 @@ impl RowTasks<'_> {
         let head_bytes = pool.config().encoding.head_bytes(hd);
         let (rb, ps) = (pool.row_bytes(), pool.config().page_size);
         // A compressed page's rows of one kv head, widened to f32 (they stay in L1).
-        let mut widened = vec![0.0f32; ps * hd];
+        let mut widened = match self.reader {
+            PageReader::Widened { .. } => vec![0.0f32; ps * hd],
+            PageReader::Float(_) => Vec::new(),
+        };
         let (max, denom) = (&mut part.max, &mut part.denom);
         // scores[h * count + slot] for the page's `count` live slots, then the softmax
         // weights in place.
@@ -236,7 +239,7 @@ fn f32_bytes(v: &[f32]) -> &[u8] {
 
 /// The fewest cached positions a row's chunk takes (rounded to whole pages, at least one):
 /// shorter chunks cost more in merging than they gain in spreading.
-const MIN_CHUNK: usize = 64;
+const MIN_CHUNK: usize = 128;
 
 /// The largest page and head count one attention task handles on its stack.
 const MAX_PAGE: usize = 64;
