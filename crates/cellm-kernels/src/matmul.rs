@@ -161,7 +161,7 @@ impl<'a> Product<'a> {
 
     /// `out[t, r]` for every token and the rows of `units`. Tokens run in blocks whose int8
     /// activations fit in L2 (`ACT_BLOCK_BYTES`); within a block each row (or group) is read
-    /// once per 4 tokens.
+    /// once per 8 tokens (the group kernels take them 8 at a time on AVX-512, 4 elsewhere).
     fn run(&self, units: std::ops::Range<usize>) {
         if let Kernel::Float(tile, x, packed) = self.kernel {
             return self.run_float(tile, x, packed, units);
@@ -175,7 +175,7 @@ impl<'a> Product<'a> {
             });
         }
         let (n, tokens) = (self.w.rows, self.tokens);
-        // At least one 4-token step, however wide the rows.
+        // At least one step of x8::MAX_TOKENS tokens, however wide the rows.
         let block = (ACT_BLOCK_BYTES / self.w.cols.max(1)).max(1).next_multiple_of(x8::MAX_TOKENS);
         for t_lo in (0..tokens).step_by(block) {
             self.run_block(units.clone(), t_lo..(t_lo + block).min(tokens), n);
@@ -195,14 +195,20 @@ impl<'a> Product<'a> {
                         INTERLEAVE
                     }
                     Kernel::Integer((one, four), acts) => {
-                        if count == 4 {
-                            let x =
-                                [acts.row(t), acts.row(t + 1), acts.row(t + 2), acts.row(t + 3)];
+                        let mut i = 0;
+                        while i + 4 <= count {
+                            let at = t + i;
+                            let x = [
+                                acts.row(at),
+                                acts.row(at + 1),
+                                acts.row(at + 2),
+                                acts.row(at + 3),
+                            ];
                             let v = four(bytes, &x);
-                            (0..4).for_each(|i| vals[i][0] = v[i]);
-                        } else {
-                            (0..count).for_each(|i| vals[i][0] = one(bytes, acts.row(t + i)));
+                            (0..4).for_each(|k| vals[i + k][0] = v[k]);
+                            i += 4;
                         }
+                        (i..count).for_each(|k| vals[k][0] = one(bytes, acts.row(t + k)));
                         1
                     }
                     Kernel::Float(..) | Kernel::I8Gemm(..) => {
@@ -312,7 +318,7 @@ mod tests {
             let w = WeightRows { format, bytes: &bytes, rows, cols };
             let mut whole = vec![0.0; tokens * rows];
             matmul_raw(&x, tokens, w, &mut whole);
-            let half = 600; // a multiple of the 4-token step, inside the first block
+            let half = 600; // a multiple of the 8-token step, inside the first block
             let mut parts = vec![0.0; tokens * rows];
             let (lo, hi) = parts.split_at_mut(half * rows);
             matmul_raw(&x[..half * cols], half, w, lo);

@@ -16,9 +16,9 @@ use super::int_scalar;
 use crate::acts::Q8Row;
 
 /// Most tokens one group-kernel call takes.
-pub const MAX_TOKENS: usize = 4;
+pub const MAX_TOKENS: usize = 8;
 
-/// `out[t][r] = dot(row r of the group, x[t])` for `x.len() == out.len()` tokens (1..=4).
+/// `out[t][r] = dot(row r of the group, x[t])` for `x.len() == out.len()` tokens (1..=8).
 pub type QDotX8Fn = fn(&[u8], &[Q8Row], &mut [[f32; INTERLEAVE]]);
 
 /// Panics unless a group kernel's arguments fit: whole block columns, one output per
@@ -156,7 +156,7 @@ mod tests {
             .collect()
     }
 
-    /// Every ISA's group kernel, for 1..=4 tokens, equals the row kernel on the rows of `data`
+    /// Every ISA's group kernel, for 1..=8 tokens, equals the row kernel on the rows of `data`
     /// (8 source rows), after they went into a group and back out.
     fn assert_group_matches(format: TensorFormat, data: &[u8], acts: &[Q8Acts], case: &str) {
         let base = format.interleaved().unwrap().base;

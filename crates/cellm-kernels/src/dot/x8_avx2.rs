@@ -422,7 +422,7 @@ unsafe fn run<const P: u8, const N: usize, const F: usize>(
     }
 }
 
-/// Format `F` (index into `TensorFormat::INTERLEAVED`) on path `P` for 1..=4 tokens.
+/// Format `F` (index into `TensorFormat::INTERLEAVED`) on path `P` for 1..=8 tokens.
 fn entry<const P: u8, const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLEAVE]]) {
     // AVX2's q6_k kernel takes its offset off with the activations' sums of 16.
     check_group_args(TensorFormat::INTERLEAVED[F], group, x, out.len(), F == 5);
@@ -434,7 +434,21 @@ fn entry<const P: u8, const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32
             2 => run::<P, 2, F>(group, x, out),
             3 => run::<P, 3, F>(group, x, out),
             4 => run::<P, 4, F>(group, x, out),
-            n => panic!("group kernels take 1..=4 tokens, got {n}"),
+            // AVX-512's 32 registers hold 8 tokens' sums: each weight block is unpacked once
+            // for all of them. The 16-register paths take them 4 at a time.
+            n @ 5..=8 if P == bytes::AVX512_VNNI => match n {
+                5 => run::<P, 5, F>(group, x, out),
+                6 => run::<P, 6, F>(group, x, out),
+                7 => run::<P, 7, F>(group, x, out),
+                _ => run::<P, 8, F>(group, x, out),
+            },
+            5..=8 => {
+                let (xa, xb) = x.split_at(4);
+                let (oa, ob) = out.split_at_mut(4);
+                entry::<P, F>(group, xa, oa);
+                entry::<P, F>(group, xb, ob);
+            }
+            n => panic!("group kernels take 1..=8 tokens, got {n}"),
         }
     }
 }

@@ -328,7 +328,8 @@ unsafe fn run_dotprod<const N: usize, const F: usize>(g: &[u8], x: &[Q8Row], o: 
     body::<Dotprod, N, F>(g, x, o)
 }
 
-/// Format `F` (index into `TensorFormat::INTERLEAVED`) on path `P` for 1..=4 tokens.
+/// Format `F` (index into `TensorFormat::INTERLEAVED`) on path `P` for 1..=8 tokens (4 at a
+/// time).
 fn entry<const P: u8, const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32; INTERLEAVE]]) {
     check_group_args(TensorFormat::INTERLEAVED[F], group, x, out.len(), false);
     macro_rules! go {
@@ -349,7 +350,13 @@ fn entry<const P: u8, const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32
         2 => go!(2),
         3 => go!(3),
         4 => go!(4),
-        n => panic!("group kernels take 1..=4 tokens, got {n}"),
+        5..=8 => {
+            let (xa, xb) = x.split_at(4);
+            let (oa, ob) = out.split_at_mut(4);
+            entry::<P, F>(group, xa, oa);
+            entry::<P, F>(group, xb, ob);
+        }
+        n => panic!("group kernels take 1..=8 tokens, got {n}"),
     }
 }
 
