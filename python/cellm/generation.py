@@ -18,6 +18,11 @@ from cellm.structured import TokenConstraint, grammar_for
 from cellm.textstream import IncrementalDecoder, StopStringMatcher
 from cellm.tokenizer import Tokenizer
 
+# The fewest prompt rows a reused prefix leaves to prefill: attention sends runs of fewer new
+# rows through its row path, which rounds differently from the query tiles that filled the
+# cached pages (`MIN_TILED_ROWS` in crates/cellm-kv/src/attention.rs and cellm/scheduler.py).
+MIN_PREFILL_TAIL = 8
+
 
 @dataclass
 class Timings:
@@ -117,8 +122,14 @@ class KvSession:
                     keep = 0
             del self.ids[keep:]
         if not self.ids:
+            # Cached pages cover whole pages of the prompt; the rest is prefilled here. Leave
+            # at least MIN_PREFILL_TAIL rows, so the rest runs through attention's query tiles
+            # as it did when those pages were filled (chunks of the scheduler never end with
+            # fewer rows), and the prompt's logits are bitwise a cold run's.
+            cap = len(ids) - MIN_PREFILL_TAIL + 1
+            share = cap if shareable is None else min(shareable, cap)
             with self._lock:
-                keep = self._engine.reuse_prefix(self.live(), ids[:shareable])
+                keep = self._engine.reuse_prefix(self.live(), ids[: max(share, 0)])
             self.ids = ids[:keep]
         return ids[keep:]
 
