@@ -51,7 +51,7 @@ def perplexity_and_bytes(llm: LLM, ids: list[int]) -> tuple[float, float]:
             rows = np.arange(len(targets))
             nll -= float(lp[rows, targets].sum())
             count += len(targets)
-        in_use, _, page_bytes = engine.kv_stats()
+        in_use, _, page_bytes = engine.kv_stats()[:3]
     finally:
         engine.free_session(session)
     return float(np.exp(nll / count)), in_use * page_bytes / len(ids)

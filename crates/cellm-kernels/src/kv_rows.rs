@@ -8,7 +8,8 @@
 //!   is stored as a whole one, its missing values zero.
 //!
 //! The cache rotates rows before they get here (`cellm-kv`), which spreads a head's outlier
-//! dimensions over all of them, so one scale fits the row (int8) or each group (int4).
+//! dimensions over all of them, so one scale fits the row (int8) or each group (int4); 4-bit
+//! keys are first taken relative to a per-page header there (`KeyHeader`).
 //!
 //! Attention widens a page's rows of one kv head to f32 (in L1, per page) with [`KvCodes`]'
 //! decoders, then runs the float kernels on them: nothing wider than these bytes is kept.

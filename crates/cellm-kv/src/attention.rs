@@ -40,8 +40,11 @@ impl AttentionCall<'_> {
         let Some(r) = pool.config().encoding.rotation(self.shape.head_dim) else {
             return self.attend_stored(pool, out);
         };
+        // Unless keys are stored against page headers: then queries turn page by page.
         let mut q = self.q.to_vec();
-        r.rotate(&mut q);
+        if !pool.config().key_headers() {
+            r.rotate(&mut q);
+        }
         AttentionCall { q: &q, ..*self }.attend_stored(pool, out);
         let width = self.shape.n_heads * self.shape.head_dim;
         for s in self.spans {
@@ -79,7 +82,7 @@ impl AttentionCall<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::encoding::stored_values;
+    use crate::encoding::{stored_keys, stored_values};
     use crate::{AttentionShape, KvConfig, KvEncoding};
 
     /// Paged attention equals a dense softmax(q.K^T * scale) V computed directly, for a
@@ -177,7 +180,8 @@ mod tests {
         let q: Vec<f32> = (0..len * n_heads * hd).map(|i| val(i + 3)).collect();
         let k: Vec<f32> = (0..len * n_kv * hd).map(|i| val(i + 11)).collect();
         let v: Vec<f32> = (0..len * n_kv * hd).map(|i| val(i + 29)).collect();
-        let (k_held, v_held) = (stored_values(encoding, hd, &k), stored_values(encoding, hd, &v));
+        let k_held = stored_keys(encoding, hd, (n_kv, 4), &k);
+        let v_held = stored_values(encoding, hd, &v);
         let mut seq = pool.new_seq();
         pool.reserve(&mut seq, len).unwrap();
         let shape = AttentionShape {

@@ -2,7 +2,7 @@
 
 use cellm_format::{Error, Result};
 
-use crate::encoding::KvEncoding;
+use crate::encoding::{KeyHeader, KvEncoding};
 use crate::prefix::{chain_key, PrefixCache};
 
 #[derive(Debug, Clone)]
@@ -24,6 +24,21 @@ pub struct KvConfig {
 }
 
 impl KvConfig {
+    /// Whether pages keep a key header per kv head ([`crate::encoding::KeyHeader`]); not
+    /// where values are read from the keys (which then stay plain rotated rows).
+    pub(crate) fn key_headers(&self) -> bool {
+        self.encoding.key_header() && !self.values_in_keys
+    }
+
+    /// Bytes of one kv head's key header for heads of `hd` (0 without headers).
+    pub(crate) fn header_bytes(&self, hd: usize) -> usize {
+        if self.key_headers() {
+            self.encoding.header_bytes(hd)
+        } else {
+            0
+        }
+    }
+
     fn window(&self, layer: usize) -> Option<usize> {
         self.windows.get(layer).copied().flatten()
     }
@@ -176,6 +191,13 @@ impl PagePool {
             None => self.prefix.as_mut().and_then(PrefixCache::evict).expect("checked available"),
         };
         self.refs[id as usize] = 1;
+        // A page used before keeps its old key headers until its first position is written;
+        // zero them, so rows written without one (never in the engine) are read against a
+        // zero reference rather than another session's.
+        if self.host_storage {
+            let at = self.refs_at();
+            words_as_bytes_mut(&mut self.pages[id as usize])[at..].fill(0);
+        }
         id
     }
 
@@ -201,7 +223,14 @@ impl PagePool {
         self.pages.len()
     }
 
+    /// A page's rows (keys, then values) and, where the encoding keeps them, its key
+    /// headers (one per kv head, after the rows).
     pub fn page_bytes(&self) -> usize {
+        self.refs_at() + self.cfg.kv_heads * self.cfg.header_bytes(self.cfg.head_dim)
+    }
+
+    /// Where a page's key headers start: after its row planes.
+    fn refs_at(&self) -> usize {
         self.planes() * self.cfg.page_size * self.row_bytes
     }
 
@@ -431,30 +460,65 @@ impl PagePool {
         v: &[f32],
     ) {
         let (page, slot) = (seq.page(layer, pos / self.cfg.page_size), pos % self.cfg.page_size);
-        let (rb, ps) = (self.row_bytes, self.cfg.page_size);
+        let (rb, ps, refs_at) = (self.row_bytes, self.cfg.page_size, self.refs_at());
         let values = !self.cfg.values_in_keys;
-        let bytes = words_as_bytes_mut(&mut self.pages[page as usize]);
-        let (keys, vals) = bytes.split_at_mut(ps * rb);
         let (enc, hb) = (self.cfg.encoding, self.cfg.encoding.head_bytes(hd));
         assert!(k.len() / hd * hb <= rb, "KV rows of {} values are wider than the pool's", k.len());
         let rotation = enc.rotation(hd);
-        let store = |src: &[f32], dst: &mut [u8]| {
-            let mut rotated = Vec::new();
-            let src = match &rotation {
-                Some(r) => {
-                    rotated.extend_from_slice(src);
-                    r.rotate(&mut rotated);
-                    &rotated[..]
+        let rotated = |src: &[f32]| {
+            let mut x = src.to_vec();
+            if let Some(r) = &rotation {
+                r.rotate(&mut x);
+            }
+            x
+        };
+        let mut key = k.to_vec();
+        if self.cfg.key_headers() {
+            // Keys relative to their page's header, which the page's first position writes
+            // (from that key and the previous page) and which stays while any later
+            // position of the page is kept.
+            let r = rotation.as_ref().expect("a rotating encoding");
+            let hdr = self.cfg.header_bytes(hd);
+            let index = pos / ps;
+            let prev = match index.checked_sub(1).map(|i| seq.pages[layer][i]) {
+                Some(id) if slot == 0 && id != RELEASED => {
+                    self.page_keys(id, layer_heads(k, hd), hd)
                 }
-                None => src,
+                _ => Vec::new(),
             };
+            let bytes = words_as_bytes_mut(&mut self.pages[page as usize]);
+            let refs = &mut bytes[refs_at..];
+            for (h, (head, at)) in
+                key.chunks_exact_mut(hd).zip(refs.chunks_exact_mut(hdr)).enumerate()
+            {
+                let header = if slot == 0 {
+                    let prev: Vec<f32> = prev
+                        .chunks_exact(hd)
+                        .skip(h)
+                        .step_by(k.len() / hd)
+                        .flatten()
+                        .copied()
+                        .collect();
+                    KeyHeader::encode(head, &prev, at)
+                } else {
+                    KeyHeader::decode(at, hd)
+                };
+                KeyHeader::encode_key((&header.0, &header.1), r, head);
+            }
+        } else if let Some(r) = &rotation {
+            r.rotate(&mut key);
+        }
+        let bytes = words_as_bytes_mut(&mut self.pages[page as usize]);
+        let (rows, _) = bytes.split_at_mut(refs_at);
+        let (keys, vals) = rows.split_at_mut(ps * rb);
+        let store = |src: &[f32], dst: &mut [u8]| {
             for (head, out) in src.chunks_exact(hd).zip(dst.chunks_exact_mut(hb)) {
                 enc.encode(head, out);
             }
         };
-        store(k, &mut keys[slot * rb..(slot + 1) * rb]);
+        store(&key, &mut keys[slot * rb..(slot + 1) * rb]);
         if values {
-            store(v, &mut vals[slot * rb..(slot + 1) * rb]);
+            store(&rotated(v), &mut vals[slot * rb..(slot + 1) * rb]);
         }
     }
 
@@ -470,6 +534,32 @@ impl PagePool {
         }
     }
 
+    /// The keys of page `id` (all its positions) as the model gave them, `heads` heads of
+    /// `hd` per position, decoded through its key headers.
+    fn page_keys(&self, id: u32, heads: usize, hd: usize) -> Vec<f32> {
+        let bytes = words_as_bytes(&self.pages[id as usize]);
+        let (rb, hb, hdr) =
+            (self.row_bytes, self.cfg.encoding.head_bytes(hd), self.cfg.header_bytes(hd));
+        let rotation = self.cfg.encoding.rotation(hd).expect("a rotating encoding");
+        let headers: Vec<_> = (0..heads)
+            .map(|h| KeyHeader::decode(&bytes[self.refs_at() + h * hdr..][..hdr], hd))
+            .collect();
+        let mut out = vec![0.0f32; self.cfg.page_size * heads * hd];
+        for (i, o) in out.chunks_exact_mut(hd).enumerate() {
+            let (slot, h) = (i / heads, i % heads);
+            let row = &bytes[slot * rb + h * hb..][..hb];
+            KeyHeader::decode_key((&headers[h].0, &headers[h].1), &rotation, row, o);
+        }
+        out
+    }
+
+    /// The key headers of page `index` of `layer` (one per kv head, each `header_bytes` of
+    /// the layer's head size apart; empty without them).
+    pub(crate) fn page_refs(&self, seq: &SeqKv, layer: usize, index: usize) -> &[u8] {
+        let bytes = words_as_bytes(&self.pages[seq.page(layer, index) as usize]);
+        &bytes[self.refs_at()..self.page_bytes()]
+    }
+
     pub(crate) fn row_bytes(&self) -> usize {
         self.row_bytes
     }
@@ -481,6 +571,11 @@ impl PagePool {
         let (rb, slot) = (self.row_bytes, pos % self.cfg.page_size);
         (&k[slot * rb..(slot + 1) * rb], &v[slot * rb..(slot + 1) * rb])
     }
+}
+
+/// Heads of `hd` in a key row `k`.
+fn layer_heads(k: &[f32], hd: usize) -> usize {
+    k.len() / hd
 }
 
 fn words_as_bytes(w: &[u32]) -> &[u8] {

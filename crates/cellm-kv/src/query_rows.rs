@@ -9,7 +9,7 @@ use cellm_kernels::gating::exp_in_place;
 use cellm_kernels::pool::{current_threads, parallel_for, SharedOut};
 
 use crate::call::{AttentionCall, AttentionShape};
-use crate::encoding::PageReader;
+use crate::encoding::{KeyHeader, PageReader};
 use crate::pool::{PagePool, SeqKv};
 
 /// Writes into `out` the attention of `row_of`'s rows, each `(row of q and out, span,
@@ -150,12 +150,19 @@ impl RowTasks<'_> {
             PageReader::Widened { .. } => vec![0.0f32; ps * hd],
             PageReader::Float(_) => Vec::new(),
         };
+        // Key headers (where the encoding keeps them): the queries turned for a page's kv
+        // head, `R (s * q)` per query head, and `q . ref` (queries come unrotated).
+        let hdr = pool.config().header_bytes(hd);
+        let rotation = pool.config().encoding.rotation(hd);
+        let mut turned = vec![0.0f32; n_heads * hd];
+        let mut offsets = vec![0.0f32; n_heads];
         let (max, denom) = (&mut part.max, &mut part.denom);
         // scores[h * count + slot] for the page's `count` live slots, then the softmax
         // weights in place.
         let mut scores = vec![0.0f32; n_heads * ps];
         for page in pages.clone() {
             let (krows, vrows) = pool.page_rows(query.seq, query.layer, page);
+            let refs = pool.page_refs(query.seq, query.layer, page);
             // A chunk's first page was not requested ahead: ask for all of it at once rather
             // than meet its misses one kv head's strided rows at a time.
             if page == pages.start {
@@ -188,7 +195,27 @@ impl RowTasks<'_> {
                 let scores = &mut scores[hs.start * count..hs.end * count];
                 ahead(next.0, kv);
                 let rows = readable(reader, stored(krows, kv), head_bytes, &mut widened);
-                (kern.dot)(rows, &query.q[hs.start * hd..hs.end * hd], scores);
+                let q = &query.q[hs.start * hd..hs.end * hd];
+                if hdr == 0 {
+                    (kern.dot)(rows, q, scores);
+                    continue;
+                }
+                let (reference, scales) = KeyHeader::decode(&refs[kv * hdr..][..hdr], hd);
+                let turned = &mut turned[hs.start * hd..hs.end * hd];
+                let r = rotation.as_ref().expect("a rotating encoding");
+                for ((t, qh), c) in turned
+                    .chunks_exact_mut(hd)
+                    .zip(q.chunks_exact(hd))
+                    .zip(&mut offsets[hs.clone()])
+                {
+                    *c = qh.iter().zip(&reference).map(|(a, b)| a * b).sum();
+                    t.iter_mut().zip(qh).zip(&scales).for_each(|((t, q), s)| *t = q * s);
+                    r.rotate(t);
+                }
+                (kern.dot)(rows, turned, scores);
+                for (h, c) in scores.chunks_exact_mut(count).zip(&offsets[hs.clone()]) {
+                    h.iter_mut().for_each(|s| *s += c);
+                }
             }
             if let Some(cap) = shape.softcap {
                 scores.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());

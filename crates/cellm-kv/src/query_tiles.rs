@@ -21,6 +21,7 @@ use cellm_kernels::panel::{TileFn, PANEL_ROWS, PANEL_TOKENS};
 use cellm_kernels::pool::{parallel_for, SharedOut};
 
 use crate::call::{AttentionCall, AttentionShape, SeqSpan};
+use crate::encoding::KeyHeader;
 use crate::pool::PagePool;
 
 /// Consecutive query positions per task: their query vectors share each widened block.
@@ -104,12 +105,28 @@ impl Tiles<'_> {
         let head_bytes = self.pool.config().encoding.head_bytes(hd);
         let mut row = vec![0.0f32; hd];
         block.keys = keys.len();
+        // Key headers (where the encoding keeps them): keys decode to the model's own
+        // (queries come unrotated); the header of page `page_ref`, decoded once per page.
+        let hdr = self.pool.config().header_bytes(hd);
+        let rotation = self.pool.config().encoding.rotation(hd);
+        let (mut header, mut page_ref) = ((Vec::new(), Vec::new()), usize::MAX);
         // Keys past the block's end keep their last values: their scores are masked and
         // their weights are zero, but they must be finite, so the buffers start zeroed.
         for (j, pos) in keys.enumerate() {
             let (krows, vrows) = self.pool.page_rows(tile.span.kv, self.call.layer, pos / ps);
             let at = (pos % ps) * rb + kv_head * head_bytes;
-            (decode)(&krows[at..at + head_bytes], &mut row);
+            if hdr == 0 {
+                (decode)(&krows[at..at + head_bytes], &mut row);
+            } else {
+                if page_ref != pos / ps {
+                    let refs = self.pool.page_refs(tile.span.kv, self.call.layer, pos / ps);
+                    header = KeyHeader::decode(&refs[kv_head * hdr..][..hdr], hd);
+                    page_ref = pos / ps;
+                }
+                let r = rotation.as_ref().expect("a rotating encoding");
+                let stored = &krows[at..at + head_bytes];
+                KeyHeader::decode_key((&header.0, &header.1), r, stored, &mut row);
+            }
             let (b, r) = (j / PANEL_ROWS, j % PANEL_ROWS);
             let panel = &mut block.k[b * hd * PANEL_ROWS..(b + 1) * hd * PANEL_ROWS];
             for (d, &v) in row.iter().enumerate() {
@@ -315,7 +332,7 @@ impl TileState {
 
 #[cfg(test)]
 mod tests {
-    use crate::encoding::stored_values;
+    use crate::encoding::{stored_keys, stored_values};
     use crate::{AttentionCall, AttentionShape, KvConfig, KvEncoding, PagePool, SeqSpan};
 
     /// Exact in f16 (multiples of 1/32 below 2), so both cache encodings hold the same values;
@@ -404,7 +421,7 @@ mod tests {
                 let held: Vec<[Vec<f32>; 2]> = data
                     .iter()
                     .map(|[_, k, v]| {
-                        [stored_values(encoding, hd, k), stored_values(encoding, hd, v)]
+                        [stored_keys(encoding, hd, (n_kv, ps), k), stored_values(encoding, hd, v)]
                     })
                     .collect();
                 let mut seqs: Vec<_> = lens.iter().map(|_| pool.new_seq()).collect();
