@@ -541,6 +541,7 @@ impl PagePool {
         let (rb, hb, hdr) =
             (self.row_bytes, self.cfg.encoding.head_bytes(hd), self.cfg.header_bytes(hd));
         let rotation = self.cfg.encoding.rotation(hd).expect("a rotating encoding");
+        let decode = self.cfg.encoding.decoder();
         let headers: Vec<_> = (0..heads)
             .map(|h| KeyHeader::decode(&bytes[self.refs_at() + h * hdr..][..hdr], hd))
             .collect();
@@ -548,7 +549,7 @@ impl PagePool {
         for (i, o) in out.chunks_exact_mut(hd).enumerate() {
             let (slot, h) = (i / heads, i % heads);
             let row = &bytes[slot * rb + h * hb..][..hb];
-            KeyHeader::decode_key((&headers[h].0, &headers[h].1), &rotation, row, o);
+            KeyHeader::decode_key((&headers[h].0, &headers[h].1), (&rotation, decode), row, o);
         }
         out
     }

@@ -125,7 +125,7 @@ impl Tiles<'_> {
                 }
                 let r = rotation.as_ref().expect("a rotating encoding");
                 let stored = &krows[at..at + head_bytes];
-                KeyHeader::decode_key((&header.0, &header.1), r, stored, &mut row);
+                KeyHeader::decode_key((&header.0, &header.1), (r, decode), stored, &mut row);
             }
             let (b, r) = (j / PANEL_ROWS, j % PANEL_ROWS);
             let panel = &mut block.k[b * hd * PANEL_ROWS..(b + 1) * hd * PANEL_ROWS];
