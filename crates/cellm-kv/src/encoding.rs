@@ -84,10 +84,16 @@ impl KeyHeader {
 
     /// The reference and the per-channel scales of a stored header.
     pub(crate) fn decode(header: &[u8], hd: usize) -> (Vec<f32>, Vec<f32>) {
-        let (codes, exps) = header.split_at(kv_rows::i4_row_bytes(hd));
-        let mut reference = vec![0.0; hd];
-        (KvCodes::selected().i4)(codes, &mut reference);
-        (reference, Self::scales(exps, hd))
+        let (mut reference, mut scales) = (vec![0.0; hd], vec![0.0; hd]);
+        Self::decode_into(header, &mut reference, &mut scales);
+        (reference, scales)
+    }
+
+    /// [`Self::decode`] into buffers of the head size (attention's per-page loop).
+    pub(crate) fn decode_into(header: &[u8], reference: &mut [f32], scales: &mut [f32]) {
+        let (codes, exps) = header.split_at(kv_rows::i4_row_bytes(reference.len()));
+        (KvCodes::selected().i4)(codes, reference);
+        Self::scales_into(exps, scales);
     }
 
     /// A stored key (a row `decode` reads) as the model's key: `ref + s * R^T row`.
@@ -117,11 +123,19 @@ impl KeyHeader {
     }
 
     fn scales(exps: &[u8], hd: usize) -> Vec<f32> {
+        let mut scales = vec![0.0; hd];
+        Self::scales_into(exps, &mut scales);
+        scales
+    }
+
+    fn scales_into(exps: &[u8], scales: &mut [f32]) {
         if exps.is_empty() {
-            return vec![1.0; hd];
+            return scales.fill(1.0);
         }
-        let exp = |c: usize| ((exps[c / 2] >> (4 * (c % 2))) & 15) as i32;
-        (0..hd).map(|c| (-exp(c) as f32).exp2()).collect()
+        for (c, s) in scales.iter_mut().enumerate() {
+            let e = (exps[c / 2] >> (4 * (c % 2))) & 15;
+            *s = 1.0 / (1u32 << e) as f32;
+        }
     }
 }
 
@@ -313,4 +327,68 @@ fn stored_rows(encoding: KvEncoding, head_dim: usize, x: &[f32]) -> Vec<f32> {
         r.unrotate(&mut x);
     }
     x
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keys shaped like Qwen2.5's layer 0 (measured from the engine): a channel at -145 that
+    /// barely moves (its k bias), a pair of amplitude 58 that RoPE turns by a radian a
+    /// position, the rest of spread ~1. What attention sees of a key's error is how much
+    /// `q . (stored - k)` varies across keys (a shift common to all keys leaves the softmax
+    /// alone), for a query that reads the small channels. With the page header it must be
+    /// several times smaller than with plain rotated 4-bit rows (measured: 0.15 of the
+    /// scores' own spread against 1.37 over all pages; 0.10 against 1.37 past the first
+    /// page, whose keys get per-channel scales), and under 0.2 past the first page.
+    #[test]
+    fn key_headers_tame_offset_and_turning_channels() {
+        let (hd, n, ps) = (64, 256, 16);
+        let mut seed = 12345u32;
+        let mut rand = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed as f32 / u32::MAX as f32 * 2.0 - 1.0
+        };
+        let mut k = vec![0.0f32; n * hd];
+        for (t, row) in k.chunks_exact_mut(hd).enumerate() {
+            row.iter_mut().for_each(|v| *v = rand());
+            row[62] = -145.0 + 0.3 * rand();
+            (row[0], row[32]) = (58.0 * (t as f32).cos(), 58.0 * (t as f32).sin());
+        }
+        // A query that reads the small channels: their scores are what the outliers' share
+        // of each group's levels would drown.
+        let mut q: Vec<f32> = (0..hd).map(|_| rand()).collect();
+        (q[0], q[32], q[62]) = (0.0, 0.0, 0.0);
+        let spread_of = |x: &[f32]| {
+            let s: Vec<f32> =
+                x.chunks_exact(hd).map(|r| r.iter().zip(&q).map(|(a, b)| a * b).sum()).collect();
+            let mean = s.iter().sum::<f32>() / s.len() as f32;
+            (s.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / s.len() as f32).sqrt()
+        };
+        let error_of = |stored: &[f32]| {
+            let diff: Vec<f32> = stored.iter().zip(&k).map(|(a, b)| a - b).collect();
+            spread_of(&diff) / spread_of(&k)
+        };
+        let plain = error_of(&stored_values(KvEncoding::Int4, hd, &k));
+        let headed = error_of(&stored_keys(KvEncoding::Int4, hd, (1, ps), &k));
+        assert!(headed * 4.0 < plain, "with headers {headed}, plain rows {plain}");
+        let later = |x: &[f32]| error_of_later(x, &k, ps * hd, &spread_of);
+        let plain_later = later(&stored_values(KvEncoding::Int4, hd, &k));
+        let headed_later = later(&stored_keys(KvEncoding::Int4, hd, (1, ps), &k));
+        assert!(headed_later * 4.0 < plain_later, "{headed_later} vs {plain_later}");
+        assert!(headed_later < 0.2, "later pages: {headed_later} of the scores' spread");
+    }
+
+    /// The error measure of the test above over positions past the first page.
+    fn error_of_later(
+        stored: &[f32],
+        k: &[f32],
+        skip: usize,
+        spread_of: &dyn Fn(&[f32]) -> f32,
+    ) -> f32 {
+        let diff: Vec<f32> = stored[skip..].iter().zip(&k[skip..]).map(|(a, b)| a - b).collect();
+        spread_of(&diff) / spread_of(&k[skip..])
+    }
 }

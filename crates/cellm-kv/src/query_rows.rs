@@ -156,6 +156,7 @@ impl RowTasks<'_> {
         let rotation = pool.config().encoding.rotation(hd);
         let mut turned = vec![0.0f32; n_heads * hd];
         let mut offsets = vec![0.0f32; n_heads];
+        let (mut reference, mut scales) = (vec![0.0f32; hd], vec![0.0f32; hd]);
         let (max, denom) = (&mut part.max, &mut part.denom);
         // scores[h * count + slot] for the page's `count` live slots, then the softmax
         // weights in place.
@@ -200,7 +201,7 @@ impl RowTasks<'_> {
                     (kern.dot)(rows, q, scores);
                     continue;
                 }
-                let (reference, scales) = KeyHeader::decode(&refs[kv * hdr..][..hdr], hd);
+                KeyHeader::decode_into(&refs[kv * hdr..][..hdr], &mut reference, &mut scales);
                 let turned = &mut turned[hs.start * hd..hs.end * hd];
                 let r = rotation.as_ref().expect("a rotating encoding");
                 for ((t, qh), c) in turned
