@@ -49,6 +49,9 @@ pub struct Gpu {
     pub queue: wgpu::Queue,
     pub limits: wgpu::Limits,
     pub info: wgpu::AdapterInfo,
+    /// Whether the device was opened with subgroup operations (the kernels then reduce
+    /// within subgroups, of whatever size the device runs).
+    pub subgroups: bool,
     failure: Arc<Mutex<Option<String>>>,
 }
 
@@ -75,8 +78,15 @@ impl Gpu {
         })?;
         let info = adapter.get_info();
         let limits = adapter.limits();
+        // CELLM_GPU_NO_SUBGROUPS=1: the shared-memory reductions even where subgroups exist
+        // (tests run both).
+        let subgroups = adapter.features().contains(wgpu::Features::SUBGROUP)
+            && std::env::var_os("CELLM_GPU_NO_SUBGROUPS").is_none();
+        let required_features =
+            if subgroups { wgpu::Features::SUBGROUP } else { wgpu::Features::empty() };
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("cellm"),
+            required_features,
             required_limits: limits.clone(),
             ..Default::default()
         }))
@@ -92,7 +102,7 @@ impl Gpu {
             let mut f = slot.lock().unwrap_or_else(|p| p.into_inner());
             f.get_or_insert_with(|| format!("the device was lost: {message}"));
         });
-        Ok(Self { device, queue, limits, info, failure })
+        Ok(Self { device, queue, limits, info, subgroups, failure })
     }
 
     /// The first error the device reported, if any (it stays failed).

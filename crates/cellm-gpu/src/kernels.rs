@@ -14,6 +14,7 @@ const MATVEC: &str = include_str!("shaders/matvec.wgsl");
 const EMBED: &str = include_str!("shaders/embed.wgsl");
 const ROPE_KV: &str = include_str!("shaders/rope_kv.wgsl");
 const ATTENTION: &str = include_str!("shaders/attention.wgsl");
+const ATTN_COMBINE: &str = include_str!("shaders/attn_combine.wgsl");
 const NORM_ADD: &str = include_str!("shaders/norm_add.wgsl");
 
 /// How a kernel binds one buffer.
@@ -32,6 +33,7 @@ pub enum KernelId {
     Embed(Layout),
     RopeKv,
     Attention,
+    AttnCombine,
     NormAdd,
 }
 
@@ -49,7 +51,8 @@ impl KernelId {
             Layout::Q4K,
             Layout::Q6K,
         ];
-        let mut all = vec![KernelId::RopeKv, KernelId::Attention, KernelId::NormAdd];
+        let mut all =
+            vec![KernelId::RopeKv, KernelId::Attention, KernelId::AttnCombine, KernelId::NormAdd];
         for l in layouts {
             all.extend([KernelId::Matvec(l), KernelId::Glu(l), KernelId::Embed(l)]);
         }
@@ -82,28 +85,44 @@ impl KernelId {
                 vec![(0, Uniform), (1, Write), (2, Read), (3, Read), (4, Read), (5, Write)]
             }
             KernelId::Attention => vec![(0, Uniform), (1, Read), (2, Write), (5, Read)],
+            KernelId::AttnCombine => vec![(0, Uniform), (1, Read), (2, Write)],
             KernelId::NormAdd => vec![(0, Uniform), (1, Read), (2, Write), (3, Read)],
         };
         b.push((7, Read));
         b
     }
 
-    /// The kernel's full WGSL source.
-    pub fn source(self) -> String {
+    /// Whether the kernel is built twice, for one token and for several.
+    pub fn per_token_count(self) -> bool {
+        matches!(self, KernelId::Matvec(_) | KernelId::Glu(_))
+    }
+
+    /// The kernel's full WGSL source: with subgroup reductions (`subgroups`) or shared-memory
+    /// ones, for up to `tokens` tokens a workgroup where it batches tokens (1 or 4).
+    pub fn source(self, subgroups: bool, tokens: u32) -> String {
         let (body, weights, glu): (&str, Option<Layout>, bool) = match self {
             KernelId::Matvec(l) => (MATVEC, Some(l), false),
             KernelId::Glu(l) => (MATVEC, Some(l), true),
             KernelId::Embed(l) => (EMBED, Some(l), false),
             KernelId::RopeKv => (ROPE_KV, None, false),
             KernelId::Attention => (ATTENTION, None, false),
+            KernelId::AttnCombine => (ATTN_COMBINE, None, false),
             KernelId::NormAdd => (NORM_ADD, None, false),
         };
         let mut src = String::new();
+        if self.per_token_count() {
+            src.push_str(&format!("const TT: u32 = {tokens}u;\n"));
+        }
         src.push_str(STEP);
         if matches!(self, KernelId::RopeKv | KernelId::Attention) {
             src.push_str(KV);
         }
-        src.push_str(&sections(body, &|name| name == "glu" && glu));
+        src.push_str(&sections(body, &|name| match name {
+            "glu" => glu,
+            "sg" => subgroups,
+            "nosg" => !subgroups,
+            _ => false,
+        }));
         if let Some(l) = weights {
             let accessor = sections(FORMATS, &|name| name == l.wgsl_name());
             src.push_str(&accessor_for(&accessor, "", 5, 6));
@@ -141,25 +160,43 @@ fn sections(text: &str, keep: &dyn Fn(&str) -> bool) -> String {
     out
 }
 
-/// A compiled kernel and its binding layout.
+/// A compiled kernel and its binding layout; `single` is its one-token build, where it has
+/// one (the same bindings).
 pub struct Kernel {
     pub pipeline: wgpu::ComputePipeline,
+    pub single: Option<wgpu::ComputePipeline>,
     pub layout: wgpu::BindGroupLayout,
 }
 
+impl Kernel {
+    /// The pipeline for a launch over `tokens` tokens.
+    pub fn for_tokens(&self, tokens: u32) -> &wgpu::ComputePipeline {
+        match (&self.single, tokens) {
+            (Some(one), 1) => one,
+            _ => &self.pipeline,
+        }
+    }
+}
+
 /// Kernels built so far on one device.
-#[derive(Default)]
 pub struct Kernels {
+    subgroups: bool,
     built: HashMap<KernelId, Arc<Kernel>>,
 }
 
 impl Kernels {
+    /// Kernels for `gpu`, with subgroup reductions where it has them.
+    pub fn new(gpu: &crate::device::Gpu) -> Self {
+        Self { subgroups: gpu.subgroups, built: HashMap::new() }
+    }
+
     pub fn get(&mut self, device: &wgpu::Device, id: KernelId) -> Arc<Kernel> {
-        self.built.entry(id).or_insert_with(|| Arc::new(build(device, id))).clone()
+        let sg = self.subgroups;
+        self.built.entry(id).or_insert_with(|| Arc::new(build(device, id, sg))).clone()
     }
 }
 
-fn build(device: &wgpu::Device, id: KernelId) -> Kernel {
+fn build(device: &wgpu::Device, id: KernelId, subgroups: bool) -> Kernel {
     let label = format!("{id:?}");
     let entries: Vec<wgpu::BindGroupLayoutEntry> = id
         .bindings()
@@ -188,17 +225,20 @@ fn build(device: &wgpu::Device, id: KernelId) -> Kernel {
         bind_group_layouts: &[Some(&layout)],
         immediate_size: 0,
     });
-    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-        label: Some(&label),
-        source: wgpu::ShaderSource::Wgsl(id.source().into()),
-    });
-    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-        label: Some(&label),
-        layout: Some(&pipeline_layout),
-        module: &module,
-        entry_point: Some("main"),
-        compilation_options: Default::default(),
-        cache: None,
-    });
-    Kernel { pipeline, layout }
+    let pipeline = |tokens: u32| {
+        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(&label),
+            source: wgpu::ShaderSource::Wgsl(id.source(subgroups, tokens).into()),
+        });
+        device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(&label),
+            layout: Some(&pipeline_layout),
+            module: &module,
+            entry_point: Some("main"),
+            compilation_options: Default::default(),
+            cache: None,
+        })
+    };
+    let single = id.per_token_count().then(|| pipeline(1));
+    Kernel { pipeline: pipeline(4), single, layout }
 }

@@ -33,6 +33,8 @@ const SOFTCAP: u32 = 8;
 const HEAD: u32 = 16;
 const GELU: u32 = 32;
 const MAX_GROUPS: usize = 65535;
+/// Output rows one matvec workgroup computes (`RPW` in `shaders/matvec.wgsl`).
+pub(crate) const ROWS_PER_GROUP: usize = 4;
 
 pub struct GpuModel {
     cfg: ModelConfig,
@@ -208,6 +210,8 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
         hidden: h,
         q_dim: cfg.num_heads * hd,
         kv_dim: cfg.num_kv_heads * hd,
+        heads: cfg.num_heads,
+        head_dim: hd,
         qkv: (cfg.num_heads + 2 * cfg.num_kv_heads) * hd,
         inter: cfg.intermediate_size,
         vocab: cfg.vocab_size,
@@ -216,7 +220,7 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
         max_half: ropes.iter().map(|r| r.inv_freq.len()).max().unwrap_or(0),
         ropes: ropes.len(),
     };
-    let mut kernels = Kernels::default();
+    let mut kernels = Kernels::new(&gpu);
     let ops =
         plan(&gpu, &mut kernels, &cfg, &dims, &embed, &layers, &final_norm, &head, page_size)?;
     let bufs = StepBuffers::new(&gpu, &dims, page_size, &ops)?;
@@ -259,8 +263,10 @@ pub(crate) struct MatvecArgs {
     pub softcap: f32,
 }
 
-pub(crate) fn matvec_params(a: &MatvecArgs) -> ([u32; 16], u32) {
-    let groups_x = a.rows.min(MAX_GROUPS) as u32;
+/// The params of a matvec launch, its workgroups (row groups) and their grid's width.
+pub(crate) fn matvec_params(a: &MatvecArgs) -> ([u32; 16], u32, u32) {
+    let groups = a.rows.div_ceil(ROWS_PER_GROUP);
+    let groups_x = groups.min(MAX_GROUPS) as u32;
     let mut p = [0u32; 16];
     p[..8].copy_from_slice(&[
         a.rows as u32,
@@ -275,7 +281,7 @@ pub(crate) fn matvec_params(a: &MatvecArgs) -> ([u32; 16], u32) {
     p[8] = a.eps.to_bits();
     p[9] = a.scale.to_bits();
     p[10] = a.softcap.to_bits();
-    (p, groups_x)
+    (p, groups_x, groups as u32)
 }
 
 /// Launches of a matrix (each of its parts) over `x` into `y`; `offset` is the matrix's first
@@ -294,7 +300,7 @@ fn matvec_ops(
 ) {
     let kernel = kernels.get(&gpu.device, KernelId::Matvec(m.layout));
     for part in &m.parts {
-        let (params, groups_x) = matvec_params(&MatvecArgs {
+        let (params, groups_x, groups) = matvec_params(&MatvecArgs {
             rows: part.rows,
             row0: offset + part.row0,
             flags: args.flags
@@ -312,10 +318,9 @@ fn matvec_ops(
         if let Some(s) = &part.scales {
             binds.push((6, Buf::W(s.clone())));
         }
-        let rows = part.rows as u32;
         let grid = match args.flags & HEAD {
-            0 => Grid::Rows { rows, groups_x },
-            _ => Grid::HeadRows { rows, groups_x },
+            0 => Grid::Rows { groups, groups_x },
+            _ => Grid::HeadRows { groups, groups_x },
         };
         ops.push(Op { kernel: kernel.clone(), params, binds, grid });
     }
@@ -433,7 +438,15 @@ fn plan(
         ops.push(Op {
             kernel: kernels.get(&gpu.device, KernelId::Attention),
             params: p,
-            binds: vec![(1, Buf::Qkv), (2, Buf::Ctx), (5, Buf::Pool)],
+            binds: vec![(1, Buf::Qkv), (2, Buf::Part), (5, Buf::Pool)],
+            grid: Grid::Splits(cfg.num_heads as u32),
+        });
+        let mut p = [0u32; 16];
+        p[..2].copy_from_slice(&[cfg.num_heads as u32, cfg.head_dim as u32]);
+        ops.push(Op {
+            kernel: kernels.get(&gpu.device, KernelId::AttnCombine),
+            params: p,
+            binds: vec![(1, Buf::Part), (2, Buf::Ctx)],
             grid: Grid::PerToken(cfg.num_heads as u32),
         });
         // x += o(ctx); Gemma writes o(ctx) aside and adds it through its post-attention norm.
@@ -452,7 +465,7 @@ fn plan(
         let glu = kernels.get(&gpu.device, KernelId::Glu(l.gate.layout));
         let gelu = if cfg.hidden_act == Activation::GeluTanh { GELU } else { 0 };
         for (g, u) in l.gate.parts.iter().zip(&l.up.parts) {
-            let (params, groups_x) = matvec_params(&MatvecArgs {
+            let (params, groups_x, groups) = matvec_params(&MatvecArgs {
                 rows: g.rows,
                 row0: g.row0,
                 y_stride: d.inter,
@@ -474,7 +487,7 @@ fn plan(
                 kernel: glu.clone(),
                 params,
                 binds,
-                grid: Grid::Rows { rows: g.rows as u32, groups_x },
+                grid: Grid::Rows { groups, groups_x },
             });
         }
         let down_args = MatvecArgs { cols: d.inter, x_stride: d.inter, ..base };
@@ -579,26 +592,28 @@ impl Runner {
             let rows = chunk.logit_rows.len();
             let need = (chunk.tokens.len(), rows, host.tables.len(), kv.pages_allocated());
             self.bufs.fit(&self.gpu, &self.dims, &self.ops, need)?;
-            self.bufs.write(&self.gpu, &chunk, &host, &self.ropes);
+            let splits = self.bufs.write(&self.gpu, &chunk, &host, &self.ropes);
             let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
             {
                 let mut pass = encoder.begin_compute_pass(&Default::default());
                 let t = chunk.tokens.len() as u32;
+                let r = rows as u32;
                 for (op, group) in self.ops.iter().zip(self.bufs.groups()) {
-                    let (x, y, z) = match op.grid {
-                        Grid::Rows { rows, groups_x } => {
-                            (groups_x, rows.div_ceil(groups_x), t.div_ceil(4))
+                    let ((x, y, z), count) = match op.grid {
+                        Grid::Rows { groups, groups_x } => {
+                            ((groups_x, groups.div_ceil(groups_x), t.div_ceil(4)), t)
                         }
-                        Grid::HeadRows { rows: n, groups_x } => {
-                            (groups_x, n.div_ceil(groups_x), (rows as u32).div_ceil(4))
+                        Grid::HeadRows { groups, groups_x } => {
+                            ((groups_x, groups.div_ceil(groups_x), r.div_ceil(4)), r)
                         }
-                        Grid::PerToken(n) => (n, t, 1),
-                        Grid::Columns(c) => (c.div_ceil(64), t, 1),
+                        Grid::PerToken(n) => ((n, t, 1), t),
+                        Grid::Splits(n) => ((n, t, splits), t),
+                        Grid::Columns(c) => ((c.div_ceil(64), t, 1), t),
                     };
                     if x * y * z == 0 {
                         continue;
                     }
-                    pass.set_pipeline(&op.kernel.pipeline);
+                    pass.set_pipeline(op.kernel.for_tokens(count));
                     pass.set_bind_group(0, group, &[]);
                     pass.dispatch_workgroups(x, y, z);
                 }

@@ -16,6 +16,8 @@ pub enum Buf {
     Logits,
     Rope,
     Pool,
+    /// The attention splits' partial sums.
+    Part,
     Dummy,
     W(wgpu::Buffer),
 }
@@ -23,10 +25,13 @@ pub enum Buf {
 /// How many workgroups a launch runs, as a function of the step's tokens.
 #[derive(Clone, Copy)]
 pub enum Grid {
-    /// One per output row (a 2-D grid of `groups_x` columns) per 4 tokens.
-    Rows { rows: u32, groups_x: u32 },
+    /// One per group of output rows (`groups` of them, a 2-D grid of `groups_x` columns)
+    /// per 4 tokens.
+    Rows { groups: u32, groups_x: u32 },
     /// The same over the rows whose logits are wanted.
-    HeadRows { rows: u32, groups_x: u32 },
+    HeadRows { groups: u32, groups_x: u32 },
+    /// `n` per token per attention split.
+    Splits(u32),
     /// `n` per token.
     PerToken(u32),
     /// 64 columns of 4 per workgroup, per token.
@@ -47,6 +52,8 @@ pub struct Dims {
     pub hidden: usize,
     pub q_dim: usize,
     pub kv_dim: usize,
+    pub heads: usize,
+    pub head_dim: usize,
     pub qkv: usize,
     pub inter: usize,
     pub vocab: usize,

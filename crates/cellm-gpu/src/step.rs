@@ -111,6 +111,7 @@ struct Buffers {
     step: wgpu::Buffer,
     rope: wgpu::Buffer,
     pool: wgpu::Buffer,
+    part: wgpu::Buffer,
 }
 
 pub struct StepBuffers {
@@ -122,6 +123,8 @@ pub struct StepBuffers {
     dummy: wgpu::Buffer,
     page_bytes: u64,
     dims: Dims,
+    /// (token, split) pairs the attention's partial-sum buffer holds.
+    part_slots: usize,
 }
 
 fn storage(gpu: &Gpu, label: &str, bytes: u64, extra: wgpu::BufferUsages) -> wgpu::Buffer {
@@ -158,6 +161,7 @@ impl StepBuffers {
             dummy: storage(gpu, "dummy", 16, wgpu::BufferUsages::empty()),
             page_bytes: (2 * page_size * dims.kv_dim * value_bytes) as u64,
             dims: *dims,
+            part_slots: 0,
         })
     }
 
@@ -165,10 +169,16 @@ impl StepBuffers {
     /// within one binding.
     pub fn max_chunk(&self, gpu: &Gpu, d: &Dims) -> (usize, usize) {
         let limit = gpu.max_binding() as usize;
-        let widest = d.hidden.max(d.qkv).max(d.inter) * 4;
+        let widest = d.hidden.max(d.qkv).max(d.inter).max(self.part_row()) * 4;
         let tokens = (limit / widest).clamp(1, MAX_CHUNK);
         let rows = (limit / (d.vocab * 4)).clamp(1, MAX_CHUNK);
         (tokens, rows)
+    }
+
+    /// Floats of one (token, split) of the attention's partial sums: per head its sums, max
+    /// and denominator.
+    fn part_row(&self) -> usize {
+        self.dims.heads * (self.dims.head_dim + 2)
     }
 
     pub fn groups(&self) -> &[wgpu::BindGroup] {
@@ -210,6 +220,9 @@ impl StepBuffers {
         let t = caps.tokens;
         let none = wgpu::BufferUsages::empty();
         let pool = storage(gpu, "kv pool", pool_bytes, wgpu::BufferUsages::COPY_SRC);
+        let row_bytes = (self.part_row() * 4) as u64;
+        let slots = ((caps.tokens * 4).max(64) as u64).min(gpu.max_binding() / row_bytes);
+        let part_slots = (slots as usize).max(caps.tokens);
         if let Some(b) = &self.bufs {
             let mut enc = gpu.device.create_command_encoder(&Default::default());
             enc.copy_buffer_to_buffer(&b.pool, 0, &pool, 0, b.pool.size().min(pool.size()));
@@ -231,7 +244,9 @@ impl StepBuffers {
             step: storage(gpu, "step", f(HEADER + 4 * t + caps.rows + d.layers * caps.table), none),
             rope: storage(gpu, "rope", (d.ropes.max(1) * t * d.max_half.max(1) * 8) as u64, none),
             pool,
+            part: storage(gpu, "attention splits", part_slots as u64 * row_bytes, none),
         };
+        self.part_slots = part_slots;
         self.groups = ops.iter().enumerate().map(|(i, op)| self.group(gpu, &bufs, i, op)).collect();
         self.bufs = Some(bufs);
         self.caps = caps;
@@ -260,6 +275,7 @@ impl StepBuffers {
                 Buf::Logits => &b.logits,
                 Buf::Rope => &b.rope,
                 Buf::Pool => &b.pool,
+                Buf::Part => &b.part,
                 Buf::Dummy => &self.dummy,
                 Buf::W(w) => w,
             };
@@ -273,18 +289,37 @@ impl StepBuffers {
         })
     }
 
-    /// Writes the chunk's step buffer and cos/sin tables (queued before the next submit).
-    pub fn write(&self, gpu: &Gpu, chunk: &Chunk, host: &HostStep, ropes: &[RopeConfig]) {
+    /// How the attention splits the positions of a chunk of `t` tokens whose longest
+    /// context is `ctx`: (positions per split, splits). Enough splits that the launch fills
+    /// a large GPU (about 1024 workgroups), none shorter than 32 positions, and no more than
+    /// the partial-sum buffer holds.
+    fn splits(&self, t: usize, ctx: usize) -> (usize, usize) {
+        let want = 1024usize.div_ceil(self.dims.heads * t);
+        let mut len = ctx.div_ceil(want).max(32).next_multiple_of(16);
+        let most = (self.part_slots / t).max(1);
+        if ctx.div_ceil(len) > most {
+            len = ctx.div_ceil(most);
+        }
+        (len, ctx.div_ceil(len).max(1))
+    }
+
+    /// Writes the chunk's step buffer and cos/sin tables (queued before the next submit);
+    /// returns the attention's splits.
+    pub fn write(&self, gpu: &Gpu, chunk: &Chunk, host: &HostStep, ropes: &[RopeConfig]) -> u32 {
         let b = self.bufs.as_ref().expect("fit first");
         let (t, caps) = (chunk.tokens.len(), self.caps);
+        let ctx = chunk.tokens.iter().map(|k| k.pos + 1).max().unwrap_or(1);
+        let (split_len, splits) = self.splits(t.max(1), ctx);
         let mut words = vec![0u32; HEADER + 4 * caps.tokens + caps.rows];
-        words[..6].copy_from_slice(&[
+        words[..8].copy_from_slice(&[
             t as u32,
             chunk.logit_rows.len() as u32,
             host.stride as u32,
             caps.tokens as u32,
             caps.rows as u32,
             (caps.tokens * self.dims.max_half.max(1)) as u32,
+            split_len as u32,
+            splits as u32,
         ]);
         for (i, tok) in chunk.tokens.iter().enumerate() {
             words[HEADER + 4 * i..HEADER + 4 * i + 3].copy_from_slice(&[
@@ -318,6 +353,7 @@ impl StepBuffers {
             let words: Vec<u32> = table.iter().map(|v| v.to_bits()).collect();
             gpu.queue.write_buffer(&b.rope, 0, as_bytes(&words));
         }
+        splits as u32
     }
 
     pub fn copy_logits(&self, encoder: &mut wgpu::CommandEncoder, values: usize) {

@@ -96,7 +96,7 @@ fn interleave(x8: TensorFormat, base: TensorFormat, data: &[u8], rows: usize) ->
 fn gpu_matvec(gpu: &Gpu, w: WeightRows, x: &[f32], tokens: usize, cap: u64) -> (Vec<f32>, usize) {
     let mut up = Uploader::new(gpu, cap);
     let m = up.matrix_rows(&[("w", w)]).expect("upload");
-    let mut kernels = Kernels::default();
+    let mut kernels = Kernels::new(gpu);
     let kernel = kernels.get(&gpu.device, KernelId::Matvec(m.layout));
     let dev = &gpu.device;
     let storage = |label: &str, words: &[u32], extra: wgpu::BufferUsages| {
@@ -123,7 +123,7 @@ fn gpu_matvec(gpu: &Gpu, w: WeightRows, x: &[f32], tokens: usize, cap: u64) -> (
     let mut enc = dev.create_command_encoder(&Default::default());
     let mut keep = Vec::new();
     for part in &m.parts {
-        let (params, groups_x) = matvec_params(&MatvecArgs {
+        let (params, groups_x, groups) = matvec_params(&MatvecArgs {
             rows: part.rows,
             cols: w.cols,
             x_stride: w.cols,
@@ -161,11 +161,11 @@ fn gpu_matvec(gpu: &Gpu, w: WeightRows, x: &[f32], tokens: usize, cap: u64) -> (
         });
         {
             let mut pass = enc.begin_compute_pass(&Default::default());
-            pass.set_pipeline(&kernel.pipeline);
+            pass.set_pipeline(kernel.for_tokens(tokens as u32));
             pass.set_bind_group(0, &group, &[]);
             pass.dispatch_workgroups(
                 groups_x,
-                (part.rows as u32).div_ceil(groups_x),
+                groups.div_ceil(groups_x),
                 (tokens as u32).div_ceil(4),
             );
         }
@@ -185,6 +185,7 @@ fn gpu_matvec(gpu: &Gpu, w: WeightRows, x: &[f32], tokens: usize, cap: u64) -> (
 #[test]
 fn matvec_matches_cpu_decoding_in_every_layout() {
     let Some(gpu) = gpu() else { return };
+    eprintln!("{}: subgroups {}", gpu.info.name, gpu.subgroups);
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let (rows, cols) = (24, 512);
     let formats = [
@@ -243,14 +244,20 @@ fn matvec_matches_cpu_decoding_in_every_layout() {
 fn every_kernel_translates_to_metal() {
     use naga::back::msl;
     use naga::valid::{Capabilities, ValidationFlags, Validator};
-    for id in KernelId::all() {
-        let src = id.source();
+    let variants = KernelId::all()
+        .into_iter()
+        .flat_map(|id| [(id, false, 4), (id, true, 4), (id, false, 1), (id, true, 1)]);
+    for (id, subgroups, tokens) in variants {
+        let src = id.source(subgroups, tokens);
         let module = naga::front::wgsl::parse_str(&src)
             .unwrap_or_else(|e| panic!("{id:?}: {}", e.emit_to_string(&src)));
         // pack2x16float / unpack2x16float (f16 KV and weights in u32 words) need only this,
         // which wgpu grants on Metal and Vulkan alike.
-        let caps = Capabilities::SHADER_FLOAT16_IN_FLOAT32;
+        // Subgroup operations where the device has them (wgpu asks for them then).
+        let caps = Capabilities::SHADER_FLOAT16_IN_FLOAT32 | Capabilities::SUBGROUP;
         let info = Validator::new(ValidationFlags::all(), caps)
+            .subgroup_stages(naga::valid::ShaderStages::COMPUTE)
+            .subgroup_operations(naga::valid::SubgroupOperationSet::all())
             .validate(&module)
             .unwrap_or_else(|e| panic!("{id:?}: {}", e.emit_to_string(&src)));
         let (msl, _) = msl::write_string(

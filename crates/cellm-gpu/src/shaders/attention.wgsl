@@ -1,8 +1,11 @@
-// Attention of one query head of one token over its session's cached positions (the
-// token's own already stored), a chunk of CH positions at a time with an online softmax:
-// each thread scores whole positions; then the WG threads split into WG / head_dim slices
-// of head_dim threads, thread (slice, d) summing dim d of the values over every slices-th
-// position, and the slices' sums are added at the end.
+// Flash-decoding: attention of one query head of one token over one split of its session's
+// cached positions (the token's own already stored). The step header says how many positions
+// a split holds (st[6]) and how many splits there are (st[7]); workgroup z is the split. A
+// split runs CH positions at a time with an online softmax: each thread scores whole
+// positions (its page looked up once, the row's base kept in `base`), then the WG threads
+// split into WG / (head_dim / 2) slices, thread (slice, pair) summing two dims of the values
+// over every slices-th position. The split's unnormalised sums, max and denominator go to
+// `part`; `attn_combine.wgsl` merges the splits.
 struct Params {
     kv: Kv,
     n_heads: u32,
@@ -17,20 +20,21 @@ struct Params {
 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> qkv: array<f32>;
-@group(0) @binding(2) var<storage, read_write> out: array<f32>;
+@group(0) @binding(2) var<storage, read_write> part: array<f32>;
 @group(0) @binding(5) var<storage, read> pool: array<u32>;
 
-const WG: u32 = 256u;
-const CH: u32 = 256u;
+const WG: u32 = 128u;
+const CH: u32 = 128u;
 const MAX_HD: u32 = 256u;
-var<workgroup> qs: array<f32, MAX_HD>;
+var<workgroup> qs: array<vec2<f32>, 128>;
 var<workgroup> sc: array<f32, CH>;
+var<workgroup> base: array<u32, CH>;
 var<workgroup> red: array<f32, WG>;
 
-fn kv_at(i: u32) -> vec2<f32> {
-    // Values i, i + 1 (i even).
+// Values i, i + 1 of the pool (i even).
+fn kv2(i: u32) -> vec2<f32> {
     if (p.kv.f16 != 0u) {
-        return unpack2x16float(pool[i / 2u]);
+        return unpack2x16float(pool[i >> 1u]);
     }
     return vec2<f32>(bitcast<f32>(pool[i]), bitcast<f32>(pool[i + 1u]));
 }
@@ -53,42 +57,61 @@ fn reduce(v: f32, li: u32, is_max: bool) -> f32 {
     return r;
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(128)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let h = wg.x;
     let t = wg.y;
+    let split = wg.z;
     if (t >= n_tokens()) {
         return;
     }
     let hd = p.head_dim;
+    let half = hd / 2u;
     let kvh = h / (p.n_heads / p.n_kv_heads);
-    for (var d = li; d < hd; d += WG) {
-        qs[d] = qkv[t * p.row_stride + h * hd + d];
+    for (var d = li; d < half; d += WG) {
+        let at = t * p.row_stride + h * hd + 2u * d;
+        qs[d] = vec2<f32>(qkv[at], qkv[at + 1u]);
     }
     let pos = token_pos(t);
     var first = 0u;
     if (p.window != 0u && pos + 1u > p.window) {
         first = pos + 1u - p.window;
     }
+    let lo = first + split * split_len();
+    let hi = min(pos + 1u, lo + split_len());
     var m = -3.4e38;
     var l = 0.0;
-    // head_dim <= MAX_HD == WG, so every dim has a thread in slice 0.
-    let slices = WG / hd;
-    let dv = li % hd;
-    let slice = li / hd;
-    var acc = 0.0;
+    // head_dim / 2 <= MAX_HD / 2 == WG, so every pair has a thread in slice 0.
+    let slices = WG / half;
+    let dv = li % half;
+    let slice = li / half;
+    let plane = p.kv.page_size * p.kv.kv_dim;
+    var acc = vec2<f32>(0.0);
     workgroupBarrier();
-    for (var start = first; start <= pos; start += CH) {
-        let n = min(CH, pos + 1u - start);
+    for (var start = lo; start < hi; start += CH) {
+        let n = min(CH, hi - start);
         var local_max = -3.4e38;
         for (var j = li; j < n; j += WG) {
             let q = start + j;
             let page = page_of(t, p.layer, q / p.kv.page_size);
             let at = kv_index(p.kv, page, 0u, q % p.kv.page_size, kvh * hd);
+            base[j] = at;
             var s = 0.0;
-            for (var d = 0u; d < hd; d += 2u) {
-                let k = kv_at(at + d);
-                s += qs[d] * k.x + qs[d + 1u] * k.y;
+            if (p.kv.f16 != 0u) {
+                let w = at >> 1u;
+                var d = 0u;
+                for (; d + 1u < half; d += 2u) {
+                    let k = vec4<f32>(unpack2x16float(pool[w + d]),
+                                      unpack2x16float(pool[w + d + 1u]));
+                    s += dot(vec4<f32>(qs[d], qs[d + 1u]), k);
+                }
+                if (d < half) {
+                    s += dot(qs[d], unpack2x16float(pool[w + d]));
+                }
+            } else {
+                for (var d = 0u; d < half; d++) {
+                    s += dot(qs[d], kv2(at + 2u * d));
+                }
             }
             s *= p.scale;
             if (p.softcap != 0.0) {
@@ -110,28 +133,38 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         if (slice < slices) {
             var a = acc * alpha;
             for (var j = slice; j < n; j += slices) {
-                let q = start + j;
-                let page = page_of(t, p.layer, q / p.kv.page_size);
-                let at = kv_index(p.kv, page, 1u, q % p.kv.page_size, kvh * hd + dv);
-                var v = 0.0;
-                if (p.kv.f16 != 0u) {
-                    v = unpack2x16float(pool[at / 2u])[at % 2u];
-                } else {
-                    v = bitcast<f32>(pool[at]);
-                }
-                a += sc[j] * v;
+                a += sc[j] * kv2(base[j] + plane + 2u * dv);
             }
             acc = a;
         }
         workgroupBarrier();
     }
-    red[li] = select(0.0, acc, slice < slices);
-    workgroupBarrier();
-    if (slice == 0u) {
-        var total = 0.0;
-        for (var k = 0u; k < slices; k++) {
-            total += red[k * hd + dv];
+    // Slice 0 adds up the others' sums.
+    let out = ((t * p.n_heads + h) * n_splits() + split) * (hd + 2u);
+    for (var k = 1u; k < slices; k++) {
+        if (slice == k) {
+            red[dv] = acc.x;
         }
-        out[t * p.n_heads * hd + h * hd + dv] = total / l;
+        workgroupBarrier();
+        if (slice == 0u) {
+            acc.x += red[dv];
+        }
+        workgroupBarrier();
+        if (slice == k) {
+            red[dv] = acc.y;
+        }
+        workgroupBarrier();
+        if (slice == 0u) {
+            acc.y += red[dv];
+        }
+        workgroupBarrier();
+    }
+    if (slice == 0u) {
+        part[out + 2u * dv] = acc.x;
+        part[out + 2u * dv + 1u] = acc.y;
+    }
+    if (li == 0u) {
+        part[out + hd] = m;
+        part[out + hd + 1u] = l;
     }
 }

@@ -1,8 +1,11 @@
-// y = epilogue(W x) for up to TT tokens a workgroup, one output row a workgroup; the
-// matrix is one row range (a part) of a weight (parts keep bindings under the device's
-// limit). With NORM, x is RMS-normalised on the fly: (x * g) . w / rms(x). GLU computes
-// two matrices' rows (gate `w4`, up `w4b`) and writes act(gate) * up. HEAD reads the rows
-// whose logits the step wants instead of the first tokens.
+// y = epilogue(W x) for RPW output rows and up to TT tokens a workgroup (TT is 1 for a
+// single token, 4 otherwise: the kernel is built twice); the matrix is one row range (a part)
+// of a weight (parts keep bindings under the device's limit). Every thread reads the same
+// columns of the RPW rows (x read once for them), then the partial sums are reduced per
+// subgroup (where the device has subgroups) and across subgroups in shared memory, or by a
+// shared-memory tree. With NORM, x is RMS-normalised on the fly: (x * g) . w / rms(x). GLU
+// computes two matrices' rows (gate `w4`, up `w4b`) and writes act(gate) * up. HEAD reads
+// the rows whose logits the step wants instead of the first tokens.
 struct Params {
     rows: u32,        // rows of this part
     cols: u32,
@@ -11,7 +14,7 @@ struct Params {
     y_col: u32,       // column of y where row 0 of the whole matrix goes
     row0: u32,        // first row of this part in the whole matrix
     flags: u32,
-    groups_x: u32,    // workgroups along x of the 2-D row grid
+    groups_x: u32,    // workgroups along x of the 2-D grid of row groups
     eps: f32,
     scale: f32,
     softcap: f32,
@@ -31,10 +34,17 @@ const GELU: u32 = 32u;
 @group(0) @binding(4) var<storage, read> bias: array<f32>;
 
 const WG: u32 = 64u;
-const TT: u32 = 4u;
-var<workgroup> red_a: array<vec4<f32>, 64>;
-var<workgroup> red_b: array<vec4<f32>, 64>;
-var<workgroup> red_s: array<vec4<f32>, 64>;
+const RPW: u32 = 4u;
+// Sums a thread carries per token lane: RPW of W x, RPW of the GLU's second matrix, and
+// sum(x^2).
+const Q: u32 = 2u * RPW + 1u;
+//# sg
+// One slot per subgroup (subgroups of at least 4 invocations).
+var<workgroup> red: array<vec4<f32>, 144>;  // Q * WG / 4
+//# end
+//# nosg
+var<workgroup> red: array<vec4<f32>, 576>;  // Q * WG
+//# end
 
 fn x_row(t: u32) -> u32 {
     if ((p.flags & HEAD) != 0u) {
@@ -64,71 +74,118 @@ fn epilogue(v: f32, ss: f32, r: u32) -> f32 {
 }
 
 @compute @workgroup_size(64)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let r = wg.x + wg.y * p.groups_x;
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32,
+//# sg
+        @builtin(subgroup_invocation_id) sl: u32, @builtin(subgroup_id) sid: u32,
+        @builtin(num_subgroups) nsg: u32,
+//# end
+) {
+    let r0 = (wg.x + wg.y * p.groups_x) * RPW;
     var n = n_tokens();
     if ((p.flags & HEAD) != 0u) {
         n = n_logit_rows();
     }
     let t0 = wg.z * TT;
-    if (r >= p.rows || t0 >= n) {
+    if (r0 >= p.rows || t0 >= n) {
         return;
     }
     let nt = min(TT, n - t0);
-    // Rows past the last token read the first one again (in bounds, never stored).
-    var xr: array<u32, 4>;
+    // Tokens past the last read the first again, rows past the last the last (in bounds,
+    // never stored).
+    var xr: array<u32, TT>;
     for (var k = 0u; k < TT; k++) {
         xr[k] = x_row(t0 + select(0u, k, k < nt)) * (p.x_stride / 4u);
     }
-    var a = vec4<f32>(0.0);
-    var b = vec4<f32>(0.0);
-    var ss = vec4<f32>(0.0);
+    var rr: array<u32, RPW>;
+    for (var j = 0u; j < RPW; j++) {
+        rr[j] = min(r0 + j, p.rows - 1u);
+    }
+    var s: array<vec4<f32>, Q>;
+    for (var j = 0u; j < Q; j++) {
+        s[j] = vec4<f32>(0.0);
+    }
     let norm = (p.flags & NORM) != 0u;
     for (var i = li; i < p.cols / 4u; i += WG) {
-        let wa = w4(r, i);
-        //# glu
-        let wb = w4b(r, i);
-        //# end
         var g = vec4<f32>(1.0);
         if (norm) {
             g = gamma[i];
         }
+        var xs: array<vec4<f32>, TT>;
         for (var k = 0u; k < TT; k++) {
             let xv = x[xr[k] + i];
-            a[k] += dot(xv * g, wa);
+            xs[k] = xv * g;
+            s[Q - 1u][k] += dot(xv, xv);
+        }
+        for (var j = 0u; j < RPW; j++) {
+            let wa = w4(rr[j], i);
             //# glu
-            b[k] += dot(xv * g, wb);
+            let wb = w4b(rr[j], i);
             //# end
-            ss[k] += dot(xv, xv);
+            for (var k = 0u; k < TT; k++) {
+                s[j][k] += dot(xs[k], wa);
+                //# glu
+                s[RPW + j][k] += dot(xs[k], wb);
+                //# end
+            }
         }
     }
-    red_a[li] = a;
-    red_b[li] = b;
-    red_s[li] = ss;
+    //# sg
+    for (var j = 0u; j < Q; j++) {
+        s[j] = subgroupAdd(s[j]);
+    }
+    if (sl == 0u) {
+        for (var j = 0u; j < Q; j++) {
+            red[sid * Q + j] = s[j];
+        }
+    }
     workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            red_a[li] += red_a[li + s];
-            red_b[li] += red_b[li + s];
-            red_s[li] += red_s[li + s];
+    let parts = nsg;
+    let stride = Q;
+    //# end
+    //# nosg
+    for (var j = 0u; j < Q; j++) {
+        red[li * Q + j] = s[j];
+    }
+    workgroupBarrier();
+    for (var h = WG / 2u; h > 1u; h >>= 1u) {
+        if (li < h) {
+            for (var j = 0u; j < Q; j++) {
+                red[li * Q + j] += red[(li + h) * Q + j];
+            }
         }
         workgroupBarrier();
     }
-    if (li < nt) {
-        let t = t0 + li;
-        var v = epilogue(red_a[0][li], red_s[0][li], r);
-        //# glu
-        v = act(v) * epilogue(red_b[0][li], red_s[0][li], r);
-        //# end
-        v = v * p.scale;
-        if ((p.flags & SOFTCAP) != 0u) {
-            v = p.softcap * tanh(clamp(v / p.softcap, -15.0, 15.0));
-        }
-        let at = t * p.y_stride + p.y_col + p.row0 + r;
-        if ((p.flags & RESIDUAL) != 0u) {
-            y[at] += v;
-        } else {
-            y[at] = v;
+    let parts = 2u;
+    let stride = Q;
+    //# end
+    if (li < RPW * TT) {
+        let j = li / TT;
+        let k = li % TT;
+        let r = r0 + j;
+        let t = t0 + k;
+        if (r < p.rows && k < nt) {
+            var a = 0.0;
+            var b = 0.0;
+            var ss = 0.0;
+            for (var u = 0u; u < parts; u++) {
+                a += red[u * stride + j][k];
+                b += red[u * stride + RPW + j][k];
+                ss += red[u * stride + Q - 1u][k];
+            }
+            var v = epilogue(a, ss, r);
+            //# glu
+            v = act(v) * epilogue(b, ss, r);
+            //# end
+            v = v * p.scale;
+            if ((p.flags & SOFTCAP) != 0u) {
+                v = p.softcap * tanh(clamp(v / p.softcap, -15.0, 15.0));
+            }
+            let at = t * p.y_stride + p.y_col + p.row0 + r;
+            if ((p.flags & RESIDUAL) != 0u) {
+                y[at] += v;
+            } else {
+                y[at] = v;
+            }
         }
     }
 }
