@@ -48,6 +48,34 @@ pub struct Runner {
     pub ops: Vec<Op>,
     pub ropes: Vec<RopeConfig>,
     pub bufs: StepBuffers,
+    /// CELLM_GPU_PROFILE=1: host time per step phase, printed every 64 steps.
+    profile: Option<Profile>,
+}
+
+/// Host seconds spent per phase of a step: laying it out and writing its buffers,
+/// recording the launches, submitting, and waiting for the logits (GPU time included).
+#[derive(Default)]
+struct Profile {
+    steps: u32,
+    phases: [f64; 4],
+}
+
+impl Profile {
+    fn add(&mut self, marks: &[std::time::Instant; 5]) {
+        for (i, w) in marks.windows(2).enumerate() {
+            self.phases[i] += (w[1] - w[0]).as_secs_f64();
+        }
+        self.steps += 1;
+        if self.steps == 64 {
+            let ms = self.phases.map(|s| s * 1e3 / 64.0);
+            eprintln!(
+                "cellm-gpu profile (ms per step, mean of 64): write {:.3}, record {:.3}, \
+                 submit {:.3}, wait+read {:.3}",
+                ms[0], ms[1], ms[2], ms[3]
+            );
+            *self = Self::default();
+        }
+    }
 }
 
 /// Refuses what this backend does not run yet, naming it.
@@ -244,7 +272,8 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
             ops.len()
         );
     }
-    let runner = Runner { gpu, dims, ops, ropes, bufs };
+    let profile = std::env::var_os("CELLM_GPU_PROFILE").map(|_| Profile::default());
+    let runner = Runner { gpu, dims, ops, ropes, bufs, profile };
     Ok(Box::new(GpuModel { cfg, layout, runner: Mutex::new(runner) }))
 }
 
@@ -589,10 +618,13 @@ impl Runner {
         let host = HostStep::new(step, self.dims.layers)?;
         let (max_tokens, max_rows) = self.bufs.max_chunk(&self.gpu, &self.dims);
         for chunk in host.chunks(max_tokens, max_rows) {
+            let now = std::time::Instant::now;
+            let mut marks = [now(); 5];
             let rows = chunk.logit_rows.len();
             let need = (chunk.tokens.len(), rows, host.tables.len(), kv.pages_allocated());
             self.bufs.fit(&self.gpu, &self.dims, &self.ops, need)?;
             let splits = self.bufs.write(&self.gpu, &chunk, &host, &self.ropes);
+            marks[1] = now();
             let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
             {
                 let mut pass = encoder.begin_compute_pass(&Default::default());
@@ -621,11 +653,18 @@ impl Runner {
             if rows > 0 {
                 self.bufs.copy_logits(&mut encoder, rows * self.dims.vocab);
             }
-            self.gpu.queue.submit([encoder.finish()]);
+            let commands = encoder.finish();
+            marks[2] = now();
+            self.gpu.queue.submit([commands]);
+            marks[3] = now();
             if rows > 0 {
                 logits.extend(self.bufs.read_logits(&self.gpu, rows * self.dims.vocab)?);
             } else {
                 self.gpu.wait()?;
+            }
+            marks[4] = now();
+            if let Some(p) = &mut self.profile {
+                p.add(&marks);
             }
         }
         Ok(logits)
