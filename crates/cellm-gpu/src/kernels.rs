@@ -11,6 +11,7 @@ const FORMATS: &str = include_str!("shaders/formats.wgsl");
 const STEP: &str = include_str!("shaders/step.wgsl");
 const KV: &str = include_str!("shaders/kvpage.wgsl");
 const MATVEC: &str = include_str!("shaders/matvec.wgsl");
+const GEMM: &str = include_str!("shaders/gemm.wgsl");
 const EMBED: &str = include_str!("shaders/embed.wgsl");
 const ROPE_KV: &str = include_str!("shaders/rope_kv.wgsl");
 const ATTENTION: &str = include_str!("shaders/attention.wgsl");
@@ -98,11 +99,13 @@ impl KernelId {
     }
 
     /// The kernel's full WGSL source: with subgroup reductions (`subgroups`) or shared-memory
-    /// ones, for up to `tokens` tokens a workgroup where it batches tokens (1 or 4).
+    /// ones, for up to `tokens` tokens a workgroup where it batches tokens (1 or 4), or its
+    /// tiled-GEMM build where `tokens` is `GEMM_BUILD` (matvec and GLU only).
     pub fn source(self, subgroups: bool, tokens: u32) -> String {
+        let gemm = tokens == GEMM_BUILD && self.per_token_count();
         let (body, weights, glu): (&str, Option<Layout>, bool) = match self {
-            KernelId::Matvec(l) => (MATVEC, Some(l), false),
-            KernelId::Glu(l) => (MATVEC, Some(l), true),
+            KernelId::Matvec(l) => (if gemm { GEMM } else { MATVEC }, Some(l), false),
+            KernelId::Glu(l) => (if gemm { GEMM } else { MATVEC }, Some(l), true),
             KernelId::Embed(l) => (EMBED, Some(l), false),
             KernelId::RopeKv => (ROPE_KV, None, false),
             KernelId::Attention => (ATTENTION, None, false),
@@ -110,7 +113,7 @@ impl KernelId {
             KernelId::NormAdd => (NORM_ADD, None, false),
         };
         let mut src = String::new();
-        if self.per_token_count() {
+        if self.per_token_count() && !gemm {
             src.push_str(&format!("const TT: u32 = {tokens}u;\n"));
         }
         src.push_str(STEP);
@@ -160,21 +163,34 @@ fn sections(text: &str, keep: &dyn Fn(&str) -> bool) -> String {
     out
 }
 
-/// A compiled kernel and its binding layout; `single` is its one-token build, where it has
-/// one (the same bindings).
+/// `KernelId::source`'s `tokens` for the tiled GEMM build.
+pub const GEMM_BUILD: u32 = 0;
+/// Tokens from which a matvec launch runs as the tiled GEMM.
+pub const GEMM_MIN_TOKENS: u32 = 8;
+/// Rows and tokens of one GEMM workgroup's tile (`BM`, `BN` in `shaders/gemm.wgsl`).
+pub const GEMM_TILE: u32 = 64;
+
+/// A compiled kernel and its binding layout; `single` is its one-token build and `gemm` its
+/// tiled-GEMM build, where it has them (the same bindings).
 pub struct Kernel {
     pub pipeline: wgpu::ComputePipeline,
     pub single: Option<wgpu::ComputePipeline>,
+    pub gemm: Option<wgpu::ComputePipeline>,
     pub layout: wgpu::BindGroupLayout,
 }
 
 impl Kernel {
-    /// The pipeline for a launch over `tokens` tokens.
+    /// The pipeline for a launch over `tokens` tokens (the GEMM is `gemm_for`'s).
     pub fn for_tokens(&self, tokens: u32) -> &wgpu::ComputePipeline {
         match (&self.single, tokens) {
             (Some(one), 1) => one,
             _ => &self.pipeline,
         }
+    }
+
+    /// The GEMM build, where a launch over `tokens` tokens should use it.
+    pub fn gemm_for(&self, tokens: u32) -> Option<&wgpu::ComputePipeline> {
+        self.gemm.as_ref().filter(|_| tokens >= GEMM_MIN_TOKENS)
     }
 }
 
@@ -240,5 +256,6 @@ fn build(device: &wgpu::Device, id: KernelId, subgroups: bool) -> Kernel {
         })
     };
     let single = id.per_token_count().then(|| pipeline(1));
-    Kernel { pipeline: pipeline(4), single, layout }
+    let gemm = id.per_token_count().then(|| pipeline(GEMM_BUILD));
+    Kernel { pipeline: pipeline(4), single, gemm, layout }
 }

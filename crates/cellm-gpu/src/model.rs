@@ -14,7 +14,7 @@ use cellm_models::{
 };
 
 use crate::device::Gpu;
-use crate::kernels::{KernelId, Kernels};
+use crate::kernels::{KernelId, Kernels, GEMM_TILE};
 use crate::ops::{Buf, Dims, Grid, Op};
 use crate::step::{HostStep, StepBuffers};
 use crate::weights::{Matrix, Uploader};
@@ -631,6 +631,22 @@ impl Runner {
                 let t = chunk.tokens.len() as u32;
                 let r = rows as u32;
                 for (op, group) in self.ops.iter().zip(self.bufs.groups()) {
+                    // Row groups of ROWS_PER_GROUP, over `count` tokens: a tiled GEMM
+                    // from GEMM_MIN_TOKENS on.
+                    if let Grid::Rows { groups, .. } | Grid::HeadRows { groups, .. } = op.grid {
+                        let count = if matches!(op.grid, Grid::Rows { .. }) { t } else { r };
+                        if let Some(gemm) = op.kernel.gemm_for(count) {
+                            let tile_groups = GEMM_TILE / ROWS_PER_GROUP as u32;
+                            pass.set_pipeline(gemm);
+                            pass.set_bind_group(0, group, &[]);
+                            pass.dispatch_workgroups(
+                                groups.div_ceil(tile_groups),
+                                count.div_ceil(GEMM_TILE),
+                                1,
+                            );
+                            continue;
+                        }
+                    }
                     let ((x, y, z), count) = match op.grid {
                         Grid::Rows { groups, groups_x } => {
                             ((groups_x, groups.div_ceil(groups_x), t.div_ceil(4)), t)

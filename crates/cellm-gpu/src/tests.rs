@@ -161,13 +161,23 @@ fn gpu_matvec(gpu: &Gpu, w: WeightRows, x: &[f32], tokens: usize, cap: u64) -> (
         });
         {
             let mut pass = enc.begin_compute_pass(&Default::default());
-            pass.set_pipeline(kernel.for_tokens(tokens as u32));
             pass.set_bind_group(0, &group, &[]);
-            pass.dispatch_workgroups(
-                groups_x,
-                groups.div_ceil(groups_x),
-                (tokens as u32).div_ceil(4),
-            );
+            let t = tokens as u32;
+            match kernel.gemm_for(t) {
+                Some(gemm) => {
+                    pass.set_pipeline(gemm);
+                    let tile = crate::kernels::GEMM_TILE;
+                    pass.dispatch_workgroups(
+                        (part.rows as u32).div_ceil(tile),
+                        t.div_ceil(tile),
+                        1,
+                    );
+                }
+                None => {
+                    pass.set_pipeline(kernel.for_tokens(t));
+                    pass.dispatch_workgroups(groups_x, groups.div_ceil(groups_x), t.div_ceil(4));
+                }
+            }
         }
         keep.push(pb);
     }
@@ -208,7 +218,7 @@ fn matvec_matches_cpu_decoding_in_every_layout() {
         for (format, bytes) in variants {
             assert!(Layout::of(format).is_some());
             let w = WeightRows { format, bytes: &bytes, rows, cols };
-            for tokens in [1, 5] {
+            for tokens in [1, 5, 70] {
                 let x: Vec<f32> = (0..tokens * cols).map(|_| rng.uniform()).collect();
                 let row_bytes = (data.len() / rows) as u64 * 2;
                 for cap in [u64::MAX, row_bytes * 5] {
@@ -246,7 +256,8 @@ fn every_kernel_translates_to_metal() {
     use naga::valid::{Capabilities, ValidationFlags, Validator};
     let variants = KernelId::all()
         .into_iter()
-        .flat_map(|id| [(id, false, 4), (id, true, 4), (id, false, 1), (id, true, 1)]);
+        .flat_map(|id| [false, true].map(|sg| [(id, sg, 4), (id, sg, 1), (id, sg, 0)]))
+        .flatten();
     for (id, subgroups, tokens) in variants {
         let src = id.source(subgroups, tokens);
         let module = naga::front::wgsl::parse_str(&src)

@@ -105,27 +105,36 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         s[j] = vec4<f32>(0.0);
     }
     let norm = (p.flags & NORM) != 0u;
-    for (var i = li; i < p.cols / 4u; i += WG) {
-        var g = vec4<f32>(1.0);
-        if (norm) {
-            g = gamma[i];
-        }
-        var xs: array<vec4<f32>, TT>;
-        for (var k = 0u; k < TT; k++) {
-            let xv = x[xr[k] + i];
-            xs[k] = xv * g;
-            s[Q - 1u][k] += dot(xv, xv);
-        }
-        for (var j = 0u; j < RPW; j++) {
-            let wa = w4(rr[j], i);
-            //# glu
-            let wb = w4b(rr[j], i);
-            //# end
+    // Two columns of vec4 a thread per pass (i and i + WG), so that each thread has 2 * RPW
+    // weight loads in flight.
+    let n4 = p.cols / 4u;
+    for (var i0 = li; i0 < n4; i0 += 2u * WG) {
+        for (var u = 0u; u < 2u; u++) {
+            // Past the end: the last vec4 again, times zero (no branch around the loads).
+            let ok = i0 + u * WG < n4;
+            let i = select(n4 - 1u, i0 + u * WG, ok);
+            var g = vec4<f32>(1.0);
+            if (norm) {
+                g = gamma[i];
+            }
+            g = select(vec4<f32>(0.0), g, ok);
+            var xs: array<vec4<f32>, TT>;
             for (var k = 0u; k < TT; k++) {
-                s[j][k] += dot(xs[k], wa);
+                let xv = x[xr[k] + i];
+                xs[k] = xv * g;
+                s[Q - 1u][k] += select(0.0, dot(xv, xv), ok);
+            }
+            for (var j = 0u; j < RPW; j++) {
+                let wa = w4(rr[j], i);
                 //# glu
-                s[RPW + j][k] += dot(xs[k], wb);
+                let wb = w4b(rr[j], i);
                 //# end
+                for (var k = 0u; k < TT; k++) {
+                    s[j][k] += dot(xs[k], wa);
+                    //# glu
+                    s[RPW + j][k] += dot(xs[k], wb);
+                    //# end
+                }
             }
         }
     }
