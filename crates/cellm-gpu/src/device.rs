@@ -52,6 +52,8 @@ pub struct Gpu {
     /// Whether the device was opened with subgroup operations (the kernels then reduce
     /// within subgroups, of whatever size the device runs).
     pub subgroups: bool,
+    /// Whether the device was opened with timestamp queries inside passes (profiling).
+    pub timestamps: bool,
     failure: Arc<Mutex<Option<String>>>,
 }
 
@@ -82,8 +84,16 @@ impl Gpu {
         // (tests run both).
         let subgroups = adapter.features().contains(wgpu::Features::SUBGROUP)
             && std::env::var_os("CELLM_GPU_NO_SUBGROUPS").is_none();
-        let required_features =
+        let mut required_features =
             if subgroups { wgpu::Features::SUBGROUP } else { wgpu::Features::empty() };
+        // CELLM_GPU_PROFILE: GPU timestamps around every launch, where the device has them.
+        let stamps =
+            wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES;
+        let timestamps =
+            std::env::var_os("CELLM_GPU_PROFILE").is_some() && adapter.features().contains(stamps);
+        if timestamps {
+            required_features |= stamps;
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("cellm"),
             required_features,
@@ -102,7 +112,7 @@ impl Gpu {
             let mut f = slot.lock().unwrap_or_else(|p| p.into_inner());
             f.get_or_insert_with(|| format!("the device was lost: {message}"));
         });
-        Ok(Self { device, queue, limits, info, subgroups, failure })
+        Ok(Self { device, queue, limits, info, subgroups, timestamps, failure })
     }
 
     /// The first error the device reported, if any (it stays failed).

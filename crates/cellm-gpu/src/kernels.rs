@@ -173,6 +173,7 @@ pub const GEMM_TILE: u32 = 64;
 /// A compiled kernel and its binding layout; `single` is its one-token build and `gemm` its
 /// tiled-GEMM build, where it has them (the same bindings).
 pub struct Kernel {
+    pub name: String,
     pub pipeline: wgpu::ComputePipeline,
     pub single: Option<wgpu::ComputePipeline>,
     pub gemm: Option<wgpu::ComputePipeline>,
@@ -257,5 +258,6 @@ fn build(device: &wgpu::Device, id: KernelId, subgroups: bool) -> Kernel {
     };
     let single = id.per_token_count().then(|| pipeline(1));
     let gemm = id.per_token_count().then(|| pipeline(GEMM_BUILD));
-    Kernel { pipeline: pipeline(4), single, gemm, layout }
+    let name = label.split('(').next().unwrap_or_default().to_string();
+    Kernel { name, pipeline: pipeline(4), single, gemm, layout }
 }

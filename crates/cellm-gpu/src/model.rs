@@ -52,28 +52,93 @@ pub struct Runner {
     profile: Option<Profile>,
 }
 
-/// Host seconds spent per phase of a step: laying it out and writing its buffers,
-/// recording the launches, submitting, and waiting for the logits (GPU time included).
-#[derive(Default)]
+/// One-token steps' host seconds per phase: laying the step out and writing its buffers,
+/// recording the launches, submitting, and waiting for the logits (GPU time included); and,
+/// where the device has timestamps, GPU seconds per kernel.
 struct Profile {
     steps: u32,
     phases: [f64; 4],
+    gpu: std::collections::BTreeMap<String, (f64, u32)>,
+    stamps: Option<Stamps>,
+}
+
+struct Stamps {
+    set: wgpu::QuerySet,
+    resolve: wgpu::Buffer,
+    read: wgpu::Buffer,
+    /// Kernel name of each stamped launch, this step.
+    names: Vec<String>,
 }
 
 impl Profile {
-    fn add(&mut self, marks: &[std::time::Instant; 5]) {
+    fn new(gpu: &Gpu, ops: usize) -> Self {
+        let n = ops as u32 + 1;
+        let stamps = gpu.timestamps.then(|| Stamps {
+            set: gpu.device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some("profile"),
+                ty: wgpu::QueryType::Timestamp,
+                count: n,
+            }),
+            resolve: gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: None,
+                size: u64::from(n) * 8,
+                usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            }),
+            read: gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: None,
+                size: u64::from(n) * 8,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
+            names: Vec::new(),
+        });
+        Self { steps: 0, phases: [0.0; 4], gpu: Default::default(), stamps }
+    }
+
+    fn add(&mut self, gpu: &Gpu, marks: &[std::time::Instant; 5]) {
         for (i, w) in marks.windows(2).enumerate() {
             self.phases[i] += (w[1] - w[0]).as_secs_f64();
+        }
+        if let Some(s) = &mut self.stamps {
+            let n = s.names.len();
+            let slice = s.read.slice(..(n as u64 + 1) * 8);
+            slice.map_async(wgpu::MapMode::Read, |_| {});
+            let _ = gpu.wait();
+            if let Ok(view) = slice.get_mapped_range() {
+                let ticks: Vec<u64> = view
+                    .chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                    .collect();
+                let period = f64::from(gpu.queue.get_timestamp_period()) * 1e-9;
+                for (i, name) in s.names.iter().enumerate() {
+                    let dt = ticks[i + 1].saturating_sub(ticks[i]) as f64 * period;
+                    let e = self.gpu.entry(name.clone()).or_default();
+                    e.0 += dt;
+                    e.1 += 1;
+                }
+            }
+            s.read.unmap();
         }
         self.steps += 1;
         if self.steps == 64 {
             let ms = self.phases.map(|s| s * 1e3 / 64.0);
-            eprintln!(
-                "cellm-gpu profile (ms per step, mean of 64): write {:.3}, record {:.3}, \
-                 submit {:.3}, wait+read {:.3}",
+            let mut line = format!(
+                "cellm-gpu profile (one-token steps, ms per step, mean of 64): write {:.3}, \
+                 record {:.3}, submit {:.3}, wait+read {:.3}",
                 ms[0], ms[1], ms[2], ms[3]
             );
-            *self = Self::default();
+            if !self.gpu.is_empty() {
+                let total: f64 = self.gpu.values().map(|v| v.0).sum();
+                line += &format!("; GPU {:.3} ms:", total * 1e3 / 64.0);
+                for (name, (t, n)) in &self.gpu {
+                    line += &format!(" {name} {:.3} ({} launches)", t * 1e3 / 64.0, n / 64);
+                }
+            }
+            eprintln!("{line}");
+            self.steps = 0;
+            self.phases = [0.0; 4];
+            self.gpu.clear();
         }
     }
 }
@@ -272,7 +337,7 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
             ops.len()
         );
     }
-    let profile = std::env::var_os("CELLM_GPU_PROFILE").map(|_| Profile::default());
+    let profile = std::env::var_os("CELLM_GPU_PROFILE").map(|_| Profile::new(&gpu, ops.len()));
     let runner = Runner { gpu, dims, ops, ropes, bufs, profile };
     Ok(Box::new(GpuModel { cfg, layout, runner: Mutex::new(runner) }))
 }
@@ -626,9 +691,16 @@ impl Runner {
             let splits = self.bufs.write(&self.gpu, &chunk, &host, &self.ropes);
             marks[1] = now();
             let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
+            let t = chunk.tokens.len() as u32;
+            let mut stamps = match &mut self.profile {
+                Some(Profile { stamps: Some(s), .. }) if t == 1 => {
+                    s.names.clear();
+                    Some(s)
+                }
+                _ => None,
+            };
             {
                 let mut pass = encoder.begin_compute_pass(&Default::default());
-                let t = chunk.tokens.len() as u32;
                 let r = rows as u32;
                 for (op, group) in self.ops.iter().zip(self.bufs.groups()) {
                     // Row groups of ROWS_PER_GROUP, over `count` tokens: a tiled GEMM
@@ -661,10 +733,20 @@ impl Runner {
                     if x * y * z == 0 {
                         continue;
                     }
+                    if let Some(s) = &mut stamps {
+                        pass.write_timestamp(&s.set, s.names.len() as u32);
+                        s.names.push(op.kernel.name.clone());
+                    }
                     pass.set_pipeline(op.kernel.for_tokens(count));
                     pass.set_bind_group(0, group, &[]);
                     pass.dispatch_workgroups(x, y, z);
                 }
+            }
+            if let Some(s) = stamps {
+                let n = s.names.len() as u32;
+                encoder.write_timestamp(&s.set, n);
+                encoder.resolve_query_set(&s.set, 0..n + 1, &s.resolve, 0);
+                encoder.copy_buffer_to_buffer(&s.resolve, 0, &s.read, 0, u64::from(n + 1) * 8);
             }
             if rows > 0 {
                 self.bufs.copy_logits(&mut encoder, rows * self.dims.vocab);
@@ -679,8 +761,8 @@ impl Runner {
                 self.gpu.wait()?;
             }
             marks[4] = now();
-            if let Some(p) = &mut self.profile {
-                p.add(&marks);
+            if let (Some(p), 1) = (&mut self.profile, t) {
+                p.add(&self.gpu, &marks);
             }
         }
         Ok(logits)
