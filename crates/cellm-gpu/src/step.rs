@@ -317,7 +317,7 @@ impl StepBuffers {
             host.stride as u32,
             caps.tokens as u32,
             caps.rows as u32,
-            (caps.tokens * self.dims.max_half.max(1)) as u32,
+            (t * self.dims.max_half.max(1)) as u32,
             split_len as u32,
             splits as u32,
         ]);
@@ -335,8 +335,9 @@ impl StepBuffers {
         if !host.tables.is_empty() {
             gpu.queue.write_buffer(&b.step, (words.len() * 4) as u64, as_bytes(&host.tables));
         }
-        // cos/sin per token and pair, as the CPU computes them (angle rounded to f32 first).
-        let stride = caps.tokens * self.dims.max_half.max(1);
+        // cos/sin per token and pair, as the CPU computes them (angle rounded to f32 first);
+        // the chunk's tokens only (a decode step writes one row, not the capacity's).
+        let stride = t * self.dims.max_half.max(1);
         let mut table = vec![0f32; 2 * ropes.len() * stride];
         for (r, rope) in ropes.iter().enumerate() {
             let half = rope.inv_freq.len();

@@ -1,12 +1,16 @@
 // Weight accessors, one per GPU weight layout (see repack.rs). Each defines the bindings
-// `wq$` (and `ws$`) at @binding($Q) / @binding($S) and `fn w4$(r, i) -> vec4<f32>`: columns
-// 4i..4i+3 of row r, dequantized. `$` is a suffix so a kernel can hold two matrices. Only
+// `wq$` (and `ws$`) at @binding($Q) / @binding($S), `fn w4$(r, i) -> vec4<f32>`: columns
+// 4i..4i+3 of row r, dequantized, and `fn w8$(r, i) -> array<vec4<f32>, 2>`: columns
+// 8i..8i+7 (rows of a multiple of 8 columns), sharing the block's scales and loads. `$` is a suffix so a kernel can hold two matrices. Only
 // the section of the format in use is kept (between `//# name` and `//# end`).
 
 //# f32
 @group(0) @binding($Q) var<storage, read> wq$: array<vec4<f32>>;
 fn w4$(r: u32, i: u32) -> vec4<f32> {
     return wq$[r * (p.cols / 4u) + i];
+}
+fn w8$(r: u32, i: u32) -> array<vec4<f32>, 2> {
+    return array<vec4<f32>, 2>(w4$(r, 2u * i), w4$(r, 2u * i + 1u));
 }
 //# end
 
@@ -15,6 +19,13 @@ fn w4$(r: u32, i: u32) -> vec4<f32> {
 fn w4$(r: u32, i: u32) -> vec4<f32> {
     let v = wq$[r * (p.cols / 4u) + i];
     return vec4<f32>(unpack2x16float(v.x), unpack2x16float(v.y));
+}
+fn w8$(r: u32, i: u32) -> array<vec4<f32>, 2> {
+    let at = r * (p.cols / 4u) + 2u * i;
+    let a = wq$[at];
+    let b = wq$[at + 1u];
+    return array<vec4<f32>, 2>(vec4<f32>(unpack2x16float(a.x), unpack2x16float(a.y)),
+                               vec4<f32>(unpack2x16float(b.x), unpack2x16float(b.y)));
 }
 //# end
 
@@ -25,6 +36,9 @@ fn w4$(r: u32, i: u32) -> vec4<f32> {
     return vec4<f32>(
         bitcast<f32>(v.x << 16u), bitcast<f32>(v.x & 0xffff0000u),
         bitcast<f32>(v.y << 16u), bitcast<f32>(v.y & 0xffff0000u));
+}
+fn w8$(r: u32, i: u32) -> array<vec4<f32>, 2> {
+    return array<vec4<f32>, 2>(w4$(r, 2u * i), w4$(r, 2u * i + 1u));
 }
 //# end
 
@@ -38,6 +52,9 @@ fn w4$(r: u32, i: u32) -> vec4<f32> {
     // Each byte shifted to the top, then arithmetically back: its signed value.
     let w = vec4<i32>(i32(wq$[b * 8u + i % 8u]));
     return d * vec4<f32>((w << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
+}
+fn w8$(r: u32, i: u32) -> array<vec4<f32>, 2> {
+    return array<vec4<f32>, 2>(w4$(r, 2u * i), w4$(r, 2u * i + 1u));
 }
 //# end
 
@@ -55,6 +72,9 @@ fn w4$(r: u32, i: u32) -> vec4<f32> {
                       f32((w >> 24u) & 15u));
     return d * (q - 8.0);
 }
+fn w8$(r: u32, i: u32) -> array<vec4<f32>, 2> {
+    return array<vec4<f32>, 2>(w4$(r, 2u * i), w4$(r, 2u * i + 1u));
+}
 //# end
 
 //# q4_1
@@ -69,6 +89,9 @@ fn w4$(r: u32, i: u32) -> vec4<f32> {
     let q = vec4<f32>(f32(w & 15u), f32((w >> 8u) & 15u), f32((w >> 16u) & 15u),
                       f32((w >> 24u) & 15u));
     return dm.x * q + vec4<f32>(dm.y);
+}
+fn w8$(r: u32, i: u32) -> array<vec4<f32>, 2> {
+    return array<vec4<f32>, 2>(w4$(r, 2u * i), w4$(r, 2u * i + 1u));
 }
 //# end
 
@@ -88,6 +111,9 @@ fn w4$(r: u32, i: u32) -> vec4<f32> {
                       f32(((w >> 16u) & 15u) | (((h >> 2u) & 1u) << 4u)),
                       f32(((w >> 24u) & 15u) | (((h >> 3u) & 1u) << 4u)));
     return d * (q - 16.0);
+}
+fn w8$(r: u32, i: u32) -> array<vec4<f32>, 2> {
+    return array<vec4<f32>, 2>(w4$(r, 2u * i), w4$(r, 2u * i + 1u));
 }
 //# end
 
@@ -110,6 +136,24 @@ fn w4$(r: u32, i: u32) -> vec4<f32> {
     let m = f32((ws$[sb * 5u + 3u + sub / 4u] >> (8u * (sub % 4u))) & 255u);
     return (dm.x * sc) * q - vec4<f32>(dm.y * m);
 }
+fn w8$(r: u32, i: u32) -> array<vec4<f32>, 2> {
+    let sb = r * (p.cols / 256u) + i / 32u;
+    let e = (i % 32u) * 8u;
+    let l = e % 64u;
+    let at = sb * 32u + (e / 64u) * 8u + (l % 32u) / 4u;
+    let sh = select(0u, 4u, l >= 32u);
+    let w0 = wq$[at] >> sh;
+    let w1 = wq$[at + 1u] >> sh;
+    let dm = unpack2x16float(ws$[sb * 5u]);
+    let sub = e / 32u;
+    let sc = f32((ws$[sb * 5u + 1u + sub / 4u] >> (8u * (sub % 4u))) & 255u);
+    let m = f32((ws$[sb * 5u + 3u + sub / 4u] >> (8u * (sub % 4u))) & 255u);
+    let q0 = vec4<f32>(vec4<u32>(w0, w0 >> 8u, w0 >> 16u, w0 >> 24u) & vec4<u32>(15u));
+    let q1 = vec4<f32>(vec4<u32>(w1, w1 >> 8u, w1 >> 16u, w1 >> 24u) & vec4<u32>(15u));
+    let d = dm.x * sc;
+    let mm = vec4<f32>(dm.y * m);
+    return array<vec4<f32>, 2>(d * q0 - mm, d * q1 - mm);
+}
 //# end
 
 //# q6_k
@@ -131,5 +175,20 @@ fn w4$(r: u32, i: u32) -> vec4<f32> {
     let s = e / 16u;
     let sc = f32((i32(ws$[sb * 5u + 1u + s / 4u]) << (24u - 8u * (s % 4u))) >> 24u);
     return (bitcast<f32>(ws$[sb * 5u]) * sc) * (q - 32.0);
+}
+fn w8$(r: u32, i: u32) -> array<vec4<f32>, 2> {
+    let sb = r * (p.cols / 256u) + i / 32u;
+    let e = (i % 32u) * 8u;
+    let lo = wq$[sb * 48u + e / 8u];
+    let hi = wq$[sb * 48u + 32u + e / 16u] >> ((e % 16u) * 2u);
+    let l0 = vec4<u32>(lo, lo >> 4u, lo >> 8u, lo >> 12u) & vec4<u32>(15u);
+    let l1 = vec4<u32>(lo >> 16u, lo >> 20u, lo >> 24u, lo >> 28u) & vec4<u32>(15u);
+    let h0 = (vec4<u32>(hi, hi >> 2u, hi >> 4u, hi >> 6u) & vec4<u32>(3u)) << vec4<u32>(4u);
+    let h1 = (vec4<u32>(hi >> 8u, hi >> 10u, hi >> 12u, hi >> 14u) & vec4<u32>(3u))
+        << vec4<u32>(4u);
+    let s = e / 16u;
+    let sc = f32((i32(ws$[sb * 5u + 1u + s / 4u]) << (24u - 8u * (s % 4u))) >> 24u);
+    let d = bitcast<f32>(ws$[sb * 5u]) * sc;
+    return array<vec4<f32>, 2>(d * (vec4<f32>(l0 | h0) - 32.0), d * (vec4<f32>(l1 | h1) - 32.0));
 }
 //# end

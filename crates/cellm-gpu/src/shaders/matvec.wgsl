@@ -105,9 +105,40 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         s[j] = vec4<f32>(0.0);
     }
     let norm = (p.flags & NORM) != 0u;
-    // Two columns of vec4 a thread per pass (i and i + WG), so that each thread has 2 * RPW
-    // weight loads in flight.
-    let n4 = p.cols / 4u;
+    // Rows of a multiple of 8 columns: 8 columns (one `w8`) a thread per pass and row.
+    let n8 = select(0u, p.cols / 8u, p.cols % 8u == 0u);
+    for (var i = li; i < n8; i += WG) {
+        var g0 = vec4<f32>(1.0);
+        var g1 = vec4<f32>(1.0);
+        if (norm) {
+            g0 = gamma[2u * i];
+            g1 = gamma[2u * i + 1u];
+        }
+        var x0: array<vec4<f32>, TT>;
+        var x1: array<vec4<f32>, TT>;
+        for (var k = 0u; k < TT; k++) {
+            let a = x[xr[k] + 2u * i];
+            let b = x[xr[k] + 2u * i + 1u];
+            x0[k] = a * g0;
+            x1[k] = b * g1;
+            s[Q - 1u][k] += dot(a, a) + dot(b, b);
+        }
+        for (var j = 0u; j < RPW; j++) {
+            let wa = w8(rr[j], i);
+            //# glu
+            let wb = w8b(rr[j], i);
+            //# end
+            for (var k = 0u; k < TT; k++) {
+                s[j][k] += dot(x0[k], wa[0]) + dot(x1[k], wa[1]);
+                //# glu
+                s[RPW + j][k] += dot(x0[k], wb[0]) + dot(x1[k], wb[1]);
+                //# end
+            }
+        }
+    }
+    // Otherwise two columns of vec4 a thread per pass (i and i + WG), so that each thread
+    // has 2 * RPW weight loads in flight.
+    let n4 = select(p.cols / 4u, 0u, n8 > 0u);
     for (var i0 = li; i0 < n4; i0 += 2u * WG) {
         for (var u = 0u; u < 2u; u++) {
             // Past the end: the last vec4 again, times zero (no branch around the loads).
