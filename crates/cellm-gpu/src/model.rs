@@ -741,10 +741,12 @@ impl Runner {
                     pass.set_bind_group(0, group, &[]);
                     pass.dispatch_workgroups(x, y, z);
                 }
+                if let Some(s) = &stamps {
+                    pass.write_timestamp(&s.set, s.names.len() as u32);
+                }
             }
             if let Some(s) = stamps {
                 let n = s.names.len() as u32;
-                encoder.write_timestamp(&s.set, n);
                 encoder.resolve_query_set(&s.set, 0..n + 1, &s.resolve, 0);
                 encoder.copy_buffer_to_buffer(&s.resolve, 0, &s.read, 0, u64::from(n + 1) * 8);
             }
