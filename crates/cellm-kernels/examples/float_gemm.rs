@@ -10,20 +10,24 @@
 use std::time::Instant;
 
 use cellm_format::TensorFormat;
-use cellm_kernels::dot::PathKernels;
-use cellm_kernels::panel::{PANEL_ROWS, PANEL_TOKENS};
+use cellm_kernels::dense_attention::bidirectional_attention;
+use cellm_kernels::gemm::GemmTile;
+use cellm_kernels::peak::fma_chains;
 use cellm_kernels::pool::{parallel_for, ThreadPool};
 use cellm_kernels::{matmul_raw, WeightRows};
 
 /// (tokens, rows, cols): SigLIP-base's q/k/v/out, fc1 and fc2 over one 26x36 NaFlex tile
-/// (LFM2.5-VL) and over four 32x32 tiles (SmolVLM's 512 px tiles).
-const SHAPES: [(usize, usize, usize); 6] = [
+/// (LFM2.5-VL) and over one 32x32 tile (SmolVLM's 512 px tiles), then its attention
+/// (rows 0: 12 heads of 64 over `tokens` patches).
+const SHAPES: [(usize, usize, usize); 8] = [
     (936, 768, 768),
     (936, 3072, 768),
     (936, 768, 3072),
-    (4096, 768, 768),
-    (4096, 3072, 768),
-    (4096, 768, 3072),
+    (1024, 768, 768),
+    (1024, 3072, 768),
+    (1024, 768, 3072),
+    (936, 0, 768),
+    (1024, 0, 768),
 ];
 
 fn main() {
@@ -43,7 +47,7 @@ fn main() {
     }
     let pool = ThreadPool::new(threads).expect("thread pool");
     // Seconds per GFLOP, best of the rounds: wall clock, and this thread's CPU time.
-    let mut wall = vec![f64::INFINITY; shapes.len() + 1];
+    let mut wall = vec![f64::INFINITY; shapes.len() + 2];
     let mut cpu = wall.clone();
     let data: Vec<_> = shapes.iter().map(|&(t, r, c)| operands(t, r, c)).collect();
     // Each timing repeats its call for at least 50 ms (schedstat's clock is coarse).
@@ -60,7 +64,21 @@ fn main() {
     };
     for _ in 0..ROUNDS {
         record(0, ceiling_gflop(threads), &|| pool.install(|| ceiling(threads)));
+        let peak_gflop = pool.install(|| fma_chains(threads, PEAK_STEPS)) / 1e9;
+        record(shapes.len() + 1, peak_gflop, &|| {
+            pool.install(|| fma_chains(threads, PEAK_STEPS));
+        });
         for (i, ((t, r, c), (x, w))) in shapes.iter().zip(&data).enumerate() {
+            if *r == 0 {
+                // Attention over t patches, 12 heads of 64 (c = 768).
+                let gflop = 4.0 * (t * t * c) as f64 / 1e9;
+                record(i + 1, gflop, &|| {
+                    pool.install(|| {
+                        std::hint::black_box(bidirectional_attention(x, x, x, *t, 12, 64, 0.125));
+                    })
+                });
+                continue;
+            }
             let rows = WeightRows { format: TensorFormat::F16, bytes: w, rows: *r, cols: *c };
             let mut out = vec![0.0f32; t * r];
             let out = std::cell::RefCell::new(&mut out);
@@ -70,22 +88,28 @@ fn main() {
             });
         }
     }
+    let peak = shapes.len() + 1;
     println!(
-        "{threads} thread(s); register-tile ceiling {:.1} GFLOP/s wall{}",
+        "{threads} thread(s); FMA peak {:.1} GFLOP/s wall; register-tile ceiling {:.1} ({:.0}% of \
+         peak){}",
+        1.0 / wall[peak],
         1.0 / wall[0],
+        100.0 * wall[peak] / wall[0],
         if threads == 1 { format!(", {:.1} per CPU second", 1.0 / cpu[0]) } else { String::new() }
     );
     for (i, (t, r, c)) in shapes.iter().enumerate() {
         let g = 1.0 / wall[i + 1];
+        let what = if *r == 0 { "attention".to_string() } else { format!("-> {r:4}") };
         print!(
-            "tokens {t:5} x {c:4} -> {r:4}: {g:6.1} GFLOP/s ({:3.0}%)",
-            100.0 * wall[0] / wall[i + 1]
+            "tokens {t:5} x {c:4} {what:>9}: {g:6.1} GFLOP/s ({:3.0}% of the tile, {:3.0}% of peak)",
+            100.0 * wall[0] / wall[i + 1],
+            100.0 * wall[peak] / wall[i + 1]
         );
         if threads == 1 {
             print!(
-                "; per CPU second {:6.1} ({:3.0}%)",
+                "; per CPU second {:6.1} ({:3.0}% of peak)",
                 1.0 / cpu[i + 1],
-                100.0 * cpu[0] / cpu[i + 1]
+                100.0 * cpu[peak] / cpu[i + 1]
             );
         }
         println!();
@@ -102,6 +126,7 @@ fn thread_cpu_s() -> f64 {
 }
 
 fn operands(tokens: usize, rows: usize, cols: usize) -> (Vec<f32>, Vec<u8>) {
+    let rows = rows.max(1);
     let x = (0..tokens * cols).map(|i| ((i * 7919) % 251) as f32 / 125.0 - 1.0).collect();
     let w = (0..rows * cols)
         .flat_map(|i| half::f16::from_f32(((i * 104729) % 211) as f32 / 100.0 - 1.05).to_le_bytes())
@@ -113,19 +138,23 @@ const ROUNDS: usize = 9;
 const COLS: usize = 256;
 const CALLS: usize = 20_000;
 
+/// Steps of the FMA peak's chains per timing.
+const PEAK_STEPS: usize = 2_000_000;
+
 fn ceiling_gflop(threads: usize) -> f64 {
-    2.0 * (threads * CALLS * COLS * PANEL_ROWS * PANEL_TOKENS) as f64 / 1e9
+    let tile = GemmTile::selected();
+    2.0 * (threads * CALLS * COLS * tile.len()) as f64 / 1e9
 }
 
 /// The selected path's register tile over L1-resident operands, on every thread at once.
 fn ceiling(threads: usize) {
-    let tile = PathKernels::selected().tile_kernel();
+    let tile = GemmTile::selected();
     parallel_for(threads, |_| {
-        let panel = vec![0.5f32; COLS * PANEL_ROWS];
-        let x = vec![0.25f32; COLS * PANEL_TOKENS];
-        let mut acc = [[0.0f32; PANEL_ROWS]; PANEL_TOKENS];
+        let panel = vec![0.5f32; COLS * tile.rows];
+        let x = vec![0.25f32; COLS * tile.tokens];
+        let mut acc = vec![0.0f32; tile.len()];
         for _ in 0..CALLS {
-            tile(&panel, &x, COLS, PANEL_TOKENS, &mut acc);
+            tile.run(&panel, &x, COLS, tile.tokens, &mut acc);
         }
         std::hint::black_box(&acc);
     });

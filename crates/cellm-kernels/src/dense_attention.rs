@@ -13,12 +13,9 @@
 //! Each head's keys and values are packed once into those groups; a task reads them once
 //! (2 n hd floats), and every multiply-add of both products runs in the register tile.
 
-use crate::dot::PathKernels;
 use crate::gating::exp_in_place;
-use crate::panel::{TileFn, PANEL_ROWS, PANEL_TOKENS};
+use crate::gemm::GemmTile;
 use crate::pool::{parallel_for, SharedOut};
-
-type Tile = [[f32; PANEL_ROWS]; PANEL_TOKENS];
 
 /// Softmax attention of every position to every position: `q`, `k`, `v` are
 /// `n x (heads * hd)`; returns the context rows in the same layout. Tasks (head, block of
@@ -33,7 +30,7 @@ pub fn bidirectional_attention(
     scale: f32,
 ) -> Vec<f32> {
     let shape = Shape { n, heads, hd, width: heads * hd };
-    attend(PathKernels::selected().tile_kernel(), [q, k, v], shape, scale)
+    attend(GemmTile::selected(), [q, k, v], shape, scale)
 }
 
 #[derive(Clone, Copy)]
@@ -45,50 +42,67 @@ struct Shape {
 }
 
 impl Shape {
-    /// Floats of one head's packed keys: groups of PANEL_TOKENS keys, each `hd x 6`.
-    fn keys_len(self) -> usize {
-        self.n.div_ceil(PANEL_TOKENS) * self.hd * PANEL_TOKENS
+    /// Floats of one head's packed keys: groups of `group` keys, each `hd x group`.
+    fn keys_len(self, group: usize) -> usize {
+        self.n.div_ceil(group) * self.hd * group
     }
 
-    /// Floats of one head's packed values: groups of PANEL_TOKENS dimensions, each `n x 6`.
-    fn values_len(self) -> usize {
-        self.hd.div_ceil(PANEL_TOKENS) * self.n * PANEL_TOKENS
+    /// Floats of one head's packed values: groups of `group` dimensions, each `n x group`.
+    fn values_len(self, group: usize) -> usize {
+        self.hd.div_ceil(group) * self.n * group
     }
 }
 
-fn attend(tile: TileFn, [q, k, v]: [&[f32]; 3], s: Shape, scale: f32) -> Vec<f32> {
+fn attend(tile: GemmTile, [q, k, v]: [&[f32]; 3], s: Shape, scale: f32) -> Vec<f32> {
     for x in [q, k, v] {
         assert_eq!(x.len(), s.n * s.width, "attention: q, k, v must be n x heads*hd");
     }
-    let (keys, values) = pack_heads(k, v, s);
-    let blocks = s.n.div_ceil(PANEL_ROWS);
+    let (kl, vl) = (s.keys_len(tile.tokens), s.values_len(tile.tokens));
+    let (keys, values) = pack_heads(k, v, s, tile.tokens);
+    let blocks = s.n.div_ceil(tile.rows);
     let mut ctx = vec![0.0; s.n * s.width];
     let out = SharedOut(ctx.as_mut_ptr());
     parallel_for(s.heads * blocks, |task| {
         let (h, b) = (task / blocks, task % blocks);
-        let head_keys = &keys[h * s.keys_len()..][..s.keys_len()];
-        let head_values = &values[h * s.values_len()..][..s.values_len()];
-        let queries = b * PANEL_ROWS..((b + 1) * PANEL_ROWS).min(s.n);
+        let head_keys = &keys[h * kl..][..kl];
+        let head_values = &values[h * vl..][..vl];
+        let queries = b * tile.rows..((b + 1) * tile.rows).min(s.n);
         let block = QueryBlock { tile, s, h, queries: queries.clone() };
-        let panel = block.query_panel(q, scale);
-        let mut probs = block.scores(&panel, head_keys);
-        let sums = softmax_numerators(&mut probs[..s.n * PANEL_ROWS]);
-        block.weighted_values(&probs, head_values, |query, dims, vals| {
-            let at = query * s.width + h * s.hd + dims;
-            let inv = 1.0 / sums[query - queries.start];
-            // SAFETY: (query, head h) belongs to this task alone, and `at + vals.len()` stays
-            // within the query's row of `ctx` (dims + vals.len() <= hd).
-            let dst = unsafe { std::slice::from_raw_parts_mut(out.at(at), vals.len()) };
-            dst.iter_mut().zip(vals).for_each(|(o, &x)| *o = x * inv);
+        SCRATCH.with_borrow_mut(|scratch| {
+            let Scratch { panel, probs } = scratch;
+            block.query_panel(q, scale, panel);
+            block.scores(panel, head_keys, probs);
+            let sums = softmax_numerators(&mut probs[..s.n * tile.rows], tile.rows);
+            block.weighted_values(probs, head_values, |query, dims, vals| {
+                let at = query * s.width + h * s.hd + dims;
+                let inv = 1.0 / sums[query - queries.start];
+                // SAFETY: (query, head h) belongs to this task alone, and `at + vals.len()`
+                // stays within the query's row of `ctx` (dims + vals.len() <= hd).
+                let dst = unsafe { std::slice::from_raw_parts_mut(out.at(at), vals.len()) };
+                dst.iter_mut().zip(vals).for_each(|(o, &x)| *o = x * inv);
+            });
         });
     });
     ctx
 }
 
+/// A worker's buffers for its tasks: a task's query panel and scores (n x the tile's rows,
+/// 128 KiB at 1024 patches) are reused instead of allocated, zeroed and freed per task.
+#[derive(Default)]
+struct Scratch {
+    panel: Vec<f32>,
+    probs: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
 /// Every head's keys as `[group][dim][key in group]` and values as
-/// `[group of dims][key][dim in group]`, zero-padded to whole groups; heads run in parallel.
-fn pack_heads(k: &[f32], v: &[f32], s: Shape) -> (Vec<f32>, Vec<f32>) {
-    let (kl, vl) = (s.keys_len(), s.values_len());
+/// `[group of dims][key][dim in group]` (groups of `group`), zero-padded to whole groups;
+/// heads run in parallel.
+fn pack_heads<'a>(k: &'a [f32], v: &'a [f32], s: Shape, group: usize) -> (Vec<f32>, Vec<f32>) {
+    let (kl, vl) = (s.keys_len(group), s.values_len(group));
     let mut keys = vec![0.0f32; s.heads * kl];
     let mut values = vec![0.0f32; s.heads * vl];
     let (ko, vo) = (SharedOut(keys.as_mut_ptr()), SharedOut(values.as_mut_ptr()));
@@ -96,25 +110,30 @@ fn pack_heads(k: &[f32], v: &[f32], s: Shape) -> (Vec<f32>, Vec<f32>) {
         // SAFETY: head h owns these two ranges of the buffers.
         let kh = unsafe { std::slice::from_raw_parts_mut(ko.at(h * kl), kl) };
         let vh = unsafe { std::slice::from_raw_parts_mut(vo.at(h * vl), vl) };
-        for key in 0..s.n {
-            let (group, lane) = (key / PANEL_TOKENS, key % PANEL_TOKENS);
-            let k_row = &k[key * s.width + h * s.hd..][..s.hd];
-            for (d, &x) in k_row.iter().enumerate() {
-                kh[(group * s.hd + d) * PANEL_TOKENS + lane] = x;
+        let row =
+            |x: &'a [f32], key: usize| -> &'a [f32] { &x[key * s.width + h * s.hd..][..s.hd] };
+        // Written in order: a key group's columns, read from its rows at once.
+        for (g, out) in kh.chunks_exact_mut(s.hd * group).enumerate() {
+            let keys: Vec<&[f32]> =
+                (g * group..((g + 1) * group).min(s.n)).map(|j| row(k, j)).collect();
+            for (d, col) in out.chunks_exact_mut(group).enumerate() {
+                col.iter_mut().zip(&keys).for_each(|(o, key)| *o = key[d]);
             }
-            let v_row = &v[key * s.width + h * s.hd..][..s.hd];
-            for (d, &x) in v_row.iter().enumerate() {
-                let (dims, lane) = (d / PANEL_TOKENS, d % PANEL_TOKENS);
-                vh[(dims * s.n + key) * PANEL_TOKENS + lane] = x;
+        }
+        // A group of dimensions at a time, each key's run of them copied whole.
+        for (dims, out) in vh.chunks_exact_mut(s.n * group).enumerate() {
+            let (d0, width) = (dims * group, group.min(s.hd - dims * group));
+            for (key, dst) in out.chunks_exact_mut(group).enumerate() {
+                dst[..width].copy_from_slice(&row(v, key)[d0..d0 + width]);
             }
         }
     });
     (keys, values)
 }
 
-/// One task: up to PANEL_ROWS consecutive queries of head `h`.
+/// One task: up to a tile's rows of consecutive queries of head `h`.
 struct QueryBlock {
-    tile: TileFn,
+    tile: GemmTile,
     s: Shape,
     h: usize,
     queries: std::ops::Range<usize>,
@@ -122,76 +141,144 @@ struct QueryBlock {
 
 impl QueryBlock {
     /// The block's queries times `scale` as a panel: `[dim][query]`, missing queries zero.
-    fn query_panel(&self, q: &[f32], scale: f32) -> Vec<f32> {
-        let s = self.s;
-        let mut panel = vec![0.0f32; s.hd * PANEL_ROWS];
+    fn query_panel(&self, q: &[f32], scale: f32, panel: &mut Vec<f32>) {
+        let (s, rows) = (self.s, self.tile.rows);
+        panel.clear();
+        panel.resize(s.hd * rows, 0.0);
         for (r, query) in self.queries.clone().enumerate() {
             let row = &q[query * s.width + self.h * s.hd..][..s.hd];
             for (d, &x) in row.iter().enumerate() {
-                panel[d * PANEL_ROWS + r] = x * scale;
+                panel[d * rows + r] = x * scale;
             }
         }
-        panel
     }
 
     /// `scores[key][query]` for every key (rows past `n` are padding).
-    fn scores(&self, panel: &[f32], keys: &[f32]) -> Vec<f32> {
-        let (n, hd) = (self.s.n, self.s.hd);
-        let groups = n.div_ceil(PANEL_TOKENS);
-        let mut scores = vec![0.0f32; groups * PANEL_TOKENS * PANEL_ROWS];
-        for (g, out) in scores.chunks_exact_mut(PANEL_TOKENS * PANEL_ROWS).enumerate() {
-            let x = &keys[g * hd * PANEL_TOKENS..][..hd * PANEL_TOKENS];
-            let live = (n - g * PANEL_TOKENS).min(PANEL_TOKENS);
-            (self.tile)(panel, x, hd, live, as_tile(out));
+    fn scores(&self, panel: &[f32], keys: &[f32], scores: &mut Vec<f32>) {
+        let (n, hd, group) = (self.s.n, self.s.hd, self.tile.tokens);
+        let groups = n.div_ceil(group);
+        // Each tile is zeroed just before its product, in L1, not the whole buffer at once.
+        scores.resize(groups * self.tile.len(), 0.0);
+        for (g, out) in
+            scores[..groups * self.tile.len()].chunks_exact_mut(self.tile.len()).enumerate()
+        {
+            let x = &keys[g * hd * group..][..hd * group];
+            let live = (n - g * group).min(group);
+            out.fill(0.0);
+            self.tile.run(panel, x, hd, live, out);
         }
-        scores
     }
 
-    /// For each group of PANEL_TOKENS dimensions, `sum over keys of probs[key][query] *
-    /// value[key][dim]`, handed to `store(query, first dim, values)`.
+    /// For each group of the tile's tokens of dimensions, `sum over keys of
+    /// probs[key][query] * value[key][dim]`, handed to `store(query, first dim, values)`.
     fn weighted_values(
         &self,
         probs: &[f32],
         values: &[f32],
         mut store: impl FnMut(usize, usize, &[f32]),
     ) {
-        let (n, hd) = (self.s.n, self.s.hd);
-        let panel = &probs[..n * PANEL_ROWS];
-        for (g, x) in values.chunks_exact(n * PANEL_TOKENS).enumerate() {
-            let live = (hd - g * PANEL_TOKENS).min(PANEL_TOKENS);
-            let mut acc: Tile = [[0.0; PANEL_ROWS]; PANEL_TOKENS];
-            (self.tile)(panel, x, n, live, &mut acc);
+        let (n, hd, rows, group) = (self.s.n, self.s.hd, self.tile.rows, self.tile.tokens);
+        let panel = &probs[..n * rows];
+        let mut acc = vec![0.0f32; self.tile.len()];
+        let mut vals = vec![0.0f32; group];
+        for (g, x) in values.chunks_exact(n * group).enumerate() {
+            let live = (hd - g * group).min(group);
+            acc.fill(0.0);
+            self.tile.run(panel, x, n, live, &mut acc);
             for (r, query) in self.queries.clone().enumerate() {
-                let vals: [f32; PANEL_TOKENS] = std::array::from_fn(|d| acc[d][r]);
-                store(query, g * PANEL_TOKENS, &vals[..live]);
+                vals.iter_mut().enumerate().for_each(|(d, v)| *v = acc[d * rows + r]);
+                store(query, g * group, &vals[..live]);
             }
         }
     }
 }
 
-/// `scores[key][lane] = exp(score - max over keys of the lane)`; returns each lane's sum.
-fn softmax_numerators(scores: &mut [f32]) -> [f32; PANEL_ROWS] {
-    let mut max = [f32::NEG_INFINITY; PANEL_ROWS];
-    for row in scores.chunks_exact(PANEL_ROWS) {
+/// `scores[key][lane] = exp(score - max over keys of the lane)` over rows of `lanes`
+/// scores; returns each lane's sum.
+fn softmax_numerators(scores: &mut [f32], lanes: usize) -> Vec<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if lanes == avx512::LANES && crate::isa::selected() == crate::Isa::Avx512Vnni {
+        // SAFETY: the AVX-512 path is selected only on CPUs with AVX-512F.
+        return unsafe { avx512::softmax_numerators(scores) }.to_vec();
+    }
+    let mut max = vec![f32::NEG_INFINITY; lanes];
+    for row in scores.chunks_exact(lanes) {
         max.iter_mut().zip(row).for_each(|(m, &x)| *m = m.max(x));
     }
-    for row in scores.chunks_exact_mut(PANEL_ROWS) {
-        row.iter_mut().zip(&max).for_each(|(x, m)| *x -= m);
-    }
-    // n x 16 exponentials per task: the vectorized exp, not libm's.
-    exp_in_place(scores);
-    let mut sums = [0.0f32; PANEL_ROWS];
-    for row in scores.chunks_exact(PANEL_ROWS) {
-        sums.iter_mut().zip(row).for_each(|(s, &x)| *s += x);
+    let mut sums = vec![0.0f32; lanes];
+    // Subtract, exponentiate and sum a block of rows while it is in L1 (the whole score
+    // matrix is n x lanes floats, 128 KiB at 1024 patches); n x lanes exponentials per task
+    // on the vectorized exp, not libm's.
+    for block in scores.chunks_mut(SOFTMAX_ROWS * lanes) {
+        for row in block.chunks_exact_mut(lanes) {
+            row.iter_mut().zip(&max).for_each(|(x, m)| *x -= m);
+        }
+        exp_in_place(block);
+        for row in block.chunks_exact(lanes) {
+            sums.iter_mut().zip(row).for_each(|(s, &x)| *s += x);
+        }
     }
     sums
 }
 
-/// PANEL_TOKENS x PANEL_ROWS floats as one register tile's accumulators.
-fn as_tile(out: &mut [f32]) -> &mut Tile {
-    let out: &mut [f32; PANEL_TOKENS * PANEL_ROWS] = out.try_into().expect("one tile");
-    // SAFETY: [f32; 6 * 16] and [[f32; 16]; 6] have the same size, alignment and layout.
-    unsafe { &mut *(out as *mut [f32; PANEL_TOKENS * PANEL_ROWS]).cast::<Tile>() }
+/// Score rows per softmax block (8 KiB of 32-query rows).
+const SOFTMAX_ROWS: usize = 64;
+
+/// The softmax of the wide tile's 32 query lanes in AVX-512: one pass for the maxima, one
+/// that exponentiates, stores and sums each row in registers.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    pub const LANES: usize = 32;
+
+    /// `e^x` per lane for x <= 0 (scores minus their maximum): `x = n ln2 + r` with
+    /// |r| <= ln2/2, the degree-7 polynomial of the AVX2 `exp` (`gating`) for `e^r`, then
+    /// `scalef` by `2^n`. Below -87.3 the result stays at e^-87.3 (about 1e-38), nothing
+    /// beside a softmax sum of at least 1.
+    #[inline(always)]
+    unsafe fn exp(x: __m512) -> __m512 {
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.3));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        // ln 2 in two parts, so `n * ln2_hi` is exact.
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm512_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        let p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0)));
+        _mm512_scalef_ps(p, n)
+    }
+
+    /// [`super::softmax_numerators`] for rows of 32 lanes.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn softmax_numerators(scores: &mut [f32]) -> [f32; LANES] {
+        assert!(scores.len().is_multiple_of(LANES));
+        let rows = scores.len() / LANES;
+        let p = scores.as_mut_ptr();
+        let mut max = [_mm512_set1_ps(f32::NEG_INFINITY); 2];
+        for r in 0..rows {
+            for (h, m) in max.iter_mut().enumerate() {
+                *m = _mm512_max_ps(*m, _mm512_loadu_ps(p.add(r * LANES + 16 * h)));
+            }
+        }
+        let mut sum = [_mm512_setzero_ps(); 2];
+        for r in 0..rows {
+            for h in 0..2 {
+                let at = p.add(r * LANES + 16 * h);
+                let e = exp(_mm512_sub_ps(_mm512_loadu_ps(at), max[h]));
+                _mm512_storeu_ps(at, e);
+                sum[h] = _mm512_add_ps(sum[h], e);
+            }
+        }
+        let mut out = [0.0f32; LANES];
+        _mm512_storeu_ps(out.as_mut_ptr(), sum[0]);
+        _mm512_storeu_ps(out.as_mut_ptr().add(16), sum[1]);
+        out
+    }
 }
 
 #[cfg(test)]
@@ -235,7 +322,7 @@ mod tests {
             let scale = 1.0 / (hd as f32).sqrt();
             let want = reference([&q, &k, &v], s, f64::from(scale));
             for isa in Isa::available() {
-                let tile = PathKernels::of(isa).tile_kernel();
+                let tile = GemmTile::of(isa);
                 for pooled in [false, true] {
                     let run = || attend(tile, [&q, &k, &v], s, scale);
                     let got = if pooled { pool.install(run) } else { run() };
