@@ -154,7 +154,8 @@ def main() -> None:
         f"{_core.selected_isa()} kernels); {how} {blas:.0f} GFLOP/s (same run, reference).",
         "",
         "| model | tiles | patches | image tokens | preprocess s | encode s (best, median) "
-        "| GFLOP | GFLOP/s | FMA peak GFLOP/s | % of peak | % of peak (CPU time) "
+        "| GFLOP | GFLOP/s (wall) | FMA peak GFLOP/s (wall) | % of peak (wall) "
+        "| % of peak (per CPU second) "
         "| answer s (48 tokens) | decode tok/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
