@@ -16,7 +16,8 @@ median over the rounds, and each ratio as the median of the rounds' own ratios.
   feed every session a fixed token id (no sampling), timed after the first: the engine alone.
 - llama.cpp: a `llama-batched-bench` process per session count (`-npl N -npp PROMPT -ntg NEW
   -kvu`, random token ids, its own warm-up), its `S_TG t/s` column (N * NEW tokens over the
-  decode time), run with OMP_WAIT_POLICY=PASSIVE (see `llama_cpp_rate`).
+  decode time), its OpenMP threads waiting as `--omp-wait-policy` says: PASSIVE by default (a
+  shared machine), ACTIVE (OpenMP's own default, spinning) on a quiet one.
 """
 
 from __future__ import annotations
@@ -60,13 +61,16 @@ def cellm_engine_rate(llm: LLM, n: int, prompt: int, new: int, rng: random.Rando
             engine.free_session(s)
 
 
-def llama_cpp_rate(binary: str, gguf: str, threads: int, n: int, prompt: int, new: int) -> float:
+def llama_cpp_rate(
+    binary: str, gguf: str, threads: int, n: int, prompt: int, new: int, wait_policy: str
+) -> float:
     context = n * (prompt + new) + 256
     cmd = [binary, "-m", gguf, "-t", str(threads), "-c", str(context), "-b", "2048"]
     cmd += ["-ub", "512", "-npp", str(prompt), "-ntg", str(new), "-npl", str(n), "-kvu"]
-    # Its OpenMP threads wait passively: spinning at barriers (the default) collapses on a
-    # machine shared with other work (0.9 tok/s for one SmolLM2 session here, 19 passive).
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    # Spinning at barriers (OpenMP's default) collapses on a machine shared with other work
+    # (0.9 tok/s for one SmolLM2 session under load, 19 passive), while waiting passively
+    # costs a quiet machine a wake-up at every barrier (50 tok/s against 130-200 spinning).
+    env = {**os.environ, "OMP_WAIT_POLICY": wait_policy}
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -85,6 +89,12 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--omp-wait-policy",
+        default="PASSIVE",
+        choices=["PASSIVE", "ACTIVE"],
+        help="llama.cpp's OpenMP waits: PASSIVE on a shared machine, ACTIVE on a quiet one",
+    )
     args = p.parse_args()
     sessions = [int(x) for x in args.sessions.split(",")]
     llm = LLM(args.gguf, threads=args.threads, kv_capacity_tokens=max(sessions) * 2048)
@@ -94,7 +104,13 @@ def main() -> None:
         for n in sessions:
             got = {
                 "llama.cpp": llama_cpp_rate(
-                    args.batched_bench, args.gguf, args.threads, n, args.prompt, args.new
+                    args.batched_bench,
+                    args.gguf,
+                    args.threads,
+                    n,
+                    args.prompt,
+                    args.new,
+                    args.omp_wait_policy,
                 ),
                 "scheduler": cellm_scheduler_rate(llm, n, args.prompt, args.new, rng),
                 "engine": cellm_engine_rate(llm, n, args.prompt, args.new, rng),
