@@ -69,7 +69,7 @@ def llama_cpp_rate(
     cmd += ["-ub", "512", "-npp", str(prompt), "-ntg", str(new), "-npl", str(n), "-kvu"]
     # Spinning at barriers (OpenMP's default) collapses on a machine shared with other work
     # (0.9 tok/s for one SmolLM2 session under load, 19 passive), while waiting passively
-    # costs a quiet machine a wake-up at every barrier (50 tok/s against 130-200 spinning).
+    # costs a quiet machine a wake-up at every barrier.
     env = {**os.environ, "OMP_WAIT_POLICY": wait_policy}
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     for line in out.splitlines():
