@@ -12,6 +12,7 @@ const STEP: &str = include_str!("shaders/step.wgsl");
 const KV: &str = include_str!("shaders/kvpage.wgsl");
 const MATVEC: &str = include_str!("shaders/matvec.wgsl");
 const GEMM: &str = include_str!("shaders/gemm.wgsl");
+const LINEAR: &str = include_str!("shaders/linear.wgsl");
 const EMBED: &str = include_str!("shaders/embed.wgsl");
 const ROPE_KV: &str = include_str!("shaders/rope_kv.wgsl");
 const ATTENTION: &str = include_str!("shaders/attention.wgsl");
@@ -119,6 +120,9 @@ impl KernelId {
         src.push_str(STEP);
         if matches!(self, KernelId::RopeKv | KernelId::Attention) {
             src.push_str(KV);
+        }
+        if matches!(self, KernelId::Matvec(_) | KernelId::Glu(_)) {
+            src.push_str(LINEAR);
         }
         src.push_str(&sections(body, &|name| match name {
             "glu" => glu,

@@ -25,7 +25,7 @@ pub const GPU_ARCHITECTURES: &[&str] = &["llama", "gemma3"];
 /// The widest attention head the attention kernel holds.
 const MAX_HEAD_DIM: usize = 256;
 
-/// Matvec flags (`shaders/matvec.wgsl`).
+/// Matvec flags (`shaders/linear.wgsl`).
 const NORM: u32 = 1;
 const RESIDUAL: u32 = 2;
 const BIAS: u32 = 4;

@@ -232,27 +232,6 @@ mod avx512 {
 
     pub const LANES: usize = 32;
 
-    /// `e^x` per lane for x <= 0 (scores minus their maximum): `x = n ln2 + r` with
-    /// |r| <= ln2/2, the degree-7 polynomial of the AVX2 `exp` (`gating`) for `e^r`, then
-    /// `scalef` by `2^n`. Below -87.3 the result stays at e^-87.3 (about 1e-38), nothing
-    /// beside a softmax sum of at least 1.
-    #[inline(always)]
-    unsafe fn exp(x: __m512) -> __m512 {
-        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.3));
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        // ln 2 in two parts, so `n * ln2_hi` is exact.
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm512_set1_ps(1.987_569_1e-4);
-        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-        }
-        let p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0)));
-        _mm512_scalef_ps(p, n)
-    }
-
     /// [`super::softmax_numerators`] for rows of 32 lanes.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn softmax_numerators(scores: &mut [f32]) -> [f32; LANES] {
@@ -269,7 +248,7 @@ mod avx512 {
         for r in 0..rows {
             for h in 0..2 {
                 let at = p.add(r * LANES + 16 * h);
-                let e = exp(_mm512_sub_ps(_mm512_loadu_ps(at), max[h]));
+                let e = crate::gating::exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(at), max[h]));
                 _mm512_storeu_ps(at, e);
                 sum[h] = _mm512_add_ps(sum[h], e);
             }

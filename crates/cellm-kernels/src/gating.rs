@@ -80,6 +80,29 @@ pub fn exp_in_place(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v = v.exp());
 }
 
+/// `e^x` per lane in AVX-512, for the kernels that exponentiate 16 lanes at a time (softmax,
+/// gelu-tanh): `x = n ln2 + r` with |r| <= ln2/2, the AVX2 `exp`'s degree-7 polynomial for
+/// `e^r`, then `scalef` by `2^n`. x is clamped to [-87.3, 88.37]: the result stays finite and
+/// never subnormal (e^-87.3, about 1e-38, is nothing beside a softmax sum of at least 1).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn exp_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3)), _mm512_set1_ps(88.37));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+    );
+    // ln 2 in two parts, so `n * ln2_hi` is exact.
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0)));
+    _mm512_scalef_ps(p, n)
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;

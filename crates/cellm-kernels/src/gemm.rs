@@ -208,24 +208,6 @@ pub fn bias_gelu_tanh(vals: &[f32], bias: &[f32], out: &mut [f32]) {
 mod epilogue_avx512 {
     use std::arch::x86_64::*;
 
-    /// `e^x` per lane, clamped to [-87.3, 88.37]: `x = n ln2 + r`, the degree-7 polynomial
-    /// of `gating`'s AVX2 `exp` for `e^r`, `scalef` by `2^n`.
-    #[inline(always)]
-    unsafe fn exp(x: __m512) -> __m512 {
-        let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3)), _mm512_set1_ps(88.37));
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm512_set1_ps(1.987_569_1e-4);
-        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-        }
-        let p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0)));
-        _mm512_scalef_ps(p, n)
-    }
-
     #[target_feature(enable = "avx512f")]
     pub unsafe fn bias_gelu_tanh(vals: &[f32], bias: &[f32], out: &mut [f32]) {
         let n = vals.len();
@@ -239,7 +221,8 @@ mod epilogue_avx512 {
             );
             let x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
             let a = _mm512_mul_ps(_mm512_fmadd_ps(x3, _mm512_set1_ps(0.044715), x), k);
-            let y = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0), exp(a)));
+            let y =
+                _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0), crate::gating::exp_avx512(a)));
             _mm512_mask_storeu_ps(o.add(i), mask, y);
         }
     }

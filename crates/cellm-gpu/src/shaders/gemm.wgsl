@@ -2,34 +2,7 @@
 // by BN = 64 tokens, BK = 16 columns at a time through shared memory: each thread loads one
 // vec4 of W (dequantized; and of the GLU's second matrix) and one of x (times the norm's
 // gamma, its square summed for the token's rms), then computes 4 rows by 4 tokens. The
-// params, flags and epilogue are matvec.wgsl's.
-struct Params {
-    rows: u32,
-    cols: u32,
-    x_stride: u32,
-    y_stride: u32,
-    y_col: u32,
-    row0: u32,
-    flags: u32,
-    groups_x: u32,
-    eps: f32,
-    scale: f32,
-    softcap: f32,
-    _pad0: u32, _pad1: u32, _pad2: u32, _pad3: u32, _pad4: u32,
-}
-const NORM: u32 = 1u;
-const RESIDUAL: u32 = 2u;
-const BIAS: u32 = 4u;
-const SOFTCAP: u32 = 8u;
-const HEAD: u32 = 16u;
-const GELU: u32 = 32u;
-
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read_write> y: array<f32>;
-@group(0) @binding(3) var<storage, read> gamma: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> bias: array<f32>;
-
+// params, flags, bindings and epilogue are linear.wgsl's, shared with the matvec.
 const BM: u32 = 64u;
 const BN: u32 = 64u;
 const BK4: u32 = 4u;  // BK / 4
@@ -39,32 +12,6 @@ var<workgroup> twb: array<vec4<f32>, 256>;
 //# end
 var<workgroup> tx4: array<vec4<f32>, 256>;  // [BK4][BN]
 var<workgroup> sq: array<f32, 256>;        // [BK4][BN] partial sums of x^2
-
-fn x_row(t: u32) -> u32 {
-    if ((p.flags & HEAD) != 0u) {
-        return logit_row(t);
-    }
-    return t;
-}
-
-fn act(g: f32) -> f32 {
-    var a = -g;
-    if ((p.flags & GELU) != 0u) {
-        a = -2.0 * 0.7978846 * (g + 0.044715 * g * g * g);
-    }
-    return g / (1.0 + exp(a));
-}
-
-fn epilogue(v: f32, ss: f32, r: u32) -> f32 {
-    var o = v;
-    if ((p.flags & NORM) != 0u) {
-        o = o * inverseSqrt(ss / f32(p.cols) + p.eps);
-    }
-    if ((p.flags & BIAS) != 0u) {
-        o = o + bias[p.row0 + r];
-    }
-    return o;
-}
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {

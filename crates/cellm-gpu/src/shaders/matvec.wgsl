@@ -5,34 +5,8 @@
 // subgroup (where the device has subgroups) and across subgroups in shared memory, or by a
 // shared-memory tree. With NORM, x is RMS-normalised on the fly: (x * g) . w / rms(x). GLU
 // computes two matrices' rows (gate `w4`, up `w4b`) and writes act(gate) * up. HEAD reads
-// the rows whose logits the step wants instead of the first tokens.
-struct Params {
-    rows: u32,        // rows of this part
-    cols: u32,
-    x_stride: u32,    // floats per x row
-    y_stride: u32,    // floats per y row
-    y_col: u32,       // column of y where row 0 of the whole matrix goes
-    row0: u32,        // first row of this part in the whole matrix
-    flags: u32,
-    groups_x: u32,    // workgroups along x of the 2-D grid of row groups
-    eps: f32,
-    scale: f32,
-    softcap: f32,
-    _pad0: u32, _pad1: u32, _pad2: u32, _pad3: u32, _pad4: u32,
-}
-const NORM: u32 = 1u;
-const RESIDUAL: u32 = 2u;
-const BIAS: u32 = 4u;
-const SOFTCAP: u32 = 8u;
-const HEAD: u32 = 16u;
-const GELU: u32 = 32u;
-
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read_write> y: array<f32>;
-@group(0) @binding(3) var<storage, read> gamma: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> bias: array<f32>;
-
+// the rows whose logits the step wants instead of the first tokens. The parameters, flags,
+// bindings and epilogue are in linear.wgsl, shared with the tiled-GEMM build (gemm.wgsl).
 const WG: u32 = 64u;
 const RPW: u32 = 4u;
 // Sums a thread carries per token lane: RPW of W x, RPW of the GLU's second matrix, and
@@ -46,32 +20,6 @@ var<workgroup> red: array<vec4<f32>, 144>;  // Q * WG / 4
 var<workgroup> red: array<vec4<f32>, 576>;  // Q * WG
 //# end
 
-fn x_row(t: u32) -> u32 {
-    if ((p.flags & HEAD) != 0u) {
-        return logit_row(t);
-    }
-    return t;
-}
-
-fn act(g: f32) -> f32 {
-    // x / (1 + e^a): silu a = -x; gelu-tanh a = -2 sqrt(2/pi) (x + 0.044715 x^3).
-    var a = -g;
-    if ((p.flags & GELU) != 0u) {
-        a = -2.0 * 0.7978846 * (g + 0.044715 * g * g * g);
-    }
-    return g / (1.0 + exp(a));
-}
-
-fn epilogue(v: f32, ss: f32, r: u32) -> f32 {
-    var o = v;
-    if ((p.flags & NORM) != 0u) {
-        o = o * inverseSqrt(ss / f32(p.cols) + p.eps);
-    }
-    if ((p.flags & BIAS) != 0u) {
-        o = o + bias[p.row0 + r];
-    }
-    return o;
-}
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32,
