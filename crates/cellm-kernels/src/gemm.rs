@@ -49,6 +49,7 @@ pub struct GemmTile {
 #[derive(Clone, Copy)]
 enum TileKernel {
     Narrow(TileFn),
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the wide tile is AVX-512 only
     Wide(WideTileFn),
 }
 
@@ -70,6 +71,7 @@ impl GemmTile {
         Self { rows: PANEL_ROWS, tokens: PANEL_TOKENS, kernel: TileKernel::Narrow(tile) }
     }
 
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the wide tile is AVX-512 only
     fn wide(tile: WideTileFn) -> Self {
         Self { rows: WIDE_ROWS, tokens: WIDE_TOKENS, kernel: TileKernel::Wide(tile) }
     }

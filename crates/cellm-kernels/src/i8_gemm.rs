@@ -42,6 +42,7 @@ pub fn applies(w: WeightRows, tokens: usize) -> bool {
 }
 
 /// One product, ready to run over any range of its rows.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // runs on x86-64 AVX-512 VNNI only
 pub struct I8RowGemm<'a> {
     w: WeightRows<'a>,
     acts: &'a Q8Acts,
@@ -106,6 +107,7 @@ impl<'a> I8RowGemm<'a> {
 
 /// Rows `r0..r0 + live` of the stored weight into `panel`: for each 4 columns, 32 rows of 4
 /// bytes (`w + 128`); missing rows are zero weights (bytes 128) with scale 0.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // runs on x86-64 AVX-512 VNNI only
 fn pack_panel(
     bytes: &[u8],
     stride: usize,
