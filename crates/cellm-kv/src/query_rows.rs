@@ -154,9 +154,11 @@ impl RowTasks<'_> {
         // head, `R (s * q)` per query head, and `q . ref` (queries come unrotated).
         let hdr = pool.config().header_bytes(hd);
         let rotation = pool.config().encoding.rotation(hd);
-        let mut turned = vec![0.0f32; n_heads * hd];
-        let mut offsets = vec![0.0f32; n_heads];
-        let (mut reference, mut scales) = (vec![0.0f32; hd], vec![0.0f32; hd]);
+        // (Empty, so not allocated, for encodings without headers.)
+        let keyed = |n: usize| if hdr > 0 { n } else { 0 };
+        let mut turned = vec![0.0f32; keyed(n_heads * hd)];
+        let mut offsets = vec![0.0f32; keyed(n_heads)];
+        let (mut reference, mut scales) = (vec![0.0f32; keyed(hd)], vec![0.0f32; keyed(hd)]);
         let (max, denom) = (&mut part.max, &mut part.denom);
         // scores[h * count + slot] for the page's `count` live slots, then the softmax
         // weights in place.
