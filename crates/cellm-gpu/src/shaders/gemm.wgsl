@@ -100,16 +100,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             //# glu
             v = act(v) * epilogue(accb[i][j], ss, r);
             //# end
-            v = v * p.scale;
-            if ((p.flags & SOFTCAP) != 0u) {
-                v = p.softcap * tanh(clamp(v / p.softcap, -15.0, 15.0));
-            }
-            let at = t * p.y_stride + p.y_col + p.row0 + r;
-            if ((p.flags & RESIDUAL) != 0u) {
-                y[at] += v;
-            } else {
-                y[at] = v;
-            }
+            store(t, r, v);
         }
     }
 }
