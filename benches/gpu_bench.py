@@ -1,7 +1,7 @@
 """cellm's GPU backend on GGUF files: agreement with the CPU, then speed, one JSON line per model.
 
 usage: python benches/gpu_bench.py --models a.gguf,b.gguf [--backend vulkan] [--check-only]
-       [--speed-only] [--check-dequantized DIR] [--runs 3]
+       [--speed-only] [--prefill-only] [--check-dequantized DIR] [--runs 3]
 
 Check: the logits of a 64-token prompt (every position) and 16 greedy tokens, GPU against
 the CPU backend on the same file, both with f32 KV. For float weights this is the same math
@@ -102,7 +102,7 @@ def check_dequantized(path: str, backend: str, work: Path) -> dict[str, Any]:
     return {"max_abs_diff": diff, "rel_diff": diff / scale, "argmax_agree": f"{agree}/64"}
 
 
-def speed(path: str, backend: str, runs: int) -> dict[str, Any]:
+def speed(path: str, backend: str, runs: int, prefill_only: bool = False) -> dict[str, Any]:
     from cellm import LLM
 
     eng = LLM(path, backend=backend, context_length=4096)._engine
@@ -128,11 +128,11 @@ def speed(path: str, backend: str, runs: int) -> dict[str, Any]:
         s, dt = prefill(512)
         samples["pp512"].append(512 / dt)
         eng.free_session(s)
-        for ctx in (128, 2048):
+        for ctx in () if prefill_only else (128, 2048):
             s, _ = prefill(ctx)
             samples[f"tg64@{ctx}"].append(64 / decode(s, ctx, 64))
             eng.free_session(s)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return {k: statistics.median(v) for k, v in samples.items() if v}
 
 
 def main() -> int:
@@ -142,6 +142,7 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--speed-only", action="store_true")
+    p.add_argument("--prefill-only", action="store_true", help="speed: pp512 alone")
     p.add_argument(
         "--check-dequantized",
         metavar="DIR",
@@ -159,7 +160,7 @@ def main() -> int:
             if not args.speed_only:
                 row["check"] = check(m, args.backend)
             if not args.check_only:
-                row["speed"] = speed(m, args.backend, args.runs)
+                row["speed"] = speed(m, args.backend, args.runs, args.prefill_only)
         except Exception as e:  # report and go on with the next model
             row["error"] = f"{type(e).__name__}: {e}"
         print(json.dumps(row), flush=True)

@@ -43,6 +43,24 @@ impl GpuKind {
     }
 }
 
+/// Whether `adapter` runs the cooperative-matrix GEMM: Vulkan, cooperative matrices and f16
+/// in shaders, a 16x16x16 configuration of f16 inputs with f32 accumulation, and subgroups of
+/// exactly 32 (the kernel's 256 invocations are 8 subgroups). `CELLM_GPU_NO_COOPMAT=1` turns
+/// it off (the f32 GEMM runs instead).
+fn coopmat_ok(adapter: &wgpu::Adapter, info: &wgpu::AdapterInfo) -> bool {
+    let need = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16;
+    let config = |c: &wgpu::CooperativeMatrixProperties| {
+        (c.m_size, c.n_size, c.k_size) == (16, 16, 16)
+            && c.ab_type == wgpu::CooperativeScalarType::F16
+            && c.cr_type == wgpu::CooperativeScalarType::F32
+    };
+    info.backend == wgpu::Backend::Vulkan
+        && adapter.features().contains(need)
+        && (info.subgroup_min_size, info.subgroup_max_size) == (32, 32)
+        && adapter.cooperative_matrix_properties().iter().any(config)
+        && std::env::var_os("CELLM_GPU_NO_COOPMAT").is_none()
+}
+
 /// An open device and what it allows.
 pub struct Gpu {
     pub device: wgpu::Device,
@@ -54,6 +72,9 @@ pub struct Gpu {
     pub subgroups: bool,
     /// Whether the device was opened with timestamp queries inside passes (profiling).
     pub timestamps: bool,
+    /// Whether prefill's GEMM runs on cooperative matrices (tensor cores): 16x16x16 tiles of
+    /// f16 inputs accumulated in f32, on Vulkan with subgroups of 32 (see `coopmat_ok`).
+    pub coopmat: bool,
     failure: Arc<Mutex<Option<String>>>,
 }
 
@@ -94,10 +115,20 @@ impl Gpu {
         if timestamps {
             required_features |= stamps;
         }
+        let coopmat = subgroups && coopmat_ok(&adapter, &info);
+        let mut experimental_features = wgpu::ExperimentalFeatures::disabled();
+        if coopmat {
+            required_features |=
+                wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16;
+            // SAFETY: the one experimental feature asked for is cooperative matrices, used by
+            // one kernel (shaders/gemm_coop.wgsl) in the configuration the adapter reports.
+            experimental_features = unsafe { wgpu::ExperimentalFeatures::enabled() };
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("cellm"),
             required_features,
             required_limits: limits.clone(),
+            experimental_features,
             ..Default::default()
         }))
         .map_err(|e| Error::Device(format!("cannot open {}: {e}", info.name)))?;
@@ -112,7 +143,7 @@ impl Gpu {
             let mut f = slot.lock().unwrap_or_else(|p| p.into_inner());
             f.get_or_insert_with(|| format!("the device was lost: {message}"));
         });
-        Ok(Self { device, queue, limits, info, subgroups, timestamps, failure })
+        Ok(Self { device, queue, limits, info, subgroups, timestamps, coopmat, failure })
     }
 
     /// The first error the device reported, if any (it stays failed).

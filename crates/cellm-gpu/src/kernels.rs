@@ -12,6 +12,7 @@ const STEP: &str = include_str!("shaders/step.wgsl");
 const KV: &str = include_str!("shaders/kvpage.wgsl");
 const MATVEC: &str = include_str!("shaders/matvec.wgsl");
 const GEMM: &str = include_str!("shaders/gemm.wgsl");
+const GEMM_COOP: &str = include_str!("shaders/gemm_coop.wgsl");
 const LINEAR: &str = include_str!("shaders/linear.wgsl");
 const EMBED: &str = include_str!("shaders/embed.wgsl");
 const ROPE_KV: &str = include_str!("shaders/rope_kv.wgsl");
@@ -103,10 +104,12 @@ impl KernelId {
     /// ones, for up to `tokens` tokens a workgroup where it batches tokens (1 or 4), or its
     /// tiled-GEMM build where `tokens` is `GEMM_BUILD` (matvec and GLU only).
     pub fn source(self, subgroups: bool, tokens: u32) -> String {
-        let gemm = tokens == GEMM_BUILD && self.per_token_count();
+        let coop = tokens == COOP_BUILD && self.per_token_count();
+        let gemm = (tokens == GEMM_BUILD || coop) && self.per_token_count();
+        let gemm_body = if coop { &*COOP_SOURCE } else { GEMM };
         let (body, weights, glu): (&str, Option<Layout>, bool) = match self {
-            KernelId::Matvec(l) => (if gemm { GEMM } else { MATVEC }, Some(l), false),
-            KernelId::Glu(l) => (if gemm { GEMM } else { MATVEC }, Some(l), true),
+            KernelId::Matvec(l) => (if gemm { gemm_body } else { MATVEC }, Some(l), false),
+            KernelId::Glu(l) => (if gemm { gemm_body } else { MATVEC }, Some(l), true),
             KernelId::Embed(l) => (EMBED, Some(l), false),
             KernelId::RopeKv => (ROPE_KV, None, false),
             KernelId::Attention => (ATTENTION, None, false),
@@ -114,6 +117,9 @@ impl KernelId {
             KernelId::NormAdd => (NORM_ADD, None, false),
         };
         let mut src = String::new();
+        if coop {
+            src.push_str("enable f16;\nenable wgpu_cooperative_matrix;\n");
+        }
         if self.per_token_count() && !gemm {
             src.push_str(&format!("const TT: u32 = {tokens}u;\n"));
         }
@@ -174,13 +180,120 @@ pub const GEMM_MIN_TOKENS: u32 = 8;
 /// Rows and tokens of one GEMM workgroup's tile (`BM`, `BN` in `shaders/gemm.wgsl`).
 pub const GEMM_TILE: u32 = 64;
 
-/// A compiled kernel and its binding layout; `single` is its one-token build and `gemm` its
-/// tiled-GEMM build, where it has them (the same bindings).
+/// `KernelId::source`'s `tokens` for the cooperative-matrix GEMM build.
+pub const COOP_BUILD: u32 = u32::MAX;
+
+/// The cooperative-matrix GEMM's tile: its 8 subgroups as `SGR` x `SGC` along rows and tokens,
+/// each computing `WR` x `WC` tiles of 16 x 16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CoopTile {
+    pub sgr: u32,
+    pub sgc: u32,
+    pub wr: u32,
+    pub wc: u32,
+}
+
+impl CoopTile {
+    /// 128 rows by 64 tokens: subgroups 4 x 2 of 2 x 2 tiles. `CELLM_GPU_COOP_TILE=sgr,sgc,wr,wc`
+    /// picks another (for measuring; rows a multiple of 64, tokens of 32).
+    pub fn get() -> Self {
+        let default = CoopTile { sgr: 4, sgc: 2, wr: 2, wc: 2 };
+        let Ok(v) = std::env::var("CELLM_GPU_COOP_TILE") else { return default };
+        let n: Vec<u32> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        match n[..] {
+            [sgr, sgc, wr, wc]
+                if sgr * sgc == 8 && (sgr * wr * 16) % 64 == 0 && (sgc * wc * 16) % 32 == 0 =>
+            {
+                CoopTile { sgr, sgc, wr, wc }
+            }
+            _ => default,
+        }
+    }
+
+    /// Rows of a workgroup's tile.
+    pub fn rows(self) -> u32 {
+        self.sgr * self.wr * 16
+    }
+
+    /// Tokens of a workgroup's tile.
+    pub fn tokens(self) -> u32 {
+        self.sgc * self.wc * 16
+    }
+}
+
+static COOP_SOURCE: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| coop_source(CoopTile::get()));
+
+/// `shaders/gemm_coop.wgsl` for `tile`: its sizes, and the accumulators, the multiply-adds
+/// and the epilogue of each of a subgroup's tiles written out (one variable a tile).
+fn coop_source(tile: CoopTile) -> String {
+    let (bm, bn) = (tile.rows(), tile.tokens());
+    let tiles: Vec<(u32, u32)> =
+        (0..tile.wr).flat_map(|i| (0..tile.wc).map(move |j| (i, j))).collect();
+    // Lines at `indent` (the `//# glu` sections are kept or dropped later, by `sections`).
+    let block = |indent: usize, lines: &[String]| -> String {
+        lines.iter().map(|l| format!("{:indent$}{l}\n", "")).collect()
+    };
+    let glu = |lines: &[String]| -> Vec<String> {
+        [vec!["//# glu".to_string()], lines.to_vec(), vec!["//# end".to_string()]].concat()
+    };
+    let mut zero = Vec::new();
+    for &(i, j) in &tiles {
+        zero.push(format!("var c{i}_{j} = coopLoad<coop_mat16x16<f32, C>>(&stage[0], 16u);"));
+        zero.extend(glu(&[format!("var d{i}_{j} = c{i}_{j};")]));
+    }
+    let mut mma = Vec::new();
+    for i in 0..tile.wr {
+        let at = format!("(m0 + {}u) * LD + kk", 16 * i);
+        mma.push(format!("let a{i} = coopLoadT<coop_mat16x16<f16, A>>(&ta[{at}], LD);"));
+        mma.extend(glu(&[format!("let b{i} = coopLoadT<coop_mat16x16<f16, A>>(&tb[{at}], LD);")]));
+    }
+    for j in 0..tile.wc {
+        let at = format!("(n0 + {}u) * LD + kk", 16 * j);
+        mma.push(format!("let x{j} = coopLoad<coop_mat16x16<f16, B>>(&tx[{at}], LD);"));
+    }
+    for &(i, j) in &tiles {
+        mma.push(format!("c{i}_{j} = coopMultiplyAdd(a{i}, x{j}, c{i}_{j});"));
+        mma.extend(glu(&[format!("d{i}_{j} = coopMultiplyAdd(b{i}, x{j}, d{i}_{j});")]));
+    }
+    let mut store = Vec::new();
+    for &(i, j) in &tiles {
+        let (rb, tb) = (format!("r0 + m0 + {}u", 16 * i), format!("n0 + {}u", 16 * j));
+        store.push(format!("coopStore(c{i}_{j}, &stage[sg * 256u], 16u);"));
+        store.push("workgroupBarrier();".into());
+        store.push(format!("var g{i}_{j}: array<f32, 8>;"));
+        store.extend(glu(&[
+            format!("g{i}_{j} = gate(sg * 256u, lane, {rb}, {tb});"),
+            "workgroupBarrier();".into(),
+            format!("coopStore(d{i}_{j}, &stage[sg * 256u], 16u);"),
+            "workgroupBarrier();".into(),
+        ]));
+        store.push(format!("emit(sg * 256u, lane, {rb}, t0, {tb}, n, g{i}_{j});"));
+        store.push("workgroupBarrier();".into());
+    }
+    GEMM_COOP
+        .replace("$BM", &bm.to_string())
+        .replace("$BN", &bn.to_string())
+        .replace("$SGC", &tile.sgc.to_string())
+        .replace("$WR", &tile.wr.to_string())
+        .replace("$WC", &tile.wc.to_string())
+        .replace("$TA", &(bm * 40).to_string())
+        .replace("$TX", &(bn * 40).to_string())
+        .replace("$SQ", &(bn * 8).to_string())
+        .replace("//@ZERO\n", &block(4, &zero))
+        .replace("//@MMA\n", &block(12, &mma))
+        .replace("//@STORE\n", &block(4, &store))
+}
+
+/// A compiled kernel and its binding layout; `single` is its one-token build, `gemm` its
+/// tiled-GEMM build and `coop` its cooperative-matrix GEMM, where it has them (the same
+/// bindings).
 pub struct Kernel {
     pub name: String,
     pub pipeline: wgpu::ComputePipeline,
     pub single: Option<wgpu::ComputePipeline>,
     pub gemm: Option<wgpu::ComputePipeline>,
+    pub coop: Option<(wgpu::ComputePipeline, CoopTile)>,
     pub layout: wgpu::BindGroupLayout,
 }
 
@@ -193,31 +306,41 @@ impl Kernel {
         }
     }
 
-    /// The GEMM build, where a launch over `tokens` tokens should use it.
-    pub fn gemm_for(&self, tokens: u32) -> Option<&wgpu::ComputePipeline> {
-        self.gemm.as_ref().filter(|_| tokens >= GEMM_MIN_TOKENS)
+    /// The GEMM build, where a launch over `tokens` tokens of `cols` columns should use it,
+    /// with the rows and tokens of its workgroup's tile: the cooperative-matrix one where the
+    /// device has it and the columns are a multiple of its step (32), else the f32 one.
+    pub fn gemm_for(&self, tokens: u32, cols: u32) -> Option<(&wgpu::ComputePipeline, u32, u32)> {
+        if tokens < GEMM_MIN_TOKENS {
+            return None;
+        }
+        match &self.coop {
+            Some((coop, tile)) if cols % 32 == 0 => Some((coop, tile.rows(), tile.tokens())),
+            _ => self.gemm.as_ref().map(|g| (g, GEMM_TILE, GEMM_TILE)),
+        }
     }
 }
 
 /// Kernels built so far on one device.
 pub struct Kernels {
     subgroups: bool,
+    coopmat: bool,
     built: HashMap<KernelId, Arc<Kernel>>,
 }
 
 impl Kernels {
-    /// Kernels for `gpu`, with subgroup reductions where it has them.
+    /// Kernels for `gpu`, with subgroup reductions where it has them, and the
+    /// cooperative-matrix GEMM where it has that.
     pub fn new(gpu: &crate::device::Gpu) -> Self {
-        Self { subgroups: gpu.subgroups, built: HashMap::new() }
+        Self { subgroups: gpu.subgroups, coopmat: gpu.coopmat, built: HashMap::new() }
     }
 
     pub fn get(&mut self, device: &wgpu::Device, id: KernelId) -> Arc<Kernel> {
-        let sg = self.subgroups;
-        self.built.entry(id).or_insert_with(|| Arc::new(build(device, id, sg))).clone()
+        let (sg, coop) = (self.subgroups, self.coopmat);
+        self.built.entry(id).or_insert_with(|| Arc::new(build(device, id, sg, coop))).clone()
     }
 }
 
-fn build(device: &wgpu::Device, id: KernelId, subgroups: bool) -> Kernel {
+fn build(device: &wgpu::Device, id: KernelId, subgroups: bool, coopmat: bool) -> Kernel {
     let label = format!("{id:?}");
     let entries: Vec<wgpu::BindGroupLayoutEntry> = id
         .bindings()
@@ -270,6 +393,7 @@ fn build(device: &wgpu::Device, id: KernelId, subgroups: bool) -> Kernel {
     };
     let single = id.per_token_count().then(|| pipeline(1));
     let gemm = id.per_token_count().then(|| pipeline(GEMM_BUILD));
+    let coop = (coopmat && id.per_token_count()).then(|| (pipeline(COOP_BUILD), CoopTile::get()));
     let name = label.split('(').next().unwrap_or_default().to_string();
-    Kernel { name, pipeline: pipeline(4), single, gemm, layout }
+    Kernel { name, pipeline: pipeline(4), single, gemm, coop, layout }
 }

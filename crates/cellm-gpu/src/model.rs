@@ -14,7 +14,7 @@ use cellm_models::{
 };
 
 use crate::device::Gpu;
-use crate::kernels::{KernelId, Kernels, GEMM_TILE};
+use crate::kernels::{KernelId, Kernels};
 use crate::ops::{Buf, Dims, Grid, Op};
 use crate::step::{HostStep, StepBuffers};
 use crate::weights::{Matrix, Uploader};
@@ -329,8 +329,20 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
     gpu.check()?;
     if std::env::var_os("CELLM_GPU_INFO").is_some() {
         // For benchmarks: what runs where, and how many launches one step records.
+        let gemm = match gpu.coopmat {
+            true => {
+                let t = crate::kernels::CoopTile::get();
+                format!(
+                    "cooperative matrices (f16 in, f32 sums), {}x{} tiles",
+                    t.rows(),
+                    t.tokens()
+                )
+            }
+            false => "f32".to_string(),
+        };
         eprintln!(
-            "cellm-gpu: {} ({:?}, {:?}), {} dispatches per step, one submit per step",
+            "cellm-gpu: {} ({:?}, {:?}), {} dispatches per step, one submit per step, \
+             prefill GEMM: {gemm}",
             gpu.info.name,
             gpu.info.backend,
             gpu.info.device_type,
@@ -707,13 +719,15 @@ impl Runner {
                     // from GEMM_MIN_TOKENS on.
                     if let Grid::Rows { groups, .. } | Grid::HeadRows { groups, .. } = op.grid {
                         let count = if matches!(op.grid, Grid::Rows { .. }) { t } else { r };
-                        if let Some(gemm) = op.kernel.gemm_for(count) {
-                            let tile_groups = GEMM_TILE / ROWS_PER_GROUP as u32;
+                        if let Some((gemm, tile_rows, tile_tokens)) =
+                            op.kernel.gemm_for(count, op.params[1])
+                        {
+                            let tile_groups = tile_rows / ROWS_PER_GROUP as u32;
                             pass.set_pipeline(gemm);
                             pass.set_bind_group(0, group, &[]);
                             pass.dispatch_workgroups(
                                 groups.div_ceil(tile_groups),
-                                count.div_ceil(GEMM_TILE),
+                                count.div_ceil(tile_tokens),
                                 1,
                             );
                             continue;

@@ -1,0 +1,176 @@
+// The prefill GEMM on cooperative matrices (tensor cores), where the adapter has 16x16x16
+// f16 x f16 -> f32 (device.rs): a workgroup of 256 invocations (8 subgroups of 32) computes
+// BM rows by BN tokens, BK = 32 columns a step. Each step the workgroup dequantizes its BM x
+// 32 weights (w8, 8 columns a load; and the GLU's second matrix) and loads its BN x 32 x
+// (times the norm's gamma, its square summed for the token's rms), rounds both to f16 into
+// shared memory (the next step's loads are issued before this step's multiplies, into
+// registers), and each subgroup multiplies its WR x WC tiles of 16 x 16 into f32
+// accumulators. The epilogue stages each accumulator through shared memory (one tile of
+// 16 x 16 a subgroup at a time) and applies linear.wgsl's epilogue and store.
+// `$BM`, `$BN`, `$SGC` (subgroups along the tokens), `$WR`, `$WC` and the `//@` lines are
+// filled in by kernels.rs.
+const BM: u32 = $BMu;
+const BN: u32 = $BNu;
+const BK: u32 = 32u;
+// f16 per row of a shared tile: BK and 8 of padding (rows 80 bytes apart, 16-byte aligned).
+const LD: u32 = 40u;
+const SGC: u32 = $SGCu;
+const WR: u32 = $WRu;
+const WC: u32 = $WCu;
+const WU: u32 = BM / 64u;  // 8-column chunks of weights each invocation loads a step
+const XU: u32 = BN / 32u;  // vec4s of x each invocation loads a step
+var<workgroup> ta: array<f16, $TA>;  // [BM][LD]
+//# glu
+var<workgroup> tb: array<f16, $TA>;
+//# end
+var<workgroup> tx: array<f16, $TX>;  // [BN][LD]
+var<workgroup> stage: array<f32, 2048>;  // a 16 x 16 tile per subgroup, column-major
+var<workgroup> sqp: array<f32, $SQ>;     // [BN][8] partial sums of x^2
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32,
+        @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {
+    var n = n_tokens();
+    if ((p.flags & HEAD) != 0u) {
+        n = n_logit_rows();
+    }
+    // The grid covers the rows and tokens exactly (no workgroup returns early: cooperative
+    // operations need uniform control flow, and n comes from a storage buffer).
+    let r0 = wg.x * BM;
+    let t0 = wg.y * BN;
+    let norm = (p.flags & NORM) != 0u;
+    // This subgroup's tiles: rows m0 + 16 i, tokens n0 + 16 j of the workgroup's.
+    let m0 = (sg / SGC) * WR * 16u;
+    let n0 = (sg % SGC) * WC * 16u;
+    // The accumulators start from a zeroed tile.
+    for (var e = 0u; e < 8u; e++) {
+        stage[li * 8u + e] = 0.0;
+    }
+    workgroupBarrier();
+//@ZERO
+    // What this invocation loads: 8-column chunks c8 of weight rows, vec4s c4 of x rows.
+    var wrow: array<u32, WU>;
+    var wc8: array<u32, WU>;
+    var xrow: array<u32, XU>;
+    var xc4: array<u32, XU>;
+    var ssq: array<f32, XU>;
+    for (var j = 0u; j < WU; j++) {
+        let u = li + 256u * j;
+        wrow[j] = min(r0 + u / 4u, p.rows - 1u);
+        wc8[j] = u % 4u;
+    }
+    for (var j = 0u; j < XU; j++) {
+        let u = li + 256u * j;
+        xrow[j] = x_row(min(t0 + u / 8u, n - 1u)) * (p.x_stride / 4u);
+        xc4[j] = u % 8u;
+        ssq[j] = 0.0;
+    }
+    // Each step's loads go to registers during the previous step's multiplies.
+    var wv: array<array<vec4<f32>, 2>, WU>;
+    //# glu
+    var wbv: array<array<vec4<f32>, 2>, WU>;
+    //# end
+    var xv: array<vec4<f32>, XU>;
+    for (var j = 0u; j < WU; j++) {
+        wv[j] = w8(wrow[j], wc8[j]);
+        //# glu
+        wbv[j] = w8b(wrow[j], wc8[j]);
+        //# end
+    }
+    for (var j = 0u; j < XU; j++) {
+        xv[j] = x[xrow[j] + xc4[j]];
+    }
+    for (var k0 = 0u; k0 < p.cols; k0 += BK) {
+        for (var j = 0u; j < WU; j++) {
+            let u = li + 256u * j;
+            let at = (u / 4u) * LD + wc8[j] * 8u;
+            for (var e = 0u; e < 4u; e++) {
+                ta[at + e] = f16(wv[j][0][e]);
+                ta[at + 4u + e] = f16(wv[j][1][e]);
+            }
+            //# glu
+            for (var e = 0u; e < 4u; e++) {
+                tb[at + e] = f16(wbv[j][0][e]);
+                tb[at + 4u + e] = f16(wbv[j][1][e]);
+            }
+            //# end
+        }
+        for (var j = 0u; j < XU; j++) {
+            let u = li + 256u * j;
+            var v = xv[j];
+            ssq[j] += dot(v, v);
+            if (norm) {
+                v = v * gamma[k0 / 4u + xc4[j]];
+            }
+            // f16's range: a larger input saturates instead of turning into inf.
+            v = clamp(v, vec4<f32>(-65504.0), vec4<f32>(65504.0));
+            let at = (u / 8u) * LD + xc4[j] * 4u;
+            tx[at] = f16(v.x);
+            tx[at + 1u] = f16(v.y);
+            tx[at + 2u] = f16(v.z);
+            tx[at + 3u] = f16(v.w);
+        }
+        workgroupBarrier();
+        let kn = k0 + BK;
+        if (kn < p.cols) {
+            for (var j = 0u; j < WU; j++) {
+                wv[j] = w8(wrow[j], kn / 8u + wc8[j]);
+                //# glu
+                wbv[j] = w8b(wrow[j], kn / 8u + wc8[j]);
+                //# end
+            }
+            for (var j = 0u; j < XU; j++) {
+                xv[j] = x[xrow[j] + kn / 4u + xc4[j]];
+            }
+        }
+        for (var kk = 0u; kk < BK; kk += 16u) {
+//@MMA
+        }
+        workgroupBarrier();
+    }
+    for (var j = 0u; j < XU; j++) {
+        sqp[li + 256u * j] = ssq[j];
+    }
+    workgroupBarrier();
+//@STORE
+}
+
+// The rms sum of token `tl` of the workgroup's tile.
+fn token_ss(tl: u32) -> f32 {
+    var s = 0.0;
+    for (var c = 0u; c < 8u; c++) {
+        s += sqp[tl * 8u + c];
+    }
+    return s;
+}
+
+//# glu
+// The gate half of the tile staged at `base`: act(epilogue) of this lane's 8 values (element
+// e is row rb + (lane + 32 e) % 16, token tb + (lane + 32 e) / 16 of the workgroup's).
+fn gate(base: u32, lane: u32, rb: u32, tb: u32) -> array<f32, 8> {
+    var g: array<f32, 8>;
+    for (var e = 0u; e < 8u; e++) {
+        let i = lane + 32u * e;
+        g[e] = act(epilogue(stage[base + i], token_ss(tb + i / 16u), rb + i % 16u));
+    }
+    return g;
+}
+//# end
+
+// Stores this lane's 8 values of the tile staged at `base` (rows rb.., tokens t0 + tb..),
+// times the gate's where the GLU has one.
+fn emit(base: u32, lane: u32, rb: u32, t0: u32, tb: u32, n: u32, g: array<f32, 8>) {
+    for (var e = 0u; e < 8u; e++) {
+        let i = lane + 32u * e;
+        let tl = tb + i / 16u;
+        let r = rb + i % 16u;
+        if (t0 + tl >= n || r >= p.rows) {
+            continue;
+        }
+        var v = epilogue(stage[base + i], token_ss(tl), r);
+        //# glu
+        v = g[e] * v;
+        //# end
+        store(t0 + tl, r, v);
+    }
+}
