@@ -106,7 +106,8 @@ impl KernelId {
     pub fn source(self, subgroups: bool, tokens: u32) -> String {
         let coop = tokens == COOP_BUILD && self.per_token_count();
         let gemm = (tokens == GEMM_BUILD || coop) && self.per_token_count();
-        let gemm_body = if coop { &*COOP_SOURCE } else { GEMM };
+        let coop_body = coop.then(|| coop_source(CoopTile::get(matches!(self, KernelId::Glu(_)))));
+        let gemm_body = coop_body.as_deref().unwrap_or(GEMM);
         let (body, weights, glu): (&str, Option<Layout>, bool) = match self {
             KernelId::Matvec(l) => (if gemm { gemm_body } else { MATVEC }, Some(l), false),
             KernelId::Glu(l) => (if gemm { gemm_body } else { MATVEC }, Some(l), true),
@@ -194,20 +195,34 @@ pub struct CoopTile {
 }
 
 impl CoopTile {
-    /// 128 rows by 64 tokens: subgroups 4 x 2 of 2 x 2 tiles. `CELLM_GPU_COOP_TILE=sgr,sgc,wr,wc`
-    /// picks another (for measuring; rows a multiple of 64, tokens of 32).
-    pub fn get() -> Self {
-        let default = CoopTile { sgr: 4, sgc: 2, wr: 2, wc: 2 };
-        let Ok(v) = std::env::var("CELLM_GPU_COOP_TILE") else { return default };
+    /// The tile of the GLU's kernel (`glu`) or the plain matvec's: 128 rows by 128 tokens,
+    /// subgroups 2 x 4 of 4 x 2 tiles. `CELLM_GPU_COOP_TILE=sgr,sgc,wr,wc` picks another for
+    /// both, `CELLM_GPU_COOP_TILE_MV` for the plain one alone (for measuring; rows a multiple
+    /// of 64, tokens of 32, at most 48 KiB of shared memory).
+    pub fn get(glu: bool) -> Self {
+        let default = CoopTile { sgr: 2, sgc: 4, wr: 4, wc: 2 };
+        let var = |name: &str| std::env::var(name).ok();
+        let chosen = if glu { None } else { var("CELLM_GPU_COOP_TILE_MV") };
+        let Some(v) = chosen.or_else(|| var("CELLM_GPU_COOP_TILE")) else { return default };
         let n: Vec<u32> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
         match n[..] {
             [sgr, sgc, wr, wc]
-                if sgr * sgc == 8 && (sgr * wr * 16) % 64 == 0 && (sgc * wc * 16) % 32 == 0 =>
+                if sgr * sgc == 8
+                    && (sgr * wr * 16).is_multiple_of(64)
+                    && (sgc * wc * 16).is_multiple_of(32)
+                    && (CoopTile { sgr, sgc, wr, wc }).shared_bytes(glu) <= 48 << 10 =>
             {
                 CoopTile { sgr, sgc, wr, wc }
             }
             _ => default,
         }
+    }
+
+    /// Bytes of shared memory the kernel takes (f16 tiles of W, of the GLU's second matrix
+    /// where `glu`, and of x; the stage; the partial sums of x^2).
+    pub fn shared_bytes(self, glu: bool) -> u32 {
+        let row = 80;
+        self.rows() * row * (1 + u32::from(glu)) + self.tokens() * row + 8192 + self.tokens() * 32
     }
 
     /// Rows of a workgroup's tile.
@@ -220,9 +235,6 @@ impl CoopTile {
         self.sgc * self.wc * 16
     }
 }
-
-static COOP_SOURCE: std::sync::LazyLock<String> =
-    std::sync::LazyLock::new(|| coop_source(CoopTile::get()));
 
 /// `shaders/gemm_coop.wgsl` for `tile`: its sizes, and the accumulators, the multiply-adds
 /// and the epilogue of each of a subgroup's tiles written out (one variable a tile).
@@ -244,12 +256,12 @@ fn coop_source(tile: CoopTile) -> String {
     }
     let mut mma = Vec::new();
     for i in 0..tile.wr {
-        let at = format!("(m0 + {}u) * LD + kk", 16 * i);
+        let at = format!("(m0 + {}u) * LD + kk / 4u", 16 * i);
         mma.push(format!("let a{i} = coopLoadT<coop_mat16x16<f16, A>>(&ta[{at}], LD);"));
         mma.extend(glu(&[format!("let b{i} = coopLoadT<coop_mat16x16<f16, A>>(&tb[{at}], LD);")]));
     }
     for j in 0..tile.wc {
-        let at = format!("(n0 + {}u) * LD + kk", 16 * j);
+        let at = format!("(n0 + {}u) * LD + kk / 4u", 16 * j);
         mma.push(format!("let x{j} = coopLoad<coop_mat16x16<f16, B>>(&tx[{at}], LD);"));
     }
     for &(i, j) in &tiles {
@@ -277,8 +289,8 @@ fn coop_source(tile: CoopTile) -> String {
         .replace("$SGC", &tile.sgc.to_string())
         .replace("$WR", &tile.wr.to_string())
         .replace("$WC", &tile.wc.to_string())
-        .replace("$TA", &(bm * 40).to_string())
-        .replace("$TX", &(bn * 40).to_string())
+        .replace("$TA", &(bm * 10).to_string())
+        .replace("$TX", &(bn * 10).to_string())
         .replace("$SQ", &(bn * 8).to_string())
         .replace("//@ZERO\n", &block(4, &zero))
         .replace("//@MMA\n", &block(12, &mma))
@@ -306,16 +318,28 @@ impl Kernel {
         }
     }
 
-    /// The GEMM build, where a launch over `tokens` tokens of `cols` columns should use it,
-    /// with the rows and tokens of its workgroup's tile: the cooperative-matrix one where the
-    /// device has it and the columns are a multiple of its step (32), else the f32 one.
-    pub fn gemm_for(&self, tokens: u32, cols: u32) -> Option<(&wgpu::ComputePipeline, u32, u32)> {
+    /// The GEMM build, where a launch over `tokens` tokens of `cols` columns and
+    /// `row_groups` groups of `ROWS_PER_GROUP` rows should use it, with its grid: the
+    /// cooperative-matrix one (token tiles along x) where the device has it and the columns
+    /// are a multiple of its step (32), else the f32 one (row tiles along x).
+    pub fn gemm_for(
+        &self,
+        tokens: u32,
+        cols: u32,
+        row_groups: u32,
+    ) -> Option<(&wgpu::ComputePipeline, (u32, u32, u32))> {
         if tokens < GEMM_MIN_TOKENS {
             return None;
         }
+        let per = crate::model::ROWS_PER_GROUP as u32;
         match &self.coop {
-            Some((coop, tile)) if cols % 32 == 0 => Some((coop, tile.rows(), tile.tokens())),
-            _ => self.gemm.as_ref().map(|g| (g, GEMM_TILE, GEMM_TILE)),
+            Some((coop, tile)) if cols.is_multiple_of(32) => Some((
+                coop,
+                (tokens.div_ceil(tile.tokens()), row_groups.div_ceil(tile.rows() / per), 1),
+            )),
+            _ => self.gemm.as_ref().map(|g| {
+                (g, (row_groups.div_ceil(GEMM_TILE / per), tokens.div_ceil(GEMM_TILE), 1))
+            }),
         }
     }
 }
@@ -331,7 +355,12 @@ impl Kernels {
     /// Kernels for `gpu`, with subgroup reductions where it has them, and the
     /// cooperative-matrix GEMM where it has that.
     pub fn new(gpu: &crate::device::Gpu) -> Self {
-        Self { subgroups: gpu.subgroups, coopmat: gpu.coopmat, built: HashMap::new() }
+        // The default tiles take 42 KiB: where a device offers less (none with cooperative
+        // matrices is known to), the f32 GEMM runs.
+        let fits = [true, false].into_iter().all(|glu| {
+            CoopTile::get(glu).shared_bytes(glu) <= gpu.limits.max_compute_workgroup_storage_size
+        });
+        Self { subgroups: gpu.subgroups, coopmat: gpu.coopmat && fits, built: HashMap::new() }
     }
 
     pub fn get(&mut self, device: &wgpu::Device, id: KernelId) -> Arc<Kernel> {
@@ -393,7 +422,9 @@ fn build(device: &wgpu::Device, id: KernelId, subgroups: bool, coopmat: bool) ->
     };
     let single = id.per_token_count().then(|| pipeline(1));
     let gemm = id.per_token_count().then(|| pipeline(GEMM_BUILD));
-    let coop = (coopmat && id.per_token_count()).then(|| (pipeline(COOP_BUILD), CoopTile::get()));
+    let glu = matches!(id, KernelId::Glu(_));
+    let coop =
+        (coopmat && id.per_token_count()).then(|| (pipeline(COOP_BUILD), CoopTile::get(glu)));
     let name = label.split('(').next().unwrap_or_default().to_string();
     Kernel { name, pipeline: pipeline(4), single, gemm, coop, layout }
 }

@@ -48,7 +48,8 @@ pub struct Runner {
     pub ops: Vec<Op>,
     pub ropes: Vec<RopeConfig>,
     pub bufs: StepBuffers,
-    /// CELLM_GPU_PROFILE=1: host time per step phase, printed every 64 steps.
+    /// CELLM_GPU_PROFILE=1: host time per step phase, printed every 64 steps;
+    /// CELLM_GPU_PROFILE=prefill: the same for each step of several tokens, printed each step.
     profile: Option<Profile>,
 }
 
@@ -56,6 +57,8 @@ pub struct Runner {
 /// recording the launches, submitting, and waiting for the logits (GPU time included); and,
 /// where the device has timestamps, GPU seconds per kernel.
 struct Profile {
+    /// Whether it times steps of several tokens (each printed) instead of one-token steps.
+    prefill: bool,
     steps: u32,
     phases: [f64; 4],
     gpu: std::collections::BTreeMap<String, (f64, u32)>,
@@ -93,7 +96,17 @@ impl Profile {
             }),
             names: Vec::new(),
         });
-        Self { steps: 0, phases: [0.0; 4], gpu: Default::default(), stamps }
+        let prefill = std::env::var("CELLM_GPU_PROFILE").is_ok_and(|v| v == "prefill");
+        Self { prefill, steps: 0, phases: [0.0; 4], gpu: Default::default(), stamps }
+    }
+
+    /// Whether a step of `t` tokens is timed.
+    fn times(&self, t: u32) -> bool {
+        if self.prefill {
+            t > 1
+        } else {
+            t == 1
+        }
     }
 
     fn add(&mut self, gpu: &Gpu, marks: &[std::time::Instant; 5]) {
@@ -121,18 +134,21 @@ impl Profile {
             s.read.unmap();
         }
         self.steps += 1;
-        if self.steps == 64 {
-            let ms = self.phases.map(|s| s * 1e3 / 64.0);
+        let every = if self.prefill { 1 } else { 64 };
+        if self.steps == every {
+            let f = f64::from(every);
+            let ms = self.phases.map(|s| s * 1e3 / f);
+            let what = if self.prefill { "steps of several tokens" } else { "one-token steps" };
             let mut line = format!(
-                "cellm-gpu profile (one-token steps, ms per step, mean of 64): write {:.3}, \
+                "cellm-gpu profile ({what}, ms per step, mean of {every}): write {:.3}, \
                  record {:.3}, submit {:.3}, wait+read {:.3}",
                 ms[0], ms[1], ms[2], ms[3]
             );
             if !self.gpu.is_empty() {
                 let total: f64 = self.gpu.values().map(|v| v.0).sum();
-                line += &format!("; GPU {:.3} ms:", total * 1e3 / 64.0);
+                line += &format!("; GPU {:.3} ms:", total * 1e3 / f);
                 for (name, (t, n)) in &self.gpu {
-                    line += &format!(" {name} {:.3} ({} launches)", t * 1e3 / 64.0, n / 64);
+                    line += &format!(" {name} {:.3} ({} launches)", t * 1e3 / f, n / every);
                 }
             }
             eprintln!("{line}");
@@ -331,11 +347,14 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
         // For benchmarks: what runs where, and how many launches one step records.
         let gemm = match gpu.coopmat {
             true => {
-                let t = crate::kernels::CoopTile::get();
+                let (g, m) =
+                    (crate::kernels::CoopTile::get(true), crate::kernels::CoopTile::get(false));
                 format!(
-                    "cooperative matrices (f16 in, f32 sums), {}x{} tiles",
-                    t.rows(),
-                    t.tokens()
+                    "cooperative matrices (f16 in, f32 sums), tiles {}x{} (GLU) and {}x{}",
+                    g.rows(),
+                    g.tokens(),
+                    m.rows(),
+                    m.tokens()
                 )
             }
             false => "f32".to_string(),
@@ -705,12 +724,12 @@ impl Runner {
             let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
             let t = chunk.tokens.len() as u32;
             let mut stamps = match &mut self.profile {
-                Some(Profile { stamps: Some(s), .. }) if t == 1 => {
-                    s.names.clear();
-                    Some(s)
-                }
+                Some(p) if p.times(t) => p.stamps.as_mut(),
                 _ => None,
             };
+            if let Some(s) = &mut stamps {
+                s.names.clear();
+            }
             {
                 let mut pass = encoder.begin_compute_pass(&Default::default());
                 let r = rows as u32;
@@ -719,17 +738,16 @@ impl Runner {
                     // from GEMM_MIN_TOKENS on.
                     if let Grid::Rows { groups, .. } | Grid::HeadRows { groups, .. } = op.grid {
                         let count = if matches!(op.grid, Grid::Rows { .. }) { t } else { r };
-                        if let Some((gemm, tile_rows, tile_tokens)) =
-                            op.kernel.gemm_for(count, op.params[1])
+                        if let Some((gemm, (x, y, z))) =
+                            op.kernel.gemm_for(count, op.params[1], groups)
                         {
-                            let tile_groups = tile_rows / ROWS_PER_GROUP as u32;
+                            if let Some(s) = &mut stamps {
+                                pass.write_timestamp(&s.set, s.names.len() as u32);
+                                s.names.push(format!("{}-gemm", op.kernel.name));
+                            }
                             pass.set_pipeline(gemm);
                             pass.set_bind_group(0, group, &[]);
-                            pass.dispatch_workgroups(
-                                groups.div_ceil(tile_groups),
-                                count.div_ceil(tile_tokens),
-                                1,
-                            );
+                            pass.dispatch_workgroups(x, y, z);
                             continue;
                         }
                     }
@@ -777,7 +795,7 @@ impl Runner {
                 self.gpu.wait()?;
             }
             marks[4] = now();
-            if let (Some(p), 1) = (&mut self.profile, t) {
+            if let Some(p) = self.profile.as_mut().filter(|p| p.times(t)) {
                 p.add(&self.gpu, &marks);
             }
         }

@@ -163,14 +163,10 @@ fn gpu_matvec(gpu: &Gpu, w: WeightRows, x: &[f32], tokens: usize, cap: u64) -> (
             let mut pass = enc.begin_compute_pass(&Default::default());
             pass.set_bind_group(0, &group, &[]);
             let t = tokens as u32;
-            match kernel.gemm_for(t, w.cols as u32) {
-                Some((gemm, tile_rows, tile_tokens)) => {
+            match kernel.gemm_for(t, w.cols as u32, groups) {
+                Some((gemm, (x, y, z))) => {
                     pass.set_pipeline(gemm);
-                    pass.dispatch_workgroups(
-                        (part.rows as u32).div_ceil(tile_rows),
-                        t.div_ceil(tile_tokens),
-                        1,
-                    );
+                    pass.dispatch_workgroups(x, y, z);
                 }
                 None => {
                     pass.set_pipeline(kernel.for_tokens(t));

@@ -12,18 +12,20 @@
 const BM: u32 = $BMu;
 const BN: u32 = $BNu;
 const BK: u32 = 32u;
-// f16 per row of a shared tile: BK and 8 of padding (rows 80 bytes apart, 16-byte aligned).
-const LD: u32 = 40u;
+// vec4<f16> per row of a shared tile: BK / 4 and 2 of padding (rows 80 bytes apart, 16-byte
+// aligned). Cooperative loads take the stride in these units, and a row's elements as the
+// vectors' components in order (as llama.cpp's Vulkan GEMM loads from f16vec2 arrays).
+const LD: u32 = 10u;
 const SGC: u32 = $SGCu;
 const WR: u32 = $WRu;
 const WC: u32 = $WCu;
 const WU: u32 = BM / 64u;  // 8-column chunks of weights each invocation loads a step
 const XU: u32 = BN / 32u;  // vec4s of x each invocation loads a step
-var<workgroup> ta: array<f16, $TA>;  // [BM][LD]
+var<workgroup> ta: array<vec4<f16>, $TA>;  // [BM][LD]
 //# glu
-var<workgroup> tb: array<f16, $TA>;
+var<workgroup> tb: array<vec4<f16>, $TA>;
 //# end
-var<workgroup> tx: array<f16, $TX>;  // [BN][LD]
+var<workgroup> tx: array<vec4<f16>, $TX>;  // [BN][LD]
 var<workgroup> stage: array<f32, 2048>;  // a 16 x 16 tile per subgroup, column-major
 var<workgroup> sqp: array<f32, $SQ>;     // [BN][8] partial sums of x^2
 
@@ -35,9 +37,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         n = n_logit_rows();
     }
     // The grid covers the rows and tokens exactly (no workgroup returns early: cooperative
-    // operations need uniform control flow, and n comes from a storage buffer).
-    let r0 = wg.x * BM;
-    let t0 = wg.y * BN;
+    // operations need uniform control flow, and n comes from a storage buffer). The token
+    // tiles run along x, so the workgroups that read the same weights run together (L2).
+    let r0 = wg.y * BM;
+    let t0 = wg.x * BN;
     let norm = (p.flags & NORM) != 0u;
     // This subgroup's tiles: rows m0 + 16 i, tokens n0 + 16 j of the workgroup's.
     let m0 = (sg / SGC) * WR * 16u;
@@ -83,16 +86,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     for (var k0 = 0u; k0 < p.cols; k0 += BK) {
         for (var j = 0u; j < WU; j++) {
             let u = li + 256u * j;
-            let at = (u / 4u) * LD + wc8[j] * 8u;
-            for (var e = 0u; e < 4u; e++) {
-                ta[at + e] = f16(wv[j][0][e]);
-                ta[at + 4u + e] = f16(wv[j][1][e]);
-            }
+            let at = (u / 4u) * LD + wc8[j] * 2u;
+            ta[at] = vec4<f16>(wv[j][0]);
+            ta[at + 1u] = vec4<f16>(wv[j][1]);
             //# glu
-            for (var e = 0u; e < 4u; e++) {
-                tb[at + e] = f16(wbv[j][0][e]);
-                tb[at + 4u + e] = f16(wbv[j][1][e]);
-            }
+            tb[at] = vec4<f16>(wbv[j][0]);
+            tb[at + 1u] = vec4<f16>(wbv[j][1]);
             //# end
         }
         for (var j = 0u; j < XU; j++) {
@@ -104,11 +103,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             }
             // f16's range: a larger input saturates instead of turning into inf.
             v = clamp(v, vec4<f32>(-65504.0), vec4<f32>(65504.0));
-            let at = (u / 8u) * LD + xc4[j] * 4u;
-            tx[at] = f16(v.x);
-            tx[at + 1u] = f16(v.y);
-            tx[at + 2u] = f16(v.z);
-            tx[at + 3u] = f16(v.w);
+            tx[(u / 8u) * LD + xc4[j]] = vec4<f16>(v);
         }
         workgroupBarrier();
         let kn = k0 + BK;
