@@ -25,6 +25,12 @@
 #                                    checks, speed, a CELLM_GPU_PROFILE pass (host and GPU time
 #                                    per kernel) and the shared-memory reductions
 #                                    (CELLM_GPU_NO_SUBGROUPS=1) for comparison
+#   bash gpu_device.sh prefill DIR   cellm's prefill alone on a fresh machine, in one call:
+#                                    logits checks of the cooperative-matrix GEMM, pp512 of
+#                                    every model with it and with the f32 GEMM
+#                                    (CELLM_GPU_NO_COOPMAT=1), alternating, and a
+#                                    CELLM_GPU_PROFILE=prefill pass (GPU time per kernel of
+#                                    one 512-token step)
 # Results go to $OUT (JSON lines and logs); the build log to /tmp/w/build.log.
 set -uo pipefail
 phase=$1
@@ -178,4 +184,48 @@ if [[ $phase == cellm ]]; then
     CELLM_GPU_PROFILE=1 $B --speed-only --runs 1 --models $P 2>&1 | grep -v "^{" |
         tee $OUT/profile.txt
     CELLM_GPU_NO_SUBGROUPS=1 $B --speed-only --runs 1 --models $P | tee $OUT/nosg.jsonl
+fi
+
+if [[ $phase == prefill ]]; then
+    for f in "$D"/gl/*.deb; do dpkg -x "$f" /; done
+    ldconfig
+    mkdir -p /tmp/site $G
+    if ls "$D"/cellm-*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$D"/cellm-*.whl
+    else
+        tar xJf "$D"/cellm_pkg.tar.xz -C /tmp/site
+    fi
+    tar xJf "$D/llama.cpp.tar.xz" -C $W
+    export PYTHONPATH=/tmp/site:$W/llama.cpp/gguf-py CELLM_GPU_INFO=1 PYTHONUNBUFFERED=1
+    build_quantize() {
+        cmake -S $W/llama.cpp -B $W/bq -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+            -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF &&
+            cmake --build $W/bq --target llama-quantize -j 12
+        echo Q_END
+    }
+    export -f build_quantize
+    export W
+    setsid bash -c build_quantize >$W/q.log 2>&1 </dev/null &
+    python3 "$D/random_gguf.py" --out $G --formats f16 --shapes "${SHAPES// /,}" 2>&1 | tail -1
+    B="python3 $D/gpu_bench.py"
+    $B --check-only --models $G/llama-3.2-1b-f16.gguf,$G/gemma-3-270m-f16.gguf | tee $OUT/check.jsonl
+    while ! grep -q Q_END $W/q.log; do sleep 3; done
+    Q=$W/bq/bin/llama-quantize
+    $Q $G/smollm2-135m-f16.gguf $G/smollm2-135m-q4_1.gguf Q4_1 >/dev/null 2>&1
+    for s in gemma-3-270m qwen2.5-0.5b llama-3.2-1b llama-3.2-3b; do
+        $Q $G/$s-f16.gguf $G/$s-q4_k_m.gguf Q4_K_M >/dev/null 2>&1
+    done
+    M=$(for m in $MODELS; do printf '%s,' $G/$m.gguf; done)
+    for v in coop f32 coop f32; do
+        [[ $v == f32 ]] && export CELLM_GPU_NO_COOPMAT=1 || unset CELLM_GPU_NO_COOPMAT
+        $B --speed-only --prefill-only --models "${M%,}" | sed "s/^{/{\"gemm\": \"$v\", /" |
+            tee -a $OUT/prefill.jsonl
+    done
+    unset CELLM_GPU_NO_COOPMAT
+    C=$G/smollm2-135m-q4_1.gguf,$G/qwen2.5-0.5b-q4_k_m.gguf,$G/llama-3.2-1b-q4_k_m.gguf
+    $B --check-dequantized $W --models $C | tee -a $OUT/check.jsonl
+    P=$G/llama-3.2-1b-q4_k_m.gguf,$G/llama-3.2-3b-f16.gguf
+    CELLM_GPU_PROFILE=prefill $B --speed-only --prefill-only --runs 1 --models $P 2>&1 |
+        grep profile | tee $OUT/profile.txt
 fi
