@@ -32,6 +32,9 @@ pub enum Bind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KernelId {
     Matvec(Layout),
+    /// The q|k|v matvec that also rotates q and k and stores k and v into the KV pool (its
+    /// GEMM build is the plain one's: prefill runs `RopeKv` after it).
+    MatvecRope(Layout),
     Glu(Layout),
     Embed(Layout),
     RopeKv,
@@ -57,7 +60,12 @@ impl KernelId {
         let mut all =
             vec![KernelId::RopeKv, KernelId::Attention, KernelId::AttnCombine, KernelId::NormAdd];
         for l in layouts {
-            all.extend([KernelId::Matvec(l), KernelId::Glu(l), KernelId::Embed(l)]);
+            all.extend([
+                KernelId::Matvec(l),
+                KernelId::MatvecRope(l),
+                KernelId::Glu(l),
+                KernelId::Embed(l),
+            ]);
         }
         all
     }
@@ -77,6 +85,12 @@ impl KernelId {
                 [vec![(0, Uniform), (1, Read), (2, Write), (3, Read), (4, Read)], weights(l, 5, 6)]
                     .concat()
             }
+            KernelId::MatvecRope(l) => [
+                vec![(0, Uniform), (1, Read), (2, Write), (3, Read), (4, Read)],
+                weights(l, 5, 6),
+                vec![(10, Read), (11, Write)],
+            ]
+            .concat(),
             KernelId::Glu(l) => [
                 vec![(0, Uniform), (1, Read), (2, Write), (3, Read), (4, Read)],
                 weights(l, 5, 6),
@@ -87,7 +101,7 @@ impl KernelId {
             KernelId::RopeKv => {
                 vec![(0, Uniform), (1, Write), (2, Read), (3, Read), (4, Read), (5, Write)]
             }
-            KernelId::Attention => vec![(0, Uniform), (1, Read), (2, Write), (5, Read)],
+            KernelId::Attention => vec![(0, Uniform), (1, Read), (2, Write), (3, Write), (5, Read)],
             KernelId::AttnCombine => vec![(0, Uniform), (1, Read), (2, Write)],
             KernelId::NormAdd => vec![(0, Uniform), (1, Read), (2, Write), (3, Read)],
         };
@@ -97,7 +111,7 @@ impl KernelId {
 
     /// Whether the kernel is built twice, for one token and for several.
     pub fn per_token_count(self) -> bool {
-        matches!(self, KernelId::Matvec(_) | KernelId::Glu(_))
+        matches!(self, KernelId::Matvec(_) | KernelId::MatvecRope(_) | KernelId::Glu(_))
     }
 
     /// The kernel's full WGSL source: with subgroup reductions (`subgroups`) or shared-memory
@@ -106,10 +120,13 @@ impl KernelId {
     pub fn source(self, subgroups: bool, tokens: u32) -> String {
         let coop = tokens == COOP_BUILD && self.per_token_count();
         let gemm = (tokens == GEMM_BUILD || coop) && self.per_token_count();
+        let rope = matches!(self, KernelId::MatvecRope(_)) && !gemm;
         let coop_body = coop.then(|| coop_source(CoopTile::get(matches!(self, KernelId::Glu(_)))));
         let gemm_body = coop_body.as_deref().unwrap_or(GEMM);
         let (body, weights, glu): (&str, Option<Layout>, bool) = match self {
-            KernelId::Matvec(l) => (if gemm { gemm_body } else { MATVEC }, Some(l), false),
+            KernelId::Matvec(l) | KernelId::MatvecRope(l) => {
+                (if gemm { gemm_body } else { MATVEC }, Some(l), false)
+            }
             KernelId::Glu(l) => (if gemm { gemm_body } else { MATVEC }, Some(l), true),
             KernelId::Embed(l) => (EMBED, Some(l), false),
             KernelId::RopeKv => (ROPE_KV, None, false),
@@ -125,14 +142,16 @@ impl KernelId {
             src.push_str(&format!("const TT: u32 = {tokens}u;\n"));
         }
         src.push_str(STEP);
-        if matches!(self, KernelId::RopeKv | KernelId::Attention) {
+        if matches!(self, KernelId::RopeKv | KernelId::Attention) || rope {
             src.push_str(KV);
         }
-        if matches!(self, KernelId::Matvec(_) | KernelId::Glu(_)) {
+        if self.per_token_count() {
             src.push_str(LINEAR);
         }
         src.push_str(&sections(body, &|name| match name {
             "glu" => glu,
+            "rope" => rope,
+            "plain" => !rope,
             "sg" => subgroups,
             "nosg" => !subgroups,
             _ => false,
@@ -155,20 +174,22 @@ fn accessor_for(text: &str, suffix: &str, quants: u32, scales: u32) -> String {
         .replace('$', suffix)
 }
 
-/// `text` with each `//# name` ... `//# end` section kept where `keep(name)`, else dropped.
+/// `text` with each `//# name` ... `//# end` section kept where `keep(name)`, else dropped
+/// (sections nest: a line is kept where every section around it is).
 fn sections(text: &str, keep: &dyn Fn(&str) -> bool) -> String {
     let mut out = String::new();
-    let mut inside: Option<bool> = None;
+    let mut open: Vec<bool> = Vec::new();
     for line in text.lines() {
-        let marker = line.trim_start().strip_prefix("//# ");
-        match (marker, inside) {
-            (Some("end"), Some(_)) => inside = None,
-            (Some(name), None) => inside = Some(keep(name.trim())),
-            (_, None) | (_, Some(true)) => {
+        match line.trim_start().strip_prefix("//# ").map(str::trim) {
+            Some("end") => {
+                open.pop();
+            }
+            Some(name) => open.push(keep(name)),
+            None if open.iter().all(|&k| k) => {
                 out.push_str(line);
                 out.push('\n');
             }
-            (_, Some(false)) => {}
+            None => {}
         }
     }
     out

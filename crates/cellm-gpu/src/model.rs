@@ -14,8 +14,8 @@ use cellm_models::{
 };
 
 use crate::device::Gpu;
-use crate::kernels::{KernelId, Kernels};
-use crate::ops::{Buf, Dims, Grid, Op};
+use crate::kernels::{KernelId, Kernels, GEMM_MIN_TOKENS};
+use crate::ops::{Buf, Dims, Grid, Op, When};
 use crate::step::{HostStep, StepBuffers};
 use crate::weights::{Matrix, Uploader};
 use crate::GpuOptions;
@@ -32,6 +32,7 @@ const BIAS: u32 = 4;
 const SOFTCAP: u32 = 8;
 const HEAD: u32 = 16;
 const GELU: u32 = 32;
+const ROPE: u32 = 64;
 const MAX_GROUPS: usize = 65535;
 /// Output rows one matvec workgroup computes (`RPW` in `shaders/matvec.wgsl`).
 pub(crate) const ROWS_PER_GROUP: usize = 4;
@@ -51,6 +52,10 @@ pub struct Runner {
     /// CELLM_GPU_PROFILE=1: host time per step phase, printed every 64 steps;
     /// CELLM_GPU_PROFILE=prefill: the same for each step of several tokens, printed each step.
     profile: Option<Profile>,
+    /// The next decode step's launches, recorded ahead (see `Ahead`).
+    ahead: Option<Ahead>,
+    /// Whether to record ahead (CELLM_GPU_NO_AHEAD=1 turns it off, for comparison).
+    prerecord: bool,
 }
 
 /// One-token steps' host seconds per phase: laying the step out and writing its buffers,
@@ -60,7 +65,7 @@ struct Profile {
     /// Whether it times steps of several tokens (each printed) instead of one-token steps.
     prefill: bool,
     steps: u32,
-    phases: [f64; 4],
+    phases: [f64; 5],
     gpu: std::collections::BTreeMap<String, (f64, u32)>,
     stamps: Option<Stamps>,
 }
@@ -97,7 +102,7 @@ impl Profile {
             names: Vec::new(),
         });
         let prefill = std::env::var("CELLM_GPU_PROFILE").is_ok_and(|v| v == "prefill");
-        Self { prefill, steps: 0, phases: [0.0; 4], gpu: Default::default(), stamps }
+        Self { prefill, steps: 0, phases: [0.0; 5], gpu: Default::default(), stamps }
     }
 
     /// Whether a step of `t` tokens is timed.
@@ -109,7 +114,7 @@ impl Profile {
         }
     }
 
-    fn add(&mut self, gpu: &Gpu, marks: &[std::time::Instant; 5]) {
+    fn add(&mut self, gpu: &Gpu, marks: &[std::time::Instant; 6]) {
         for (i, w) in marks.windows(2).enumerate() {
             self.phases[i] += (w[1] - w[0]).as_secs_f64();
         }
@@ -141,8 +146,8 @@ impl Profile {
             let what = if self.prefill { "steps of several tokens" } else { "one-token steps" };
             let mut line = format!(
                 "cellm-gpu profile ({what}, ms per step, mean of {every}): write {:.3}, \
-                 record {:.3}, submit {:.3}, wait+read {:.3}",
-                ms[0], ms[1], ms[2], ms[3]
+                 record {:.3}, submit {:.3}, record the next ahead {:.3}, wait+read {:.3}",
+                ms[0], ms[1], ms[2], ms[3], ms[4]
             );
             if !self.gpu.is_empty() {
                 let total: f64 = self.gpu.values().map(|v| v.0).sum();
@@ -153,7 +158,7 @@ impl Profile {
             }
             eprintln!("{line}");
             self.steps = 0;
-            self.phases = [0.0; 4];
+            self.phases = [0.0; 5];
             self.gpu.clear();
         }
     }
@@ -247,8 +252,16 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
         };
         let qkv = match up.matrix(&[&q, &k, &v]) {
             Ok(m) => vec![m],
+            // Mixed formats (Q4_K_M files often keep v in q6_k): q|k stacked where they
+            // share one, v apart.
             Err(Error::Unsupported(_)) if q.format != v.format || q.format != k.format => {
-                vec![up.matrix(&[&q])?, up.matrix(&[&k])?, up.matrix(&[&v])?]
+                match up.matrix(&[&q, &k]) {
+                    Ok(qk) => vec![qk, up.matrix(&[&v])?],
+                    Err(Error::Unsupported(_)) => {
+                        vec![up.matrix(&[&q])?, up.matrix(&[&k])?, up.matrix(&[&v])?]
+                    }
+                    Err(e) => return Err(e),
+                }
             }
             Err(e) => return Err(e),
         };
@@ -369,7 +382,8 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
         );
     }
     let profile = std::env::var_os("CELLM_GPU_PROFILE").map(|_| Profile::new(&gpu, ops.len()));
-    let runner = Runner { gpu, dims, ops, ropes, bufs, profile };
+    let prerecord = std::env::var_os("CELLM_GPU_NO_AHEAD").is_none();
+    let runner = Runner { gpu, dims, ops, ropes, bufs, profile, ahead: None, prerecord };
     Ok(Box::new(GpuModel { cfg, layout, runner: Mutex::new(runner) }))
 }
 
@@ -421,16 +435,22 @@ fn matvec_ops(
     gamma: Option<&wgpu::Buffer>,
     bias: Option<&wgpu::Buffer>,
     args: MatvecArgs,
+    rope: Option<[u32; 5]>,
     ops: &mut Vec<Op>,
 ) {
-    let kernel = kernels.get(&gpu.device, KernelId::Matvec(m.layout));
+    let id = match rope {
+        Some(_) => KernelId::MatvecRope(m.layout),
+        None => KernelId::Matvec(m.layout),
+    };
+    let kernel = kernels.get(&gpu.device, id);
     for part in &m.parts {
-        let (params, groups_x, groups) = matvec_params(&MatvecArgs {
+        let (mut params, groups_x, groups) = matvec_params(&MatvecArgs {
             rows: part.rows,
             row0: offset + part.row0,
             flags: args.flags
                 | if gamma.is_some() { NORM } else { 0 }
-                | if bias.is_some() { BIAS } else { 0 },
+                | if bias.is_some() { BIAS } else { 0 }
+                | if rope.is_some() { ROPE } else { 0 },
             ..args
         });
         let mut binds = vec![
@@ -443,11 +463,15 @@ fn matvec_ops(
         if let Some(s) = &part.scales {
             binds.push((6, Buf::W(s.clone())));
         }
+        if let Some(words) = rope {
+            params[11..16].copy_from_slice(&words);
+            binds.extend([(10, Buf::Rope), (11, Buf::Pool)]);
+        }
         let grid = match args.flags & HEAD {
             0 => Grid::Rows { groups, groups_x },
             _ => Grid::HeadRows { groups, groups_x },
         };
-        ops.push(Op { kernel: kernel.clone(), params, binds, grid });
+        ops.push(Op { kernel: kernel.clone(), params, binds, grid, when: When::Always });
     }
 }
 
@@ -467,6 +491,8 @@ fn plan(
     let eps = cfg.norm_eps;
     let gemma = cfg.architecture == "gemma3";
     let res = cfg.residual_multiplier;
+    // CELLM_GPU_NO_FUSE=1: RoPE and the KV store in their own launch (for comparison).
+    let fuse_rope = std::env::var_os("CELLM_GPU_NO_FUSE").is_none();
     let kernel = kernels.get(&gpu.device, KernelId::Embed(embed.layout));
     for part in &embed.parts {
         let mut params = [0u32; 16];
@@ -485,6 +511,7 @@ fn plan(
             params,
             binds,
             grid: Grid::Columns((d.hidden / 4) as u32),
+            when: When::Always,
         });
     }
     let kv_words = [page_size as u32, d.kv_dim as u32, d.kv_f16 as u32, 0];
@@ -501,7 +528,28 @@ fn plan(
         softcap: 0.0,
     };
     for (i, l) in layers.iter().enumerate() {
-        // q|k|v = W (rmsnorm(x) * g) + b.
+        // q|k|v = W (rmsnorm(x) * g) + b. Without per-head norms and with RoPE over whole
+        // heads, the matvec's one-token builds rotate q and k and store k and v in the pool
+        // themselves (prefill's GEMM leaves that to RopeKv).
+        let half = l.rope.map_or(0, |r| match r {
+            0 => cfg.rope.inv_freq.len(),
+            _ => cfg.rope_local.as_ref().map_or(0, |r| r.inv_freq.len()),
+        });
+        let fused = fuse_rope
+            && l.rope.is_some()
+            && l.q_norm.is_none()
+            && cfg.head_dim.is_multiple_of(4)
+            && 2 * half == cfg.head_dim
+            && l.qkv.iter().all(|m| m.parts.len() == 1);
+        let rope_words = fused.then(|| {
+            [
+                d.q_dim as u32,
+                d.kv_dim as u32,
+                cfg.head_dim as u32,
+                i as u32,
+                page_size as u32 | u32::from(d.kv_f16) << 16 | (l.rope.unwrap_or(0) as u32) << 17,
+            ]
+        });
         let mut offset = 0;
         for m in &l.qkv {
             let args = MatvecArgs { y_stride: d.qkv, ..base };
@@ -514,15 +562,12 @@ fn plan(
                 Some(&l.input_norm),
                 l.qkv_bias.as_ref(),
                 args,
+                rope_words,
                 &mut ops,
             );
             offset += m.rows;
         }
         // Per-head norms, RoPE, and the new keys and values into the pool.
-        let half = l.rope.map_or(0, |r| match r {
-            0 => cfg.rope.inv_freq.len(),
-            _ => cfg.rope_local.as_ref().map_or(0, |r| r.inv_freq.len()),
-        });
         let mut p = [0u32; 16];
         p[..4].copy_from_slice(&kv_words);
         p[4..12].copy_from_slice(&[
@@ -547,6 +592,7 @@ fn plan(
                 (5, Buf::Pool),
             ],
             grid: Grid::PerToken((cfg.num_heads + cfg.num_kv_heads) as u32),
+            when: if fused { When::Gemm } else { When::Always },
         });
         let mut p = [0u32; 16];
         p[..4].copy_from_slice(&kv_words);
@@ -563,8 +609,9 @@ fn plan(
         ops.push(Op {
             kernel: kernels.get(&gpu.device, KernelId::Attention),
             params: p,
-            binds: vec![(1, Buf::Qkv), (2, Buf::Part), (5, Buf::Pool)],
+            binds: vec![(1, Buf::Qkv), (2, Buf::Part), (3, Buf::Ctx), (5, Buf::Pool)],
             grid: Grid::Splits(cfg.num_heads as u32),
+            when: When::Always,
         });
         let mut p = [0u32; 16];
         p[..2].copy_from_slice(&[cfg.num_heads as u32, cfg.head_dim as u32]);
@@ -573,6 +620,7 @@ fn plan(
             params: p,
             binds: vec![(1, Buf::Part), (2, Buf::Ctx)],
             grid: Grid::PerToken(cfg.num_heads as u32),
+            when: When::Splits,
         });
         // x += o(ctx); Gemma writes o(ctx) aside and adds it through its post-attention norm.
         let o_args = MatvecArgs { cols: d.q_dim, x_stride: d.q_dim, ..base };
@@ -581,7 +629,7 @@ fn plan(
             false => (Buf::X, MatvecArgs { flags: RESIDUAL, scale: res, ..o_args }),
         };
         let o_bias = l.o_bias.as_ref();
-        matvec_ops(gpu, kernels, &l.o, 0, (Buf::Ctx, out), None, o_bias, args, &mut ops);
+        matvec_ops(gpu, kernels, &l.o, 0, (Buf::Ctx, out), None, o_bias, args, None, &mut ops);
         if gemma {
             ops.push(norm_add(gpu, kernels, d, &l.post_attn_norm, eps, res));
         }
@@ -613,6 +661,7 @@ fn plan(
                 params,
                 binds,
                 grid: Grid::Rows { groups, groups_x },
+                when: When::Always,
             });
         }
         let down_args = MatvecArgs { cols: d.inter, x_stride: d.inter, ..base };
@@ -626,12 +675,24 @@ fn plan(
                 None,
                 None,
                 down_args,
+                None,
                 &mut ops,
             );
             ops.push(norm_add(gpu, kernels, d, post, eps, res));
         } else {
             let args = MatvecArgs { flags: RESIDUAL, scale: res, ..down_args };
-            matvec_ops(gpu, kernels, &l.down, 0, (Buf::Act, Buf::X), None, None, args, &mut ops);
+            matvec_ops(
+                gpu,
+                kernels,
+                &l.down,
+                0,
+                (Buf::Act, Buf::X),
+                None,
+                None,
+                args,
+                None,
+                &mut ops,
+            );
         }
     }
     // logits = scale * lm_head(rmsnorm(x) * g), soft-capped, for the wanted rows.
@@ -655,6 +716,7 @@ fn plan(
         Some(final_norm),
         None,
         args,
+        None,
         &mut ops,
     );
     gpu.check()?;
@@ -676,6 +738,7 @@ fn norm_add(
         params: p,
         binds: vec![(1, Buf::Tmp), (2, Buf::X), (3, Buf::W(gamma.clone()))],
         grid: Grid::PerToken(1),
+        when: When::Always,
     }
 }
 
@@ -708,93 +771,146 @@ impl CausalLm for GpuModel {
     }
 }
 
+/// A command buffer recorded ahead for the step expected next (a decode step: the same
+/// tokens and logit rows, one position further), while the GPU runs the current one; used
+/// when the step that comes matches its shape and the buffers are the ones it bound.
+struct Ahead {
+    commands: wgpu::CommandBuffer,
+    /// (tokens, logit rows, attention splits, buffer generation).
+    key: (u32, u32, u32, u64),
+}
+
 impl Runner {
+    /// Records every launch of a chunk of `t` tokens with `r` logit rows and `splits`
+    /// attention splits (GPU timestamps around each where `stamps`), then the logits' copy.
+    fn record(
+        &self,
+        t: u32,
+        r: u32,
+        splits: u32,
+        mut stamps: Option<&mut Stamps>,
+    ) -> wgpu::CommandBuffer {
+        let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
+        {
+            let mut pass = encoder.begin_compute_pass(&Default::default());
+            for (op, group) in self.ops.iter().zip(self.bufs.groups()) {
+                let skip = match op.when {
+                    When::Always => false,
+                    When::Gemm => t < GEMM_MIN_TOKENS,
+                    When::Splits => splits <= 1,
+                };
+                if skip {
+                    continue;
+                }
+                // Row groups of ROWS_PER_GROUP, over `count` tokens: a tiled GEMM
+                // from GEMM_MIN_TOKENS on.
+                if let Grid::Rows { groups, .. } | Grid::HeadRows { groups, .. } = op.grid {
+                    let count = if matches!(op.grid, Grid::Rows { .. }) { t } else { r };
+                    if let Some((gemm, (x, y, z))) = op.kernel.gemm_for(count, op.params[1], groups)
+                    {
+                        if let Some(s) = &mut stamps {
+                            pass.write_timestamp(&s.set, s.names.len() as u32);
+                            s.names.push(format!("{}-gemm", op.kernel.name));
+                        }
+                        pass.set_pipeline(gemm);
+                        pass.set_bind_group(0, group, &[]);
+                        pass.dispatch_workgroups(x, y, z);
+                        continue;
+                    }
+                }
+                let ((x, y, z), count) = match op.grid {
+                    Grid::Rows { groups, groups_x } => {
+                        ((groups_x, groups.div_ceil(groups_x), t.div_ceil(4)), t)
+                    }
+                    Grid::HeadRows { groups, groups_x } => {
+                        ((groups_x, groups.div_ceil(groups_x), r.div_ceil(4)), r)
+                    }
+                    Grid::PerToken(n) => ((n, t, 1), t),
+                    Grid::Splits(n) => ((n, t, splits), t),
+                    Grid::Columns(c) => ((c.div_ceil(64), t, 1), t),
+                };
+                if x * y * z == 0 {
+                    continue;
+                }
+                if let Some(s) = &mut stamps {
+                    pass.write_timestamp(&s.set, s.names.len() as u32);
+                    s.names.push(op.kernel.name.clone());
+                }
+                pass.set_pipeline(op.kernel.for_tokens(count));
+                pass.set_bind_group(0, group, &[]);
+                pass.dispatch_workgroups(x, y, z);
+            }
+            if let Some(s) = &stamps {
+                pass.write_timestamp(&s.set, s.names.len() as u32);
+            }
+        }
+        if let Some(s) = stamps {
+            let n = s.names.len() as u32;
+            encoder.resolve_query_set(&s.set, 0..n + 1, &s.resolve, 0);
+            encoder.copy_buffer_to_buffer(&s.resolve, 0, &s.read, 0, u64::from(n + 1) * 8);
+        }
+        if r > 0 {
+            self.bufs.copy_logits(&mut encoder, r as usize * self.dims.vocab);
+        }
+        encoder.finish()
+    }
+
     fn run(&mut self, step: &Step, kv: &PagePool) -> Result<Vec<f32>> {
         let mut logits = Vec::with_capacity(step.logit_rows.len() * self.dims.vocab);
         let host = HostStep::new(step, self.dims.layers)?;
         let (max_tokens, max_rows) = self.bufs.max_chunk(&self.gpu, &self.dims);
-        for chunk in host.chunks(max_tokens, max_rows) {
+        let chunks = host.chunks(max_tokens, max_rows);
+        let single = chunks.len() == 1;
+        for chunk in chunks {
             let now = std::time::Instant::now;
-            let mut marks = [now(); 5];
+            let mut marks = [now(); 6];
             let rows = chunk.logit_rows.len();
             let need = (chunk.tokens.len(), rows, host.tables.len(), kv.pages_allocated());
             self.bufs.fit(&self.gpu, &self.dims, &self.ops, need)?;
             let splits = self.bufs.write(&self.gpu, &chunk, &host, &self.ropes);
             marks[1] = now();
-            let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
-            let t = chunk.tokens.len() as u32;
-            let mut stamps = match &mut self.profile {
-                Some(p) if p.times(t) => p.stamps.as_mut(),
-                _ => None,
-            };
-            if let Some(s) = &mut stamps {
-                s.names.clear();
-            }
-            {
-                let mut pass = encoder.begin_compute_pass(&Default::default());
-                let r = rows as u32;
-                for (op, group) in self.ops.iter().zip(self.bufs.groups()) {
-                    // Row groups of ROWS_PER_GROUP, over `count` tokens: a tiled GEMM
-                    // from GEMM_MIN_TOKENS on.
-                    if let Grid::Rows { groups, .. } | Grid::HeadRows { groups, .. } = op.grid {
-                        let count = if matches!(op.grid, Grid::Rows { .. }) { t } else { r };
-                        if let Some((gemm, (x, y, z))) =
-                            op.kernel.gemm_for(count, op.params[1], groups)
-                        {
-                            if let Some(s) = &mut stamps {
-                                pass.write_timestamp(&s.set, s.names.len() as u32);
-                                s.names.push(format!("{}-gemm", op.kernel.name));
-                            }
-                            pass.set_pipeline(gemm);
-                            pass.set_bind_group(0, group, &[]);
-                            pass.dispatch_workgroups(x, y, z);
-                            continue;
+            let (t, r) = (chunk.tokens.len() as u32, rows as u32);
+            let stamped = matches!(&self.profile, Some(p) if p.times(t) && p.stamps.is_some());
+            let key = (t, r, splits, self.bufs.generation());
+            let ahead = self.ahead.take().filter(|a| a.key == key && !stamped);
+            let commands = match ahead {
+                Some(a) => a.commands,
+                None => {
+                    // The profile is taken out while recording into its timestamps.
+                    let mut profile = self.profile.take();
+                    let stamps = match &mut profile {
+                        Some(Profile { stamps: Some(s), .. }) if stamped => {
+                            s.names.clear();
+                            Some(s)
                         }
-                    }
-                    let ((x, y, z), count) = match op.grid {
-                        Grid::Rows { groups, groups_x } => {
-                            ((groups_x, groups.div_ceil(groups_x), t.div_ceil(4)), t)
-                        }
-                        Grid::HeadRows { groups, groups_x } => {
-                            ((groups_x, groups.div_ceil(groups_x), r.div_ceil(4)), r)
-                        }
-                        Grid::PerToken(n) => ((n, t, 1), t),
-                        Grid::Splits(n) => ((n, t, splits), t),
-                        Grid::Columns(c) => ((c.div_ceil(64), t, 1), t),
+                        _ => None,
                     };
-                    if x * y * z == 0 {
-                        continue;
-                    }
-                    if let Some(s) = &mut stamps {
-                        pass.write_timestamp(&s.set, s.names.len() as u32);
-                        s.names.push(op.kernel.name.clone());
-                    }
-                    pass.set_pipeline(op.kernel.for_tokens(count));
-                    pass.set_bind_group(0, group, &[]);
-                    pass.dispatch_workgroups(x, y, z);
+                    let c = self.record(t, r, splits, stamps);
+                    self.profile = profile;
+                    c
                 }
-                if let Some(s) = &stamps {
-                    pass.write_timestamp(&s.set, s.names.len() as u32);
-                }
-            }
-            if let Some(s) = stamps {
-                let n = s.names.len() as u32;
-                encoder.resolve_query_set(&s.set, 0..n + 1, &s.resolve, 0);
-                encoder.copy_buffer_to_buffer(&s.resolve, 0, &s.read, 0, u64::from(n + 1) * 8);
-            }
-            if rows > 0 {
-                self.bufs.copy_logits(&mut encoder, rows * self.dims.vocab);
-            }
-            let commands = encoder.finish();
+            };
             marks[2] = now();
             self.gpu.queue.submit([commands]);
             marks[3] = now();
+            // A decode-shaped step (every token wants its logits): record the next one's
+            // launches while the GPU runs this one (the next step's tokens, positions and
+            // page tables go into the step buffer, which no launch's shape depends on).
+            if single && t == r && self.prerecord && !stamped {
+                let ctx = chunk.tokens.iter().map(|k| k.pos + 2).max().unwrap_or(1);
+                let (_, next_splits) = self.bufs.splits(chunk.tokens.len(), ctx);
+                // Valid while the buffers stay (a step that grows them rebuilds the groups).
+                let key = (t, r, next_splits as u32, self.bufs.generation());
+                let commands = self.record(t, r, next_splits as u32, None);
+                self.ahead = Some(Ahead { commands, key });
+            }
+            marks[4] = now();
             if rows > 0 {
                 logits.extend(self.bufs.read_logits(&self.gpu, rows * self.dims.vocab)?);
             } else {
                 self.gpu.wait()?;
             }
-            marks[4] = now();
+            marks[5] = now();
             if let Some(p) = self.profile.as_mut().filter(|p| p.times(t)) {
                 p.add(&self.gpu, &marks);
             }

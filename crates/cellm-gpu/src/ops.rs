@@ -44,6 +44,18 @@ pub struct Op {
     pub params: [u32; 16],
     pub binds: Vec<(u32, Buf)>,
     pub grid: Grid,
+    pub when: When,
+}
+
+/// Which steps launch an op.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum When {
+    Always,
+    /// Steps that run the tiled GEMM (from `GEMM_MIN_TOKENS` tokens): the RoPE and KV store
+    /// that the matvec's rope build does itself.
+    Gemm,
+    /// Steps whose attention runs more than one split (the combine).
+    Splits,
 }
 
 /// Static sizes every step shares.

@@ -5,7 +5,8 @@
 // positions (its page looked up once, the row's base kept in `base`), then the WG threads
 // split into WG / (head_dim / 2) slices, thread (slice, pair) summing two dims of the values
 // over every slices-th position. The split's unnormalised sums, max and denominator go to
-// `part`; `attn_combine.wgsl` merges the splits.
+// `part`; `attn_combine.wgsl` merges the splits. With one split (short contexts) the
+// workgroup writes the normalised output to `ctx` itself, and the combine is not launched.
 struct Params {
     kv: Kv,
     n_heads: u32,
@@ -21,6 +22,7 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> qkv: array<f32>;
 @group(0) @binding(2) var<storage, read_write> part: array<f32>;
+@group(0) @binding(3) var<storage, read_write> ctx: array<f32>;
 @group(0) @binding(5) var<storage, read> pool: array<u32>;
 
 const WG: u32 = 128u;
@@ -30,6 +32,7 @@ var<workgroup> qs: array<vec2<f32>, 128>;
 var<workgroup> sc: array<f32, CH>;
 var<workgroup> base: array<u32, CH>;
 var<workgroup> red: array<f32, WG>;
+var<workgroup> sums: array<vec2<f32>, WG>;
 
 // Values i, i + 1 of the pool (i even).
 fn kv2(i: u32) -> vec2<f32> {
@@ -39,7 +42,27 @@ fn kv2(i: u32) -> vec2<f32> {
     return vec2<f32>(bitcast<f32>(pool[i]), bitcast<f32>(pool[i + 1u]));
 }
 
-fn reduce(v: f32, li: u32, is_max: bool) -> f32 {
+// The workgroup's max or sum of `v`: within subgroups and then across their slots in `red`
+// where the device has subgroups (`lane`, `sg`: the invocation's lane and subgroup, `nsg`
+// subgroups), else by a shared-memory tree.
+fn reduce(v: f32, li: u32, is_max: bool, lane: u32, sg: u32, nsg: u32) -> f32 {
+    //# sg
+    var r = subgroupAdd(v);
+    if (is_max) {
+        r = subgroupMax(v);
+    }
+    if (lane == 0u) {
+        red[sg] = r;
+    }
+    workgroupBarrier();
+    r = red[0];
+    for (var k = 1u; k < nsg; k++) {
+        r = select(r + red[k], max(r, red[k]), is_max);
+    }
+    workgroupBarrier();
+    return r;
+    //# end
+    //# nosg
     red[li] = v;
     workgroupBarrier();
     for (var s = WG / 2u; s > 0u; s >>= 1u) {
@@ -55,10 +78,21 @@ fn reduce(v: f32, li: u32, is_max: bool) -> f32 {
     let r = red[0];
     workgroupBarrier();
     return r;
+    //# end
 }
 
 @compute @workgroup_size(128)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32,
+//# sg
+        @builtin(subgroup_invocation_id) lane: u32, @builtin(subgroup_id) sg: u32,
+        @builtin(num_subgroups) nsg: u32,
+//# end
+) {
+    //# nosg
+    let lane = 0u;
+    let sg = 0u;
+    let nsg = 0u;
+    //# end
     let h = wg.x;
     let t = wg.y;
     let split = wg.z;
@@ -120,7 +154,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             sc[j] = s;
             local_max = max(local_max, s);
         }
-        let m_new = max(m, reduce(local_max, li, true));
+        let m_new = max(m, reduce(local_max, li, true, lane, sg, nsg));
         var local_sum = 0.0;
         for (var j = li; j < n; j += WG) {
             let e = exp(sc[j] - m_new);
@@ -128,7 +162,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             local_sum += e;
         }
         let alpha = exp(m - m_new);
-        l = l * alpha + reduce(local_sum, li, false);
+        l = l * alpha + reduce(local_sum, li, false, lane, sg, nsg);
         m = m_new;
         if (slice < slices) {
             var a = acc * alpha;
@@ -141,23 +175,20 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     }
     // Slice 0 adds up the others' sums.
     let out = ((t * p.n_heads + h) * n_splits() + split) * (hd + 2u);
-    for (var k = 1u; k < slices; k++) {
-        if (slice == k) {
-            red[dv] = acc.x;
+    sums[li] = acc;
+    workgroupBarrier();
+    if (slice == 0u) {
+        for (var k = 1u; k < slices; k++) {
+            acc += sums[k * half + dv];
         }
-        workgroupBarrier();
+    }
+    if (n_splits() == 1u) {
         if (slice == 0u) {
-            acc.x += red[dv];
+            let at = (t * p.n_heads + h) * hd + 2u * dv;
+            ctx[at] = acc.x / l;
+            ctx[at + 1u] = acc.y / l;
         }
-        workgroupBarrier();
-        if (slice == k) {
-            red[dv] = acc.y;
-        }
-        workgroupBarrier();
-        if (slice == 0u) {
-            acc.y += red[dv];
-        }
-        workgroupBarrier();
+        return;
     }
     if (slice == 0u) {
         part[out + 2u * dv] = acc.x;

@@ -13,7 +13,13 @@ struct Params {
     eps: f32,
     scale: f32,
     softcap: f32,
-    _pad0: u32, _pad1: u32, _pad2: u32, _pad3: u32, _pad4: u32,
+    // ROPE (the q|k|v matvec's one-token builds, matvec.wgsl): q rows, k (and v) rows,
+    // head size, layer, and page size | f16 pool << 16 | RoPE table << 17.
+    q_dim: u32,
+    kv_dim: u32,
+    head_dim: u32,
+    layer: u32,
+    kv_word: u32,
 }
 const NORM: u32 = 1u;
 const RESIDUAL: u32 = 2u;
@@ -21,6 +27,7 @@ const BIAS: u32 = 4u;
 const SOFTCAP: u32 = 8u;
 const HEAD: u32 = 16u;
 const GELU: u32 = 32u;
+const ROPE: u32 = 64u;
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;

@@ -7,6 +7,9 @@
 // computes two matrices' rows (gate `w4`, up `w4b`) and writes act(gate) * up. HEAD reads
 // the rows whose logits the step wants instead of the first tokens. The parameters, flags,
 // bindings and epilogue are in linear.wgsl, shared with the tiled-GEMM build (gemm.wgsl).
+// The q|k|v matvec's rope build (ROPE) also does what rope_kv.wgsl does for models without
+// per-head norms: a workgroup takes rows i, i + half, i + 1, i + 1 + half of a q or k head
+// (two rotated pairs), rotates them, and stores the k and v rows into the KV pool too.
 const WG: u32 = 64u;
 const RPW: u32 = 4u;
 // Sums a thread carries per token lane: RPW of W x, RPW of the GLU's second matrix, and
@@ -18,6 +21,23 @@ var<workgroup> red: array<vec4<f32>, 144>;  // Q * WG / 4
 //# end
 //# nosg
 var<workgroup> red: array<vec4<f32>, 576>;  // Q * WG
+//# end
+//# rope
+@group(0) @binding(10) var<storage, read> rope: array<vec2<f32>>;
+@group(0) @binding(11) var<storage, read_write> pool: array<u32>;
+
+// Local row of slot j of the workgroup whose first slot is local row r0: in the q and k
+// rows, the two rotated pairs (i, i + half) and (i + 1, i + 1 + half) of a head, i = (r0 mod
+// head_dim) / 2; in the v rows r0 + j.
+fn rope_row(r0: u32, j: u32) -> u32 {
+    let g = p.row0 + r0;
+    if (g >= p.q_dim + p.kv_dim) {
+        return r0 + j;
+    }
+    let hd = p.head_dim;
+    let i = (g % hd) / 2u;
+    return r0 - g % hd + i + (j >> 1u) + (j & 1u) * (hd / 2u);
+}
 //# end
 
 
@@ -47,6 +67,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     var rr: array<u32, RPW>;
     for (var j = 0u; j < RPW; j++) {
         rr[j] = min(r0 + j, p.rows - 1u);
+        //# rope
+        rr[j] = rope_row(r0, j);
+        //# end
     }
     var s: array<vec4<f32>, Q>;
     for (var j = 0u; j < Q; j++) {
@@ -146,6 +169,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let parts = 2u;
     let stride = Q;
     //# end
+    //# plain
     if (li < RPW * TT) {
         let j = li / TT;
         let k = li % TT;
@@ -167,4 +191,65 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             store(t, r, v);
         }
     }
+    //# end
+    //# rope
+    // Whole heads (q, k) and whole groups of 4 rows (v): every slot is a row.
+    if (li < RPW * TT) {
+        let j = li / TT;
+        let k = li % TT;
+        let t = t0 + k;
+        if (k < nt) {
+            var o: array<f32, RPW>;
+            for (var jj = 0u; jj < RPW; jj++) {
+                var a = 0.0;
+                var ss = 0.0;
+                for (var u = 0u; u < parts; u++) {
+                    a += red[u * stride + jj][k];
+                    ss += red[u * stride + Q - 1u][k];
+                }
+                o[jj] = epilogue(a, ss, rr[jj]);
+            }
+            let g0 = p.row0 + r0;
+            let hd = p.head_dim;
+            let half = hd / 2u;
+            let qk = p.q_dim + p.kv_dim;
+            let in_qk = g0 < qk;
+            if (in_qk) {
+                // Slots (0, 1) and (2, 3) are pairs (i, i + half) and (i + 1, i + 1 + half).
+                let i = (g0 % hd) / 2u;
+                let table = (p.kv_word >> 17u) * st[5] + t * half + i;
+                let c0 = rope[table];
+                let c1 = rope[table + 1u];
+                let u0 = o[0];
+                let u2 = o[2];
+                o[0] = u0 * c0.x - o[1] * c0.y;
+                o[1] = o[1] * c0.x + u0 * c0.y;
+                o[2] = u2 * c1.x - o[3] * c1.y;
+                o[3] = o[3] * c1.x + u2 * c1.y;
+            }
+            store(t, rr[j], o[j]);
+            if (g0 >= p.q_dim) {
+                let kv = Kv(p.kv_word & 0xffffu, p.kv_dim, (p.kv_word >> 16u) & 1u, 0u);
+                let pos = token_pos(t);
+                let page = page_of(t, p.layer, pos / kv.page_size);
+                let slot = pos % kv.page_size;
+                let is_v = g0 >= qk;
+                let g = p.row0 + rr[j];
+                let d = g - select(p.q_dim, qk, is_v);
+                let at = kv_index(kv, page, select(0u, 1u, is_v), slot, d);
+                if (kv.f16 != 0u) {
+                    // Words hold rows (d, d + 1): slots (0, 2), (1, 3) in a head, (0, 1),
+                    // (2, 3) in v.
+                    let lo = select(j < 2u, (j & 1u) == 0u, is_v);
+                    if (lo) {
+                        let next = select(j + 2u, j + 1u, is_v);
+                        pool[at / 2u] = pack2x16float(vec2<f32>(o[j], o[next]) * p.scale);
+                    }
+                } else {
+                    pool[at] = bitcast<u32>(o[j] * p.scale);
+                }
+            }
+        }
+    }
+    //# end
 }
