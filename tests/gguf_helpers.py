@@ -186,10 +186,13 @@ def hf_fixture_to_gguf(
     dequantized: bool = False,
     vectors_f16: bool = False,
     untie: bool = False,
+    v_apart: bool = False,
 ) -> Path:
     """Write fixture `name` as a GGUF file. `quant`: 2-D tensors as q8_0; `dequantized`: f32
     tensors holding the q8_0-rounded values; `vectors_f16`: 1-D tensors as f16; `untie`: store
-    an explicit output.weight (a copy of the embedding)."""
+    an explicit output.weight (a copy of the embedding); `v_apart` (with `quant`): the value
+    projections as f32 holding their q8_0-rounded values (q|k and v in two formats, as
+    Q4_K_M files often keep v)."""
     d = FIXTURES / name
     config = json.loads((d / "config.json").read_text())
     arch = config["model_type"].removesuffix("_text")
@@ -244,11 +247,11 @@ def hf_fixture_to_gguf(
                     tensors.append((gname, GGML_F16, w.shape, w.astype("<f2").tobytes()))
                 else:
                     tensors.append((gname, GGML_F32, w.shape, w.tobytes()))
-            elif quant:
-                tensors.append((gname, GGML_Q8_0, w.shape, quantize_q8_0(w)))
-            elif dequantized:
+            elif (quant and v_apart and ".v_proj." in hf) or dequantized:
                 deq = dequantize_q8_0(quantize_q8_0(w), w.shape)
                 tensors.append((gname, GGML_F32, w.shape, deq.tobytes()))
+            elif quant:
+                tensors.append((gname, GGML_Q8_0, w.shape, quantize_q8_0(w)))
             else:
                 tensors.append((gname, GGML_F32, w.shape, w.tobytes()))
     return write_gguf(path, md, tensors)

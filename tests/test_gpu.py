@@ -106,6 +106,24 @@ def test_q8_0_matches_its_weights_dequantized(gpu, from_gguf):
     assert max_err(got.logits(ref.sequence(1)), want) < ATOL
 
 
+def test_two_format_qkv_decode_matches_its_weights_dequantized(gpu, from_gguf):
+    """q|k in q8_0 and v in f32 (one q|k|v launch over two formats, which also rotates q and
+    k and stores k and v in the pool), 5 tokens in one step and then one a step (the matvec
+    builds), against the CPU on the same rounded weights as f32: the same float math."""
+    ids = Reference("llama").sequence(1)
+    want = LLM(from_gguf("llama", dequantized=True), kv_encoding="f32")._engine
+    got = LLM(from_gguf("llama", quant=True, v_apart=True), kv_encoding="f32", backend="vulkan")
+
+    def run(engine) -> np.ndarray:
+        s = engine.create_session()
+        rows = [np.asarray(engine.step([(s, ids[:5])], all_logits=True))]
+        rows += [np.asarray(engine.step([(s, [t])])) for t in ids[5:]]
+        return np.concatenate(rows)
+
+    assert len(ids) > 8
+    assert max_err(run(got._engine), run(want)) < ATOL
+
+
 @pytest.mark.parametrize("scheme", ["q8_0", "q4_0"])
 def test_block_formats_match_cpu(gpu, tmp_path, scheme):
     from cellm.convert.hf_convert import convert_hf

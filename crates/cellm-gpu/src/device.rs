@@ -75,6 +75,9 @@ pub struct Gpu {
     /// Whether prefill's GEMM runs on cooperative matrices (tensor cores): 16x16x16 tiles of
     /// f16 inputs accumulated in f32, on Vulkan with subgroups of 32 (see `coopmat_ok`).
     pub coopmat: bool,
+    /// Whether kernels take their 64 bytes of parameters as immediates (Vulkan push
+    /// constants, set with each launch) instead of from a uniform buffer.
+    pub immediates: bool,
     failure: Arc<Mutex<Option<String>>>,
 }
 
@@ -124,6 +127,15 @@ impl Gpu {
             // one kernel (shaders/gemm_coop.wgsl) in the configuration the adapter reports.
             experimental_features = unsafe { wgpu::ExperimentalFeatures::enabled() };
         }
+        // Immediates on Vulkan, where the adapter has 64 bytes of them
+        // (CELLM_GPU_NO_IMMEDIATES=1: the uniform buffer, for comparison).
+        let immediates = info.backend == wgpu::Backend::Vulkan
+            && adapter.features().contains(wgpu::Features::IMMEDIATES)
+            && limits.max_immediate_size >= 64
+            && std::env::var_os("CELLM_GPU_NO_IMMEDIATES").is_none();
+        if immediates {
+            required_features |= wgpu::Features::IMMEDIATES;
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("cellm"),
             required_features,
@@ -143,7 +155,7 @@ impl Gpu {
             let mut f = slot.lock().unwrap_or_else(|p| p.into_inner());
             f.get_or_insert_with(|| format!("the device was lost: {message}"));
         });
-        Ok(Self { device, queue, limits, info, subgroups, timestamps, coopmat, failure })
+        Ok(Self { device, queue, limits, info, subgroups, timestamps, coopmat, immediates, failure })
     }
 
     /// The first error the device reported, if any (it stays failed).

@@ -35,6 +35,8 @@ pub enum KernelId {
     /// The q|k|v matvec that also rotates q and k and stores k and v into the KV pool (its
     /// GEMM build is the plain one's: prefill runs `RopeKv` after it).
     MatvecRope(Layout),
+    /// `MatvecRope` over q|k in one layout and v in another (one launch; no GEMM build).
+    MatvecRope2(Layout, Layout),
     Glu(Layout),
     Embed(Layout),
     RopeKv,
@@ -63,6 +65,7 @@ impl KernelId {
             all.extend([
                 KernelId::Matvec(l),
                 KernelId::MatvecRope(l),
+                KernelId::MatvecRope2(l, Layout::Q6K),
                 KernelId::Glu(l),
                 KernelId::Embed(l),
             ]);
@@ -91,6 +94,13 @@ impl KernelId {
                 vec![(10, Read), (11, Write)],
             ]
             .concat(),
+            KernelId::MatvecRope2(a, b) => [
+                vec![(0, Uniform), (1, Read), (2, Write), (3, Read), (4, Read)],
+                weights(a, 5, 6),
+                weights(b, 8, 9),
+                vec![(10, Read), (11, Write)],
+            ]
+            .concat(),
             KernelId::Glu(l) => [
                 vec![(0, Uniform), (1, Read), (2, Write), (3, Read), (4, Read)],
                 weights(l, 5, 6),
@@ -111,20 +121,35 @@ impl KernelId {
 
     /// Whether the kernel is built twice, for one token and for several.
     pub fn per_token_count(self) -> bool {
-        matches!(self, KernelId::Matvec(_) | KernelId::MatvecRope(_) | KernelId::Glu(_))
+        matches!(
+            self,
+            KernelId::Matvec(_)
+                | KernelId::MatvecRope(_)
+                | KernelId::MatvecRope2(..)
+                | KernelId::Glu(_)
+        )
+    }
+
+    /// Whether the kernel has a tiled-GEMM build.
+    pub fn has_gemm(self) -> bool {
+        self.per_token_count() && !matches!(self, KernelId::MatvecRope2(..))
     }
 
     /// The kernel's full WGSL source: with subgroup reductions (`subgroups`) or shared-memory
     /// ones, for up to `tokens` tokens a workgroup where it batches tokens (1 or 4), or its
     /// tiled-GEMM build where `tokens` is `GEMM_BUILD` (matvec and GLU only).
     pub fn source(self, subgroups: bool, tokens: u32) -> String {
-        let coop = tokens == COOP_BUILD && self.per_token_count();
-        let gemm = (tokens == GEMM_BUILD || coop) && self.per_token_count();
-        let rope = matches!(self, KernelId::MatvecRope(_)) && !gemm;
+        let coop = tokens == COOP_BUILD && self.has_gemm();
+        let gemm = (tokens == GEMM_BUILD || coop) && self.has_gemm();
+        let rope = matches!(self, KernelId::MatvecRope(_) | KernelId::MatvecRope2(..)) && !gemm;
+        let second = match self {
+            KernelId::MatvecRope2(_, b) if !gemm => Some(b),
+            _ => None,
+        };
         let coop_body = coop.then(|| coop_source(CoopTile::get(matches!(self, KernelId::Glu(_)))));
         let gemm_body = coop_body.as_deref().unwrap_or(GEMM);
         let (body, weights, glu): (&str, Option<Layout>, bool) = match self {
-            KernelId::Matvec(l) | KernelId::MatvecRope(l) => {
+            KernelId::Matvec(l) | KernelId::MatvecRope(l) | KernelId::MatvecRope2(l, _) => {
                 (if gemm { gemm_body } else { MATVEC }, Some(l), false)
             }
             KernelId::Glu(l) => (if gemm { gemm_body } else { MATVEC }, Some(l), true),
@@ -139,7 +164,12 @@ impl KernelId {
             src.push_str("enable f16;\nenable wgpu_cooperative_matrix;\n");
         }
         if self.per_token_count() && !gemm {
-            src.push_str(&format!("const TT: u32 = {tokens}u;\n"));
+            // Column steps in flight per pass (matvec.wgsl): more where one token leaves
+            // registers to spare.
+            // (CELLM_GPU_MATVEC_STEPS=n: n for one token, for comparison.)
+            let one = std::env::var("CELLM_GPU_MATVEC_STEPS").ok().and_then(|v| v.parse().ok());
+            let un = if tokens == 1 { one.unwrap_or(MATVEC_STEPS_ONE).max(1) } else { 2 };
+            src.push_str(&format!("const TT: u32 = {tokens}u;\nconst UN: u32 = {un}u;\n"));
         }
         src.push_str(STEP);
         if matches!(self, KernelId::RopeKv | KernelId::Attention) || rope {
@@ -152,6 +182,8 @@ impl KernelId {
             "glu" => glu,
             "rope" => rope,
             "plain" => !rope,
+            "two" => second.is_some(),
+            "one" => second.is_none(),
             "sg" => subgroups,
             "nosg" => !subgroups,
             _ => false,
@@ -160,6 +192,10 @@ impl KernelId {
             let accessor = sections(FORMATS, &|name| name == l.wgsl_name());
             src.push_str(&accessor_for(&accessor, "", 5, 6));
             if glu {
+                src.push_str(&accessor_for(&accessor, "b", 8, 9));
+            }
+            if let Some(b) = second {
+                let accessor = sections(FORMATS, &|name| name == b.wgsl_name());
                 src.push_str(&accessor_for(&accessor, "b", 8, 9));
             }
         }
@@ -195,6 +231,8 @@ fn sections(text: &str, keep: &dyn Fn(&str) -> bool) -> String {
     out
 }
 
+/// The one-token matvec's column steps a pass (`UN` in `shaders/matvec.wgsl`).
+const MATVEC_STEPS_ONE: u32 = 4;
 /// `KernelId::source`'s `tokens` for the tiled GEMM build.
 pub const GEMM_BUILD: u32 = 0;
 /// Tokens from which a matvec launch runs as the tiled GEMM.
@@ -328,6 +366,9 @@ pub struct Kernel {
     pub gemm: Option<wgpu::ComputePipeline>,
     pub coop: Option<(wgpu::ComputePipeline, CoopTile)>,
     pub layout: wgpu::BindGroupLayout,
+    /// Whether the parameters are immediates (`set_immediates` before each launch) rather
+    /// than binding 0.
+    pub immediates: bool,
 }
 
 impl Kernel {
@@ -369,6 +410,7 @@ impl Kernel {
 pub struct Kernels {
     subgroups: bool,
     coopmat: bool,
+    immediates: bool,
     built: HashMap<KernelId, Arc<Kernel>>,
 }
 
@@ -381,20 +423,38 @@ impl Kernels {
         let fits = [true, false].into_iter().all(|glu| {
             CoopTile::get(glu).shared_bytes(glu) <= gpu.limits.max_compute_workgroup_storage_size
         });
-        Self { subgroups: gpu.subgroups, coopmat: gpu.coopmat && fits, built: HashMap::new() }
+        Self {
+            subgroups: gpu.subgroups,
+            coopmat: gpu.coopmat && fits,
+            immediates: gpu.immediates,
+            built: HashMap::new(),
+        }
     }
 
     pub fn get(&mut self, device: &wgpu::Device, id: KernelId) -> Arc<Kernel> {
-        let (sg, coop) = (self.subgroups, self.coopmat);
-        self.built.entry(id).or_insert_with(|| Arc::new(build(device, id, sg, coop))).clone()
+        let (sg, coop, imm) = (self.subgroups, self.coopmat, self.immediates);
+        self.built.entry(id).or_insert_with(|| Arc::new(build(device, id, sg, coop, imm))).clone()
     }
 }
 
-fn build(device: &wgpu::Device, id: KernelId, subgroups: bool, coopmat: bool) -> Kernel {
+/// The parameters' declaration in every kernel, and what it becomes with immediates.
+const PARAMS_UNIFORM: &str = "@group(0) @binding(0) var<uniform> p: Params;";
+const PARAMS_IMMEDIATE: &str = "var<immediate> p: Params;";
+/// Bytes of every kernel's `Params`.
+pub const PARAMS_BYTES: u32 = 64;
+
+fn build(
+    device: &wgpu::Device,
+    id: KernelId,
+    subgroups: bool,
+    coopmat: bool,
+    immediates: bool,
+) -> Kernel {
     let label = format!("{id:?}");
     let entries: Vec<wgpu::BindGroupLayoutEntry> = id
         .bindings()
         .into_iter()
+        .filter(|&(_, kind)| !(immediates && kind == Bind::Uniform))
         .map(|(binding, kind)| wgpu::BindGroupLayoutEntry {
             binding,
             visibility: wgpu::ShaderStages::COMPUTE,
@@ -417,12 +477,14 @@ fn build(device: &wgpu::Device, id: KernelId, subgroups: bool, coopmat: bool) ->
     let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
         label: Some(&label),
         bind_group_layouts: &[Some(&layout)],
-        immediate_size: 0,
+        immediate_size: if immediates { PARAMS_BYTES } else { 0 },
     });
     let pipeline = |tokens: u32| {
         let desc = wgpu::ShaderModuleDescriptor {
             label: Some(&label),
-            source: wgpu::ShaderSource::Wgsl(id.source(subgroups, tokens).into()),
+            source: wgpu::ShaderSource::Wgsl(
+                params_decl(id.source(subgroups, tokens), immediates).into(),
+            ),
         };
         // SAFETY: every index a kernel computes is clamped into its buffer by the kernel
         // itself (rows, tokens, columns and positions past the end read in-bounds data that
@@ -442,10 +504,19 @@ fn build(device: &wgpu::Device, id: KernelId, subgroups: bool, coopmat: bool) ->
         })
     };
     let single = id.per_token_count().then(|| pipeline(1));
-    let gemm = id.per_token_count().then(|| pipeline(GEMM_BUILD));
+    let gemm = id.has_gemm().then(|| pipeline(GEMM_BUILD));
     let glu = matches!(id, KernelId::Glu(_));
-    let coop =
-        (coopmat && id.per_token_count()).then(|| (pipeline(COOP_BUILD), CoopTile::get(glu)));
+    let coop = (coopmat && id.has_gemm()).then(|| (pipeline(COOP_BUILD), CoopTile::get(glu)));
     let name = label.split('(').next().unwrap_or_default().to_string();
-    Kernel { name, pipeline: pipeline(4), single, gemm, coop, layout }
+    Kernel { name, pipeline: pipeline(4), single, gemm, coop, layout, immediates }
+}
+
+/// `src` with its parameters as immediates where `immediates`.
+fn params_decl(src: String, immediates: bool) -> String {
+    if immediates {
+        assert!(src.contains(PARAMS_UNIFORM), "a kernel declares its parameters otherwise");
+        src.replace(PARAMS_UNIFORM, PARAMS_IMMEDIATE)
+    } else {
+        src
+    }
 }

@@ -17,7 +17,7 @@ use crate::device::Gpu;
 use crate::kernels::{KernelId, Kernels, GEMM_MIN_TOKENS};
 use crate::ops::{Buf, Dims, Grid, Op, When};
 use crate::step::{HostStep, StepBuffers};
-use crate::weights::{Matrix, Uploader};
+use crate::weights::{as_bytes, Matrix, Uploader};
 use crate::GpuOptions;
 
 /// The families this backend runs; every other architecture stays on the CPU.
@@ -373,12 +373,14 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
             false => "f32".to_string(),
         };
         eprintln!(
-            "cellm-gpu: {} ({:?}, {:?}), {} dispatches per step, one submit per step, \
-             prefill GEMM: {gemm}",
+            "cellm-gpu: {} ({:?}, {:?}), {} dispatches per step, one submit per step \
+             (subgroups {}, parameters as {}), prefill GEMM: {gemm}",
             gpu.info.name,
             gpu.info.backend,
             gpu.info.device_type,
-            ops.len()
+            ops.len(),
+            gpu.subgroups,
+            if gpu.immediates { "immediates" } else { "a uniform buffer" }
         );
     }
     let profile = std::env::var_os("CELLM_GPU_PROFILE").map(|_| Profile::new(&gpu, ops.len()));
@@ -436,6 +438,7 @@ fn matvec_ops(
     bias: Option<&wgpu::Buffer>,
     args: MatvecArgs,
     rope: Option<[u32; 5]>,
+    when: When,
     ops: &mut Vec<Op>,
 ) {
     let id = match rope {
@@ -471,8 +474,46 @@ fn matvec_ops(
             0 => Grid::Rows { groups, groups_x },
             _ => Grid::HeadRows { groups, groups_x },
         };
-        ops.push(Op { kernel: kernel.clone(), params, binds, grid, when: When::Always });
+        ops.push(Op { kernel: kernel.clone(), params, binds, grid, when });
     }
+}
+
+/// The one launch of a q|k|v matvec stored as two matrices of different formats (q|k, then
+/// v), with RoPE and the KV store: the one-token and few-token steps' (prefill runs each
+/// matrix's GEMM and RopeKv).
+fn qkv_two_formats(
+    gpu: &Gpu,
+    kernels: &mut Kernels,
+    l: &Layer,
+    args: MatvecArgs,
+    rope: [u32; 5],
+) -> Op {
+    let (a, b) = (&l.qkv[0].parts[0], &l.qkv[1].parts[0]);
+    let kernel = kernels.get(&gpu.device, KernelId::MatvecRope2(l.qkv[0].layout, l.qkv[1].layout));
+    let (mut params, groups_x, groups) = matvec_params(&MatvecArgs {
+        rows: l.qkv[0].rows + l.qkv[1].rows,
+        row0: 0,
+        flags: args.flags | NORM | ROPE | if l.qkv_bias.is_some() { BIAS } else { 0 },
+        ..args
+    });
+    params[11..16].copy_from_slice(&rope);
+    let mut binds = vec![
+        (1, Buf::X),
+        (2, Buf::Qkv),
+        (3, Buf::W(l.input_norm.clone())),
+        (4, l.qkv_bias.clone().map_or(Buf::Dummy, Buf::W)),
+        (5, Buf::W(a.quants.clone())),
+        (8, Buf::W(b.quants.clone())),
+        (10, Buf::Rope),
+        (11, Buf::Pool),
+    ];
+    if let Some(s) = &a.scales {
+        binds.push((6, Buf::W(s.clone())));
+    }
+    if let Some(s) = &b.scales {
+        binds.push((9, Buf::W(s.clone())));
+    }
+    Op { kernel, params, binds, grid: Grid::Rows { groups, groups_x }, when: When::Matvec }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -550,9 +591,16 @@ fn plan(
                 page_size as u32 | u32::from(d.kv_f16) << 16 | (l.rope.unwrap_or(0) as u32) << 17,
             ]
         });
+        // q|k and v in two formats (Q4_K_M's q6_k v): one launch for both where fused.
+        let two = rope_words.filter(|_| {
+            l.qkv.len() == 2 && l.qkv[0].layout != l.qkv[1].layout && d.hidden.is_multiple_of(8)
+        });
+        let qkv_args = MatvecArgs { y_stride: d.qkv, ..base };
+        if let Some(words) = two {
+            ops.push(qkv_two_formats(gpu, kernels, l, qkv_args, words));
+        }
         let mut offset = 0;
         for m in &l.qkv {
-            let args = MatvecArgs { y_stride: d.qkv, ..base };
             matvec_ops(
                 gpu,
                 kernels,
@@ -561,8 +609,9 @@ fn plan(
                 (Buf::X, Buf::Qkv),
                 Some(&l.input_norm),
                 l.qkv_bias.as_ref(),
-                args,
-                rope_words,
+                qkv_args,
+                if two.is_some() { None } else { rope_words },
+                if two.is_some() { When::Gemm } else { When::Always },
                 &mut ops,
             );
             offset += m.rows;
@@ -629,7 +678,20 @@ fn plan(
             false => (Buf::X, MatvecArgs { flags: RESIDUAL, scale: res, ..o_args }),
         };
         let o_bias = l.o_bias.as_ref();
-        matvec_ops(gpu, kernels, &l.o, 0, (Buf::Ctx, out), None, o_bias, args, None, &mut ops);
+        let always = When::Always;
+        matvec_ops(
+            gpu,
+            kernels,
+            &l.o,
+            0,
+            (Buf::Ctx, out),
+            None,
+            o_bias,
+            args,
+            None,
+            always,
+            &mut ops,
+        );
         if gemma {
             ops.push(norm_add(gpu, kernels, d, &l.post_attn_norm, eps, res));
         }
@@ -676,6 +738,7 @@ fn plan(
                 None,
                 down_args,
                 None,
+                When::Always,
                 &mut ops,
             );
             ops.push(norm_add(gpu, kernels, d, post, eps, res));
@@ -691,6 +754,7 @@ fn plan(
                 None,
                 args,
                 None,
+                When::Always,
                 &mut ops,
             );
         }
@@ -717,6 +781,7 @@ fn plan(
         None,
         args,
         None,
+        When::Always,
         &mut ops,
     );
     gpu.check()?;
@@ -797,6 +862,7 @@ impl Runner {
                 let skip = match op.when {
                     When::Always => false,
                     When::Gemm => t < GEMM_MIN_TOKENS,
+                    When::Matvec => t >= GEMM_MIN_TOKENS,
                     When::Splits => splits <= 1,
                 };
                 if skip {
@@ -814,6 +880,9 @@ impl Runner {
                         }
                         pass.set_pipeline(gemm);
                         pass.set_bind_group(0, group, &[]);
+                        if op.kernel.immediates {
+                            pass.set_immediates(0, as_bytes(&op.params));
+                        }
                         pass.dispatch_workgroups(x, y, z);
                         continue;
                     }
@@ -838,6 +907,9 @@ impl Runner {
                 }
                 pass.set_pipeline(op.kernel.for_tokens(count));
                 pass.set_bind_group(0, group, &[]);
+                if op.kernel.immediates {
+                    pass.set_immediates(0, as_bytes(&op.params));
+                }
                 pass.dispatch_workgroups(x, y, z);
             }
             if let Some(s) = &stamps {

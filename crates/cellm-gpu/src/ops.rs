@@ -54,6 +54,9 @@ pub enum When {
     /// Steps that run the tiled GEMM (from `GEMM_MIN_TOKENS` tokens): the RoPE and KV store
     /// that the matvec's rope build does itself.
     Gemm,
+    /// Steps that run the matvec (below `GEMM_MIN_TOKENS` tokens): the q|k|v launch of two
+    /// formats, which has no GEMM build.
+    Matvec,
     /// Steps whose attention runs more than one split (the combine).
     Splits,
 }

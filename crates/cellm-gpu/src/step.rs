@@ -267,14 +267,17 @@ impl StepBuffers {
         fn whole(binding: u32, buf: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
             wgpu::BindGroupEntry { binding, resource: buf.as_entire_binding() }
         }
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                buffer: &self.params,
-                offset: i as u64 * self.params_stride,
-                size: Some(std::num::NonZeroU64::new(64).expect("non-zero")),
-            }),
-        }];
+        let mut entries = Vec::new();
+        if !op.kernel.immediates {
+            entries.push(wgpu::BindGroupEntry {
+                binding: 0,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: &self.params,
+                    offset: i as u64 * self.params_stride,
+                    size: Some(std::num::NonZeroU64::new(64).expect("non-zero")),
+                }),
+            });
+        }
         for (binding, buf) in &op.binds {
             let buffer = match buf {
                 Buf::X => &b.x,

@@ -154,6 +154,9 @@ fn gpu_matvec(gpu: &Gpu, w: WeightRows, x: &[f32], tokens: usize, cap: u64) -> (
         if let Some(s) = &part.scales {
             entries.push(wgpu::BindGroupEntry { binding: 6, resource: s.as_entire_binding() });
         }
+        if kernel.immediates {
+            entries.retain(|e| e.binding != 0);
+        }
         let group = dev.create_bind_group(&wgpu::BindGroupDescriptor {
             label: None,
             layout: &kernel.layout,
@@ -163,13 +166,20 @@ fn gpu_matvec(gpu: &Gpu, w: WeightRows, x: &[f32], tokens: usize, cap: u64) -> (
             let mut pass = enc.begin_compute_pass(&Default::default());
             pass.set_bind_group(0, &group, &[]);
             let t = tokens as u32;
+            let imm = |pass: &mut wgpu::ComputePass<'_>| {
+                if kernel.immediates {
+                    pass.set_immediates(0, as_bytes(&params));
+                }
+            };
             match kernel.gemm_for(t, w.cols as u32, groups) {
                 Some((gemm, (x, y, z))) => {
                     pass.set_pipeline(gemm);
+                    imm(&mut pass);
                     pass.dispatch_workgroups(x, y, z);
                 }
                 None => {
                     pass.set_pipeline(kernel.for_tokens(t));
+                    imm(&mut pass);
                     pass.dispatch_workgroups(groups_x, groups.div_ceil(groups_x), t.div_ceil(4));
                 }
             }

@@ -9,7 +9,9 @@
 // bindings and epilogue are in linear.wgsl, shared with the tiled-GEMM build (gemm.wgsl).
 // The q|k|v matvec's rope build (ROPE) also does what rope_kv.wgsl does for models without
 // per-head norms: a workgroup takes rows i, i + half, i + 1, i + 1 + half of a q or k head
-// (two rotated pairs), rotates them, and stores the k and v rows into the KV pool too.
+// (two rotated pairs), rotates them, and stores the k and v rows into the KV pool too. Its
+// two-format build reads q|k rows through one format's accessor and v rows through another's
+// (`w8b`; rows a multiple of 8 columns only).
 const WG: u32 = 64u;
 const RPW: u32 = 4u;
 // Sums a thread carries per token lane: RPW of W x, RPW of the GLU's second matrix, and
@@ -76,34 +78,56 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         s[j] = vec4<f32>(0.0);
     }
     let norm = (p.flags & NORM) != 0u;
-    // Rows of a multiple of 8 columns: 8 columns (one `w8`) a thread per pass and row.
+    //# two
+    let in_b = p.row0 + r0 >= p.q_dim + p.kv_dim;
+    //# end
+    // Rows of a multiple of 8 columns: 8 columns (one `w8`) a thread per row and step, UN
+    // steps (i, i + WG, ...) a pass, so that each thread has UN * RPW weight loads in flight
+    // (past the end: the last step's columns again, times zero).
     let n8 = select(0u, p.cols / 8u, p.cols % 8u == 0u);
-    for (var i = li; i < n8; i += WG) {
-        var g0 = vec4<f32>(1.0);
-        var g1 = vec4<f32>(1.0);
-        if (norm) {
-            g0 = gamma[2u * i];
-            g1 = gamma[2u * i + 1u];
-        }
-        var x0: array<vec4<f32>, TT>;
-        var x1: array<vec4<f32>, TT>;
-        for (var k = 0u; k < TT; k++) {
-            let a = x[xr[k] + 2u * i];
-            let b = x[xr[k] + 2u * i + 1u];
-            x0[k] = a * g0;
-            x1[k] = b * g1;
-            s[Q - 1u][k] += dot(a, a) + dot(b, b);
-        }
-        for (var j = 0u; j < RPW; j++) {
-            let wa = w8(rr[j], i);
-            //# glu
-            let wb = w8b(rr[j], i);
-            //# end
+    for (var i0 = li; i0 < n8; i0 += UN * WG) {
+        for (var u = 0u; u < UN; u++) {
+            let ok = i0 + u * WG < n8;
+            let i = select(i0, i0 + u * WG, ok);
+            var g0 = vec4<f32>(1.0);
+            var g1 = vec4<f32>(1.0);
+            if (norm) {
+                g0 = gamma[2u * i];
+                g1 = gamma[2u * i + 1u];
+            }
+            g0 = select(vec4<f32>(0.0), g0, ok);
+            g1 = select(vec4<f32>(0.0), g1, ok);
+            var x0: array<vec4<f32>, TT>;
+            var x1: array<vec4<f32>, TT>;
             for (var k = 0u; k < TT; k++) {
-                s[j][k] += dot(x0[k], wa[0]) + dot(x1[k], wa[1]);
-                //# glu
-                s[RPW + j][k] += dot(x0[k], wb[0]) + dot(x1[k], wb[1]);
+                let a = x[xr[k] + 2u * i];
+                let b = x[xr[k] + 2u * i + 1u];
+                x0[k] = a * g0;
+                x1[k] = b * g1;
+                s[Q - 1u][k] += select(0.0, dot(a, a) + dot(b, b), ok);
+            }
+            for (var j = 0u; j < RPW; j++) {
+                //# one
+                let wa = w8(rr[j], i);
                 //# end
+                //# two
+                // q|k rows in the first format, v rows (from q_dim + kv_dim) in the second.
+                var wa: array<vec4<f32>, 2>;
+                if (in_b) {
+                    wa = w8b(rr[j] - p.q_dim - p.kv_dim, i);
+                } else {
+                    wa = w8(rr[j], i);
+                }
+                //# end
+                //# glu
+                let wb = w8b(rr[j], i);
+                //# end
+                for (var k = 0u; k < TT; k++) {
+                    s[j][k] += dot(x0[k], wa[0]) + dot(x1[k], wa[1]);
+                    //# glu
+                    s[RPW + j][k] += dot(x0[k], wb[0]) + dot(x1[k], wb[1]);
+                    //# end
+                }
             }
         }
     }
