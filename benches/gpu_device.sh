@@ -11,7 +11,7 @@
 #   DIR/cellm-*.whl        the abi3 wheel (maturin build --release), or cellm_pkg.tar.xz:
 #                          python/cellm with its built extension
 #   DIR/gl/*.deb           Debian's libvulkan1 (the Vulkan loader) and libglvnd0
-#   DIR/gpu_bench.py, DIR/random_gguf.py   copies of benches/
+#   DIR/gpu_bench.py, DIR/random_gguf.py, DIR/gpu_decode_ab.py   copies of benches/
 #
 #   bash gpu_device.sh build DIR     unpack, then build llama.cpp (Vulkan, then CUDA) in a
 #                                    session of its own, which outlives the call
@@ -23,8 +23,9 @@
 #   bash gpu_device.sh cellm DIR     cellm alone on a fresh machine, in one call: the F16
 #                                    GGUFs, a CPU-only llama-quantize for the Q4 ones, logits
 #                                    checks, speed, a CELLM_GPU_PROFILE pass (host and GPU time
-#                                    per kernel) and the shared-memory reductions
-#                                    (CELLM_GPU_NO_SUBGROUPS=1) for comparison
+#                                    per kernel), the shared-memory reductions
+#                                    (CELLM_GPU_NO_SUBGROUPS=1) and an A/B of the decode
+#                                    knobs (gpu_decode_ab.py) for comparison
 #   bash gpu_device.sh prefill DIR   cellm's prefill alone on a fresh machine, in one call:
 #                                    logits checks of the cooperative-matrix GEMM, pp512 of
 #                                    every model with it and with the f32 GEMM
@@ -184,6 +185,10 @@ if [[ $phase == cellm ]]; then
     CELLM_GPU_PROFILE=1 $B --speed-only --runs 1 --models $P 2>&1 | grep -v "^{" |
         tee $OUT/profile.txt
     CELLM_GPU_NO_SUBGROUPS=1 $B --speed-only --runs 1 --models $P | tee $OUT/nosg.jsonl
+    V="base=,steps1=CELLM_GPU_MATVEC_STEPS:1,steps2=CELLM_GPU_MATVEC_STEPS:2"
+    V+=",steps4=CELLM_GPU_MATVEC_STEPS:4,noimm=CELLM_GPU_NO_IMMEDIATES:1"
+    V+=",noahead=CELLM_GPU_NO_AHEAD:1,nofuse=CELLM_GPU_NO_FUSE:1"
+    python3 "$D/gpu_decode_ab.py" $P "$V" 2 2>&1 | grep -v "^cellm-gpu: " | tee $OUT/ab.jsonl
 fi
 
 if [[ $phase == prefill ]]; then

@@ -164,11 +164,10 @@ impl KernelId {
             src.push_str("enable f16;\nenable wgpu_cooperative_matrix;\n");
         }
         if self.per_token_count() && !gemm {
-            // Column steps in flight per pass (matvec.wgsl): more where one token leaves
-            // registers to spare.
+            // Column steps in flight per pass (matvec.wgsl).
             // (CELLM_GPU_MATVEC_STEPS=n: n for one token, for comparison.)
             let one = std::env::var("CELLM_GPU_MATVEC_STEPS").ok().and_then(|v| v.parse().ok());
-            let un = if tokens == 1 { one.unwrap_or(MATVEC_STEPS_ONE).max(1) } else { 2 };
+            let un = if tokens == 1 { one.unwrap_or(MATVEC_STEPS_ONE).max(1) } else { 1 };
             src.push_str(&format!("const TT: u32 = {tokens}u;\nconst UN: u32 = {un}u;\n"));
         }
         src.push_str(STEP);
@@ -231,8 +230,10 @@ fn sections(text: &str, keep: &dyn Fn(&str) -> bool) -> String {
     out
 }
 
-/// The one-token matvec's column steps a pass (`UN` in `shaders/matvec.wgsl`).
-const MATVEC_STEPS_ONE: u32 = 4;
+/// The one-token matvec's column steps a pass (`UN` in `shaders/matvec.wgsl`). On the H200,
+/// 4 was 0-5% slower at tg64@128 than 1 or 2 (SmolLM2 Q4_1, Llama-3.2-1B Q4_K_M, 3B F16),
+/// and 1 and 2 were within noise of each other.
+const MATVEC_STEPS_ONE: u32 = 1;
 /// `KernelId::source`'s `tokens` for the tiled GEMM build.
 pub const GEMM_BUILD: u32 = 0;
 /// Tokens from which a matvec launch runs as the tiled GEMM.

@@ -1,0 +1,90 @@
+"""Decode variants of cellm's GPU backend side by side: one engine per variant in one process
+(each variant's environment knobs set while it loads), tg64 after 128 and after 2048 tokens,
+variants alternated round by round; medians, one JSON line per model.
+
+usage: python benches/gpu_decode_ab.py MODELS VARIANTS [ROUNDS]
+  MODELS    comma-separated GGUF (or .cellm) paths
+  VARIANTS  comma-separated name=KNOB:value+KNOB:value (name= alone: the defaults), e.g.
+            base=,noahead=CELLM_GPU_NO_AHEAD:1,steps2=CELLM_GPU_MATVEC_STEPS:2
+
+Knobs (read when a model loads): CELLM_GPU_NO_AHEAD (no recording of the next decode step
+ahead), CELLM_GPU_NO_FUSE (RoPE and the KV store in their own launch), CELLM_GPU_MATVEC_STEPS
+(the one-token matvec's column steps a pass), CELLM_GPU_NO_IMMEDIATES (parameters from a
+uniform buffer), CELLM_GPU_NO_SUBGROUPS, CELLM_GPU_PROFILE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+KNOBS = [
+    "CELLM_GPU_NO_AHEAD",
+    "CELLM_GPU_NO_FUSE",
+    "CELLM_GPU_MATVEC_STEPS",
+    "CELLM_GPU_NO_IMMEDIATES",
+    "CELLM_GPU_NO_SUBGROUPS",
+    "CELLM_GPU_PROFILE",
+]
+IDS = [int(i) for i in np.random.default_rng(1).integers(100, 20000, 2048 + 64)]
+
+
+def load(path: str, spec: str) -> Any:
+    from cellm import LLM
+
+    for k in KNOBS:
+        os.environ.pop(k, None)
+    for kv in filter(None, spec.split("+")):
+        k, v = kv.split(":")
+        os.environ[k] = v
+    engine = LLM(path, backend="vulkan", context_length=4096)._engine
+    for k in KNOBS:
+        os.environ.pop(k, None)
+    s = engine.create_session()  # warm-up
+    engine.step([(s, IDS[:32])])
+    for t in IDS[32:40]:
+        engine.step([(s, [t])])
+    engine.free_session(s)
+    return engine
+
+
+def tg64(engine: Any, ctx: int) -> float:
+    s = engine.create_session()
+    engine.step([(s, IDS[:ctx])])
+    t0 = time.perf_counter()
+    for t in IDS[ctx : ctx + 64]:
+        engine.step([(s, [t])])
+    dt = time.perf_counter() - t0
+    engine.free_session(s)
+    return 64 / dt
+
+
+def main() -> int:
+    if len(sys.argv) < 3:
+        print(__doc__)
+        return 2
+    variants = [v.split("=", 1) for v in sys.argv[2].split(",")]
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    for path in sys.argv[1].split(","):
+        engines = {name: load(path, spec) for name, spec in variants}
+        got: dict[str, dict[int, list[float]]] = {n: {128: [], 2048: []} for n, _ in variants}
+        for _ in range(rounds):
+            for name, _ in variants:
+                for ctx in (128, 2048):
+                    got[name][ctx].append(tg64(engines[name], ctx))
+        row: dict[str, Any] = {"model": os.path.basename(path)}
+        for name, _ in variants:
+            row[name] = {f"tg64@{c}": round(statistics.median(v), 1) for c, v in got[name].items()}
+        print(json.dumps(row), flush=True)
+        del engines
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
