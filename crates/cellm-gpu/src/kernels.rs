@@ -139,8 +139,8 @@ impl KernelId {
     /// ones, for up to `tokens` tokens a workgroup where it batches tokens (1 or 4), or its
     /// tiled-GEMM build where `tokens` is `GEMM_BUILD` (matvec and GLU only).
     pub fn source(self, subgroups: bool, tokens: u32) -> String {
-        let coop = tokens == COOP_BUILD && self.has_gemm();
-        let gemm = (tokens == GEMM_BUILD || coop) && self.has_gemm();
+        let coop = tokens == COOP_BUILD && self.per_token_count();
+        let gemm = (tokens == GEMM_BUILD || coop) && self.per_token_count();
         let rope = matches!(self, KernelId::MatvecRope(_) | KernelId::MatvecRope2(..)) && !gemm;
         let second = match self {
             KernelId::MatvecRope2(_, b) if !gemm => Some(b),
