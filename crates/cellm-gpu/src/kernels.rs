@@ -18,6 +18,7 @@ const EMBED: &str = include_str!("shaders/embed.wgsl");
 const ROPE_KV: &str = include_str!("shaders/rope_kv.wgsl");
 const ATTENTION: &str = include_str!("shaders/attention.wgsl");
 const ATTN_COMBINE: &str = include_str!("shaders/attn_combine.wgsl");
+const ATTN_PREFILL: &str = include_str!("shaders/attn_prefill.wgsl");
 const NORM_ADD: &str = include_str!("shaders/norm_add.wgsl");
 
 /// How a kernel binds one buffer.
@@ -42,6 +43,8 @@ pub enum KernelId {
     RopeKv,
     Attention,
     AttnCombine,
+    /// Prefill attention for heads of this dim.
+    AttnPrefill(u32),
     NormAdd,
 }
 
@@ -61,6 +64,7 @@ impl KernelId {
         ];
         let mut all =
             vec![KernelId::RopeKv, KernelId::Attention, KernelId::AttnCombine, KernelId::NormAdd];
+        all.extend([64, 96, 128, 256].map(KernelId::AttnPrefill));
         for l in layouts {
             all.extend([
                 KernelId::Matvec(l),
@@ -113,6 +117,7 @@ impl KernelId {
             }
             KernelId::Attention => vec![(0, Uniform), (1, Read), (2, Write), (3, Write), (5, Read)],
             KernelId::AttnCombine => vec![(0, Uniform), (1, Read), (2, Write)],
+            KernelId::AttnPrefill(_) => vec![(0, Uniform), (1, Read), (2, Write), (5, Read)],
             KernelId::NormAdd => vec![(0, Uniform), (1, Read), (2, Write), (3, Read)],
         };
         b.push((7, Read));
@@ -148,6 +153,10 @@ impl KernelId {
         };
         let coop_body = coop.then(|| coop_source(CoopTile::get(matches!(self, KernelId::Glu(_)))));
         let gemm_body = coop_body.as_deref().unwrap_or(GEMM);
+        let prefill = match self {
+            KernelId::AttnPrefill(hd) => crate::attn_prefill::source(hd, ATTENTION, ATTN_PREFILL),
+            _ => String::new(),
+        };
         let (body, weights, glu): (&str, Option<Layout>, bool) = match self {
             KernelId::Matvec(l) | KernelId::MatvecRope(l) | KernelId::MatvecRope2(l, _) => {
                 (if gemm { gemm_body } else { MATVEC }, Some(l), false)
@@ -157,6 +166,7 @@ impl KernelId {
             KernelId::RopeKv => (ROPE_KV, None, false),
             KernelId::Attention => (ATTENTION, None, false),
             KernelId::AttnCombine => (ATTN_COMBINE, None, false),
+            KernelId::AttnPrefill(_) => (&prefill, None, false),
             KernelId::NormAdd => (NORM_ADD, None, false),
         };
         let mut src = String::new();
@@ -171,7 +181,7 @@ impl KernelId {
             src.push_str(&format!("const TT: u32 = {tokens}u;\nconst UN: u32 = {un}u;\n"));
         }
         src.push_str(STEP);
-        if matches!(self, KernelId::RopeKv | KernelId::Attention) || rope {
+        if matches!(self, KernelId::RopeKv | KernelId::Attention | KernelId::AttnPrefill(_)) || rope {
             src.push_str(KV);
         }
         if self.per_token_count() {

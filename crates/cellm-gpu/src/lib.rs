@@ -3,6 +3,7 @@
 //! cache lives on the device as pages (the engine's `PagePool` keeps the ids and tables),
 //! and each step is one submission that reads back only the logits.
 
+mod attn_prefill;
 mod device;
 pub mod kernels;
 mod model;

@@ -13,6 +13,7 @@ use cellm_models::{
     Weights,
 };
 
+use crate::attn_prefill;
 use crate::device::Gpu;
 use crate::kernels::{KernelId, Kernels, GEMM_MIN_TOKENS};
 use crate::ops::{Buf, Dims, Grid, Op, When};
@@ -56,6 +57,8 @@ pub struct Runner {
     ahead: Option<Ahead>,
     /// Whether to record ahead (CELLM_GPU_NO_AHEAD=1 turns it off, for comparison).
     prerecord: bool,
+    /// Whether the plan has the prefill attention (its head dim has a tile that fits).
+    has_prefill: bool,
 }
 
 /// One-token steps' host seconds per phase: laying the step out and writing its buffers,
@@ -387,7 +390,9 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
     }
     let profile = std::env::var_os("CELLM_GPU_PROFILE").map(|_| Profile::new(&gpu, ops.len()));
     let prerecord = std::env::var_os("CELLM_GPU_NO_AHEAD").is_none();
-    let runner = Runner { gpu, dims, ops, ropes, bufs, profile, ahead: None, prerecord };
+    let has_prefill = ops.iter().any(|op| op.when == When::Prefill);
+    let runner =
+        Runner { gpu, dims, ops, ropes, bufs, profile, ahead: None, prerecord, has_prefill };
     Ok(Box::new(GpuModel { cfg, layout, runner: Mutex::new(runner) }))
 }
 
@@ -657,12 +662,13 @@ fn plan(
             cfg.attention_scale().to_bits(),
             cfg.attn_logit_softcap.unwrap_or(0.0).to_bits(),
         ]);
+        ops.extend(attn_prefill::op(gpu, kernels, cfg.head_dim, cfg.num_heads, p));
         ops.push(Op {
             kernel: kernels.get(&gpu.device, KernelId::Attention),
             params: p,
             binds: vec![(1, Buf::Qkv), (2, Buf::Part), (3, Buf::Ctx), (5, Buf::Pool)],
             grid: Grid::Splits(cfg.num_heads as u32),
-            when: When::Always,
+            when: When::Decode,
         });
         let mut p = [0u32; 16];
         p[..2].copy_from_slice(&[cfg.num_heads as u32, cfg.head_dim as u32]);
@@ -843,18 +849,20 @@ impl CausalLm for GpuModel {
 /// when the step that comes matches its shape and the buffers are the ones it bound.
 struct Ahead {
     commands: wgpu::CommandBuffer,
-    /// (tokens, logit rows, attention splits, buffer generation).
-    key: (u32, u32, u32, u64),
+    /// (tokens, logit rows, attention splits, prefill attention, buffer generation).
+    key: (u32, u32, u32, bool, u64),
 }
 
 impl Runner {
     /// Records every launch of a chunk of `t` tokens with `r` logit rows and `splits`
-    /// attention splits (GPU timestamps around each where `stamps`), then the logits' copy.
+    /// attention splits, or the prefill attention where `prefill` (GPU timestamps around
+    /// each where `stamps`), then the logits' copy.
     fn record(
         &self,
         t: u32,
         r: u32,
         splits: u32,
+        prefill: bool,
         mut stamps: Option<&mut Stamps>,
     ) -> wgpu::CommandBuffer {
         let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
@@ -865,7 +873,9 @@ impl Runner {
                     When::Always => false,
                     When::Gemm => t < GEMM_MIN_TOKENS,
                     When::Matvec => t >= GEMM_MIN_TOKENS,
-                    When::Splits => splits <= 1,
+                    When::Decode => prefill,
+                    When::Splits => prefill || splits <= 1,
+                    When::Prefill => !prefill,
                 };
                 if skip {
                     continue;
@@ -898,6 +908,7 @@ impl Runner {
                     }
                     Grid::PerToken(n) => ((n, t, 1), t),
                     Grid::Splits(n) => ((n, t, splits), t),
+                    Grid::QueryTiles(n) => ((n, t.div_ceil(attn_prefill::BQ), 1), t),
                     Grid::Columns(c) => ((c.div_ceil(64), t, 1), t),
                 };
                 if x * y * z == 0 {
@@ -945,7 +956,10 @@ impl Runner {
             marks[1] = now();
             let (t, r) = (chunk.tokens.len() as u32, rows as u32);
             let stamped = matches!(&self.profile, Some(p) if p.times(t) && p.stamps.is_some());
-            let key = (t, r, splits, self.bufs.generation());
+            // Prefill attention where the model has it and the chunk's sessions bring many
+            // tokens each (else the decode attention and its combine).
+            let prefill = self.has_prefill && attn_prefill::wanted(&chunk.tokens);
+            let key = (t, r, splits, prefill, self.bufs.generation());
             let ahead = self.ahead.take().filter(|a| a.key == key && !stamped);
             let commands = match ahead {
                 Some(a) => a.commands,
@@ -959,7 +973,7 @@ impl Runner {
                         }
                         _ => None,
                     };
-                    let c = self.record(t, r, splits, stamps);
+                    let c = self.record(t, r, splits, prefill, stamps);
                     self.profile = profile;
                     c
                 }
@@ -974,8 +988,10 @@ impl Runner {
                 let ctx = chunk.tokens.iter().map(|k| k.pos + 2).max().unwrap_or(1);
                 let (_, next_splits) = self.bufs.splits(chunk.tokens.len(), ctx);
                 // Valid while the buffers stay (a step that grows them rebuilds the groups).
-                let key = (t, r, next_splits as u32, self.bufs.generation());
-                let commands = self.record(t, r, next_splits as u32, None);
+                // The next step has this one's sessions and token counts, so the same
+                // attention kernel.
+                let key = (t, r, next_splits as u32, prefill, self.bufs.generation());
+                let commands = self.record(t, r, next_splits as u32, prefill, None);
                 self.ahead = Some(Ahead { commands, key });
             }
             marks[4] = now();

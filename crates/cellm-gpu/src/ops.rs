@@ -32,6 +32,8 @@ pub enum Grid {
     HeadRows { groups: u32, groups_x: u32 },
     /// `n` per token per attention split.
     Splits(u32),
+    /// `n` per block of `attn_prefill::BQ` tokens.
+    QueryTiles(u32),
     /// `n` per token.
     PerToken(u32),
     /// 64 columns of 4 per workgroup, per token.
@@ -57,8 +59,12 @@ pub enum When {
     /// Steps that run the matvec (below `GEMM_MIN_TOKENS` tokens): the q|k|v launch of two
     /// formats, which has no GEMM build.
     Matvec,
-    /// Steps whose attention runs more than one split (the combine).
+    /// Steps that run the decode attention (see `attn_prefill::wanted`).
+    Decode,
+    /// Steps that run the decode attention with more than one split (the combine).
     Splits,
+    /// Steps that run the prefill attention.
+    Prefill,
 }
 
 /// Static sizes every step shares.

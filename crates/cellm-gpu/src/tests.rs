@@ -324,3 +324,5 @@ fn coop_gemm_translates_to_spirv() {
         }
     }
 }
+
+mod attn;
