@@ -158,6 +158,24 @@ def test_batched_sessions_match_cpu(gpu, converted):
     assert max_err(results[1], results[0]) < ATOL
 
 
+def test_prefill_attention_in_mixed_steps(gpu, converted):
+    """The prefill attention kernel (16 or more tokens per session; Qwen3's head_dim 32 has
+    it) in steps mixing a continued prompt, a fresh one and decode tokens (blocks of query
+    tokens spanning sessions), over f16 KV, against the CPU (same f16 rounding: ATOL)."""
+    path = converted("qwen3", "f32")
+    rng = np.random.default_rng(1)
+    a, b, c = (rng.integers(0, 1000, n).tolist() for n in (70, 45, 5))
+    results = []
+    for backend in ("cpu", "vulkan"):
+        engine = _core.Engine(str(path), kv_encoding="f16", backend=backend)
+        sa, sb, sc = (engine.create_session() for _ in range(3))
+        rows = [engine.step([(sa, a[:40]), (sc, c[:4])], all_logits=True)]
+        rows.append(engine.step([(sa, a[40:]), (sb, b), (sc, c[4:])], all_logits=True))
+        results.append(np.concatenate(rows))
+    assert results[0].shape[0] == 120
+    assert max_err(results[1], results[0]) < ATOL
+
+
 def test_long_prompt_sliding_window_and_split_weights(gpu, converted):
     """Gemma 3's sliding layers (window 32) over 600 positions, a prefill longer than one
     submission (512 tokens), and every matrix split into several bindings."""
