@@ -9,7 +9,7 @@ use crate::kernels::{KernelId, Kernels};
 use crate::ops::{Buf, Grid, Op, When};
 use crate::step::Token;
 
-/// Query tokens per workgroup (`BQ`; 8 threads each).
+/// Query tokens per workgroup (`BQ`).
 pub const BQ: u32 = 16;
 /// Shared memory the kernel may take: 32 KiB, what lavapipe, Metal and NVIDIA's Vulkan offer.
 const SHARED_BYTES: u32 = 32 << 10;
@@ -18,33 +18,51 @@ const SHARED_BYTES: u32 = 32 << 10;
 /// keep a large GPU busy).
 pub const MIN_TOKENS_PER_SESSION: usize = BQ as usize;
 
-/// The kernel's tile for heads of `head_dim`: positions per key/value tile (`BK`), or None
-/// where it does not run (head dims not a multiple of 32, or a tile that leaves no room).
-pub fn key_tile(head_dim: u32) -> Option<u32> {
-    if !head_dim.is_multiple_of(32) || head_dim > 256 {
-        return None;
-    }
-    // Floats: the query tile and a key/value tile (rows padded by 4), the scores, and the
-    // reduction slots.
-    let row = head_dim + 4;
-    let free = (SHARED_BYTES / 4).checked_sub(BQ * row + BQ * 8)?;
-    let bk = (free / (row + BQ)).min(64) / 8 * 8;
-    (bk >= 8).then_some(bk)
+/// The kernel's shape for heads of `head_dim`, or None where it does not run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tile {
+    /// Threads per query row (`LPR`), each summing `head_dim / lanes` value dims.
+    pub lanes: u32,
+    /// Positions per key/value tile (`BK`).
+    pub keys: u32,
 }
 
-/// Bytes of shared memory the kernel takes for `head_dim`.
-fn shared_bytes(head_dim: u32, bk: u32) -> u32 {
-    4 * ((BQ + bk) * (head_dim + 4) + BQ * bk + BQ * 8)
+impl Tile {
+    /// 8 lanes a row for head dims a multiple of 32, 4 for other multiples of 16 (each lane
+    /// holds whole vec4s of the output); key tiles as long as 32 KiB of shared memory allow,
+    /// at most 64.
+    pub fn new(head_dim: u32) -> Option<Self> {
+        let lanes = match head_dim {
+            d if d > 256 => return None,
+            d if d.is_multiple_of(32) => 8,
+            d if d.is_multiple_of(16) => 4,
+            _ => return None,
+        };
+        // Floats: the query tile and a key/value tile (rows padded by 4), the scores, and
+        // the reduction slots.
+        let row = head_dim + 4;
+        let free = (SHARED_BYTES / 4).checked_sub(BQ * row + BQ * lanes)?;
+        let keys = (free / (row + BQ)).min(64) / 8 * 8;
+        (keys >= 8).then_some(Tile { lanes, keys })
+    }
+
+    /// Bytes of shared memory the kernel takes for `head_dim`.
+    pub(crate) fn shared_bytes(self, head_dim: u32) -> u32 {
+        4 * ((BQ + self.keys) * (head_dim + 4) + BQ * self.keys + BQ * self.lanes)
+    }
 }
 
 /// The kernel's WGSL for heads of `head_dim` (after the step and KV accessors): the
 /// decode kernel's `Params` (both launch with the same parameters), then the kernel.
 pub fn source(head_dim: u32, attention: &str, kernel: &str) -> String {
-    let bk = key_tile(head_dim).expect("a supported head dim");
+    let tile = Tile::new(head_dim).expect("a supported head dim");
     let start = attention.find("struct Params").expect("attention.wgsl declares Params");
     let len = attention[start..].find("\n}\n").expect("Params ends") + 3;
     format!(
-        "const HD: u32 = {head_dim}u;\nconst BQ: u32 = {BQ}u;\nconst BK: u32 = {bk}u;\n{}{kernel}",
+        "const HD: u32 = {head_dim}u;\nconst LPR: u32 = {}u;\nconst BQ: u32 = {BQ}u;\n\
+         const BK: u32 = {}u;\n{}{kernel}",
+        tile.lanes,
+        tile.keys,
         &attention[start..start + len]
     )
 }
@@ -59,8 +77,8 @@ pub fn op(
     params: [u32; 16],
 ) -> Option<Op> {
     let hd = head_dim as u32;
-    let bk = key_tile(hd)?;
-    if shared_bytes(hd, bk) > gpu.limits.max_compute_workgroup_storage_size {
+    let tile = Tile::new(hd)?;
+    if tile.shared_bytes(hd) > gpu.limits.max_compute_workgroup_storage_size {
         return None;
     }
     let kernel: Arc<_> = kernels.get(&gpu.device, KernelId::AttnPrefill(hd));

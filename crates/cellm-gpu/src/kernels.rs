@@ -64,7 +64,7 @@ impl KernelId {
         ];
         let mut all =
             vec![KernelId::RopeKv, KernelId::Attention, KernelId::AttnCombine, KernelId::NormAdd];
-        all.extend([64, 96, 128, 256].map(KernelId::AttnPrefill));
+        all.extend([16, 64, 80, 96, 128, 256].map(KernelId::AttnPrefill));
         for l in layouts {
             all.extend([
                 KernelId::Matvec(l),

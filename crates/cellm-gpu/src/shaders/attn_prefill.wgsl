@@ -1,24 +1,25 @@
 // Flash attention for steps of many tokens: a workgroup takes BQ consecutive tokens of one
 // query head and streams the keys, then the values, of their causal range through shared
 // memory BK positions at a time, each tile loaded once for all BQ rows, with an online
-// softmax per row. Thread (row r, lane c) of the BQ x 8 threads scores keys c, c + 8, ...
-// of a tile against row r and sums value dims 4 (c + 8 i) .. +3 of that row, so a row's m,
-// l and rescale factor stay in its 8 threads' registers. Rows of different sessions in one
-// block (a mixed step) run as separate segments, each over its own page table; each row
-// masks by its own position and window. `Params` and the bindings are `attention.wgsl`'s,
-// except that the normalised output goes straight to `ctx` (no split, no combine).
-// Prepended: HD (head dim, a multiple of 32), BQ, BK (a multiple of 8).
+// softmax per row. Thread (row r, lane c) of the BQ x LPR threads scores keys c, c + LPR,
+// ... of a tile against row r and sums value dims 4 (c + LPR i) .. +3 of that row, so a
+// row's m, l and rescale factor stay in its LPR threads' registers. Rows of different
+// sessions in one block (a mixed step) run as separate segments, each over its own page
+// table; each row masks by its own position and window. `Params` and the bindings are
+// `attention.wgsl`'s, except that the normalised output goes straight to `ctx` (no split,
+// no combine). Prepended: HD (head dim), LPR (lanes per row; HD a multiple of 4 LPR), BQ,
+// BK (a multiple of LPR).
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> qkv: array<f32>;
 @group(0) @binding(2) var<storage, read_write> ctx: array<f32>;
 @group(0) @binding(5) var<storage, read> pool: array<u32>;
 
-const WG: u32 = BQ * 8u;
+const WG: u32 = BQ * LPR;
 const HD4: u32 = HD / 4u;
-// Shared rows padded by one vec4, so the 8 lanes of a row read different banks.
+// Shared rows padded by one vec4, so the lanes of a row read different banks.
 const HP: u32 = HD4 + 1u;
-const NS: u32 = BK / 8u;
-const NV: u32 = HD / 32u;
+const NS: u32 = BK / LPR;
+const NV: u32 = HD / (4u * LPR);
 var<workgroup> qs: array<vec4<f32>, BQ * HP>;
 var<workgroup> kvs: array<vec4<f32>, BK * HP>;
 var<workgroup> ps: array<f32, BQ * BK>;
@@ -69,8 +70,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     }
     let rows = min(BQ, nt - t0);
     let kvh = h / (p.n_heads / p.n_kv_heads);
-    let r = li / 8u;
-    let c = li % 8u;
+    let r = li / LPR;
+    let c = li % LPR;
     let t = t0 + r;
     for (var e = li; e < BQ * HD4; e += WG) {
         let rr = e / HD4;
@@ -112,12 +113,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             for (var d4 = 0u; d4 < HD4; d4++) {
                 let qv = qs[r * HP + d4];
                 for (var i = 0u; i < NS; i++) {
-                    s[i] += dot(qv, kvs[(c + 8u * i) * HP + d4]);
+                    s[i] += dot(qv, kvs[(c + LPR * i) * HP + d4]);
                 }
             }
             var tile_max = -3.4e38;
             for (var i = 0u; i < NS; i++) {
-                let q = start + c + 8u * i;
+                let q = start + c + LPR * i;
                 var x = s[i] * p.scale;
                 if (p.softcap != 0.0) {
                     x = p.softcap * tanh(clamp(x / p.softcap, -15.0, 15.0));
@@ -130,18 +131,18 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             red[li] = tile_max;
             workgroupBarrier();
             var m_new = m;
-            for (var k = 0u; k < 8u; k++) {
-                m_new = max(m_new, red[r * 8u + k]);
+            for (var k = 0u; k < LPR; k++) {
+                m_new = max(m_new, red[r * LPR + k]);
             }
             workgroupBarrier();
             var tile_sum = 0.0;
             for (var i = 0u; i < NS; i++) {
-                let q = start + c + 8u * i;
+                let q = start + c + LPR * i;
                 var e = 0.0;
                 if (mine && q >= first && q <= pos) {
                     e = exp(s[i] - m_new);
                 }
-                ps[r * BK + c + 8u * i] = e;
+                ps[r * BK + c + LPR * i] = e;
                 tile_sum += e;
             }
             red[li] = tile_sum;
@@ -149,8 +150,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             workgroupBarrier();
             let alpha = exp(m - m_new);
             var sum = 0.0;
-            for (var k = 0u; k < 8u; k++) {
-                sum += red[r * 8u + k];
+            for (var k = 0u; k < LPR; k++) {
+                sum += red[r * LPR + k];
             }
             l = l * alpha + sum;
             m = m_new;
@@ -162,13 +163,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             for (var j = 0u; j < BK; j++) {
                 let pj = ps[r * BK + j];
                 for (var i = 0u; i < NV; i++) {
-                    acc[i] += pj * kvs[j * HP + c + 8u * i];
+                    acc[i] += pj * kvs[j * HP + c + LPR * i];
                 }
             }
         }
         if (mine) {
             for (var i = 0u; i < NV; i++) {
-                let at = (t * p.n_heads + h) * HD + 4u * (c + 8u * i);
+                let at = (t * p.n_heads + h) * HD + 4u * (c + LPR * i);
                 let o = acc[i] / l;
                 ctx[at] = o.x;
                 ctx[at + 1u] = o.y;

@@ -1,13 +1,13 @@
 //! The prefill attention kernel, and the decode kernel with its combine, against a float64
 //! attention over the same paged KV pool: sessions that start mid-context, blocks of query
 //! tokens that span sessions, page boundaries inside key tiles, GQA, sliding windows,
-//! soft-capping, f16 and f32 KV, head dims 32 to 256.
+//! soft-capping, f16 and f32 KV, head dims 16 to 256 (8 and 4 lanes a query row).
 
 use half::f16;
 use wgpu::util::DeviceExt;
 
 use super::{gpu, Rng};
-use crate::attn_prefill::BQ;
+use crate::attn_prefill::{Tile, BQ};
 use crate::device::Gpu;
 use crate::kernels::{KernelId, Kernels};
 use crate::weights::as_bytes;
@@ -271,6 +271,8 @@ fn attention_kernels_match_float64() {
         case(256, 4, 1, true, 0, 50.0),
         case(32, 3, 3, false, 7, 30.0),
         case(96, 2, 1, true, 33, 0.0),
+        case(16, 4, 2, false, 0, 0.0),
+        case(80, 4, 2, true, 9, 0.0),
     ];
     // A prefill from scratch (37 tokens: blocks of 16 end mid-session), a continuation from
     // position 50, a lone decode token, and a prefill whose window starts mid-page.
@@ -330,4 +332,15 @@ fn attention_kernels_match_float64() {
         eprintln!("{c:?}: decode kernel within {err:.2e}");
         assert!(err <= tol, "{c:?}: decode kernel off by {err}");
     }
+}
+
+/// Every head dim the prefill kernel takes fits 32 KiB of shared memory with whole lanes.
+#[test]
+fn prefill_tiles_fit_32_kib() {
+    for hd in (16..=256).step_by(16) {
+        let tile = Tile::new(hd).expect("a multiple of 16");
+        assert!(tile.shared_bytes(hd) <= 32 << 10, "{hd}: {tile:?}");
+        assert!(tile.keys.is_multiple_of(tile.lanes) && hd.is_multiple_of(4 * tile.lanes));
+    }
+    assert_eq!(Tile::new(72), None);
 }
