@@ -28,8 +28,10 @@
 #                                    knobs (gpu_decode_ab.py) for comparison
 #   bash gpu_device.sh prefill DIR   cellm's prefill alone on a fresh machine, in one call:
 #                                    logits checks of the cooperative-matrix GEMM, pp512 of
-#                                    every model with it and with the f32 GEMM
-#                                    (CELLM_GPU_NO_COOPMAT=1), alternating, and a
+#                                    every model with everything on and with prefill on the
+#                                    decode attention (CELLM_GPU_NO_PREFILL_ATTN=1; or the
+#                                    f32 GEMM: PREFILL_VARIANTS="all f32 all f32"),
+#                                    alternating, and a
 #                                    CELLM_GPU_PROFILE=prefill pass (GPU time per kernel of
 #                                    one 512-token step)
 # Results go to $OUT (JSON lines and logs); the build log to /tmp/w/build.log.
@@ -222,12 +224,16 @@ if [[ $phase == prefill ]]; then
         $Q $G/$s-f16.gguf $G/$s-q4_k_m.gguf Q4_K_M >/dev/null 2>&1
     done
     M=$(for m in $MODELS; do printf '%s,' $G/$m.gguf; done)
-    for v in coop f32 coop f32; do
-        [[ $v == f32 ]] && export CELLM_GPU_NO_COOPMAT=1 || unset CELLM_GPU_NO_COOPMAT
-        $B --speed-only --prefill-only --models "${M%,}" | sed "s/^{/{\"gemm\": \"$v\", /" |
+    # Variants, alternating: everything on; the f32 GEMM; prefill running the decode
+    # attention (PREFILL_VARIANTS picks others).
+    for v in ${PREFILL_VARIANTS:-all decode-attn all decode-attn}; do
+        unset CELLM_GPU_NO_COOPMAT CELLM_GPU_NO_PREFILL_ATTN
+        [[ $v == f32 ]] && export CELLM_GPU_NO_COOPMAT=1
+        [[ $v == decode-attn ]] && export CELLM_GPU_NO_PREFILL_ATTN=1
+        $B --speed-only --prefill-only --models "${M%,}" | sed "s/^{/{\"variant\": \"$v\", /" |
             tee -a $OUT/prefill.jsonl
     done
-    unset CELLM_GPU_NO_COOPMAT
+    unset CELLM_GPU_NO_COOPMAT CELLM_GPU_NO_PREFILL_ATTN
     C=$G/smollm2-135m-q4_1.gguf,$G/qwen2.5-0.5b-q4_k_m.gguf,$G/llama-3.2-1b-q4_k_m.gguf
     $B --check-dequantized $W --models $C | tee -a $OUT/check.jsonl
     P=$G/llama-3.2-1b-q4_k_m.gguf,$G/llama-3.2-3b-f16.gguf

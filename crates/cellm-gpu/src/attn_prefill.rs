@@ -68,7 +68,8 @@ pub fn source(head_dim: u32, attention: &str, kernel: &str) -> String {
 }
 
 /// The prefill launch of one layer, taking the decode attention's `params`: None where the
-/// head dim has no tile or the device lacks the shared memory.
+/// head dim has no tile or the device lacks the shared memory, and under
+/// `CELLM_GPU_NO_PREFILL_ATTN=1` (prefill then runs the decode attention; for measuring).
 pub fn op(
     gpu: &crate::device::Gpu,
     kernels: &mut Kernels,
@@ -78,7 +79,9 @@ pub fn op(
 ) -> Option<Op> {
     let hd = head_dim as u32;
     let tile = Tile::new(hd)?;
-    if tile.shared_bytes(hd) > gpu.limits.max_compute_workgroup_storage_size {
+    if tile.shared_bytes(hd) > gpu.limits.max_compute_workgroup_storage_size
+        || std::env::var_os("CELLM_GPU_NO_PREFILL_ATTN").is_some()
+    {
         return None;
     }
     let kernel: Arc<_> = kernels.get(&gpu.device, KernelId::AttnPrefill(hd));
