@@ -61,9 +61,11 @@ fn load_tile(t: u32, kvh: u32, plane: u32, start: u32, hi: u32, li: u32) {
 }
 
 @compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) li: u32) {
     let h = wg.x;
-    let t0 = wg.y * BQ;
+    // The last blocks (the longest causal ranges) first, so the short ones fill the tail.
+    let t0 = (nwg.y - 1u - wg.y) * BQ;
     let nt = n_tokens();
     if (t0 >= nt) {
         return;
