@@ -155,7 +155,17 @@ impl Gpu {
             let mut f = slot.lock().unwrap_or_else(|p| p.into_inner());
             f.get_or_insert_with(|| format!("the device was lost: {message}"));
         });
-        Ok(Self { device, queue, limits, info, subgroups, timestamps, coopmat, immediates, failure })
+        Ok(Self {
+            device,
+            queue,
+            limits,
+            info,
+            subgroups,
+            timestamps,
+            coopmat,
+            immediates,
+            failure,
+        })
     }
 
     /// The first error the device reported, if any (it stays failed).

@@ -181,7 +181,8 @@ impl KernelId {
             src.push_str(&format!("const TT: u32 = {tokens}u;\nconst UN: u32 = {un}u;\n"));
         }
         src.push_str(STEP);
-        if matches!(self, KernelId::RopeKv | KernelId::Attention | KernelId::AttnPrefill(_)) || rope {
+        if matches!(self, KernelId::RopeKv | KernelId::Attention | KernelId::AttnPrefill(_)) || rope
+        {
             src.push_str(KV);
         }
         if self.per_token_count() {

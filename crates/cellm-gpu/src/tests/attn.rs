@@ -167,6 +167,8 @@ struct Bufs<'a> {
     gpu: &'a Gpu,
     step: wgpu::Buffer,
     params: wgpu::Buffer,
+    /// The same parameters, for kernels that take them as immediates.
+    params_words: [u32; 16],
     qkv: wgpu::Buffer,
     pool: wgpu::Buffer,
     ctx: wgpu::Buffer,
@@ -188,6 +190,7 @@ impl<'a> Bufs<'a> {
             gpu,
             step: init(&s.step_words(split_len), read),
             params: init(&s.params(), wgpu::BufferUsages::UNIFORM),
+            params_words: s.params(),
             qkv: init(&q, read),
             pool: init(&s.pool_words, read),
             ctx: init(&out, read | wgpu::BufferUsages::COPY_SRC),
@@ -212,6 +215,9 @@ impl<'a> Bufs<'a> {
             binding: *b,
             resource: buf.as_entire_binding(),
         }));
+        if kernel.immediates {
+            entries.retain(|e| e.binding != 0);
+        }
         let group = dev.create_bind_group(&wgpu::BindGroupDescriptor {
             label: None,
             layout: &kernel.layout,
@@ -222,6 +228,9 @@ impl<'a> Bufs<'a> {
             let mut pass = enc.begin_compute_pass(&Default::default());
             pass.set_pipeline(kernel.for_tokens(4));
             pass.set_bind_group(0, &group, &[]);
+            if kernel.immediates {
+                pass.set_immediates(0, as_bytes(&self.params_words));
+            }
             pass.dispatch_workgroups(grid.0, grid.1, grid.2);
         }
         self.gpu.queue.submit([enc.finish()]);
@@ -309,7 +318,7 @@ fn attention_kernels_match_float64() {
         d.launch(
             &mut kernels,
             KernelId::Attention,
-            &[(1, &d.qkv), (2, &part), (5, &d.pool)],
+            &[(1, &d.qkv), (2, &part), (3, &d.ctx), (5, &d.pool)],
             (heads, t, splits),
         );
         let mut p = [0u32; 16];
@@ -320,14 +329,18 @@ fn attention_kernels_match_float64() {
                 contents: as_bytes(&p),
                 usage: wgpu::BufferUsages::UNIFORM,
             }),
+            params_words: p,
             ..d
         };
-        combine.launch(
-            &mut kernels,
-            KernelId::AttnCombine,
-            &[(1, &part), (2, &combine.ctx)],
-            (heads, t, 1),
-        );
+        // One split writes its output itself; more are merged by the combine (as in a step).
+        if splits > 1 {
+            combine.launch(
+                &mut kernels,
+                KernelId::AttnCombine,
+                &[(1, &part), (2, &combine.ctx)],
+                (heads, t, 1),
+            );
+        }
         let err = max_err(&combine.read_ctx(), &want);
         eprintln!("{c:?}: decode kernel within {err:.2e}");
         assert!(err <= tol, "{c:?}: decode kernel off by {err}");
