@@ -99,6 +99,11 @@ struct Dst<'a> {
 /// Quantizes `x` in groups of `group` (32, or 256 for the K scheme) into `qs`, per-32 `ds` and
 /// (K scheme) per-16 sums.
 fn quantize_rows(x: &[f32], group: usize, scheme: ActScheme, out: Dst) {
+    #[cfg(target_arch = "x86_64")]
+    if scheme != ActScheme::Q8K && crate::Isa::Avx2.supported() {
+        // SAFETY: AVX2 and FMA (every AVX2 path's baseline) were just checked.
+        return unsafe { quantize_rows_avx2(x, scheme == ActScheme::Q8_1, out.qs, out.ds) };
+    }
     let Dst { qs, ds, sums16 } = out;
     let blocks = ds.chunks_exact_mut(group / QBLOCK);
     for ((src, dst), ds) in x.chunks_exact(group).zip(qs.chunks_exact_mut(group)).zip(blocks) {
@@ -134,6 +139,49 @@ fn quantize_rows(x: &[f32], group: usize, scheme: ActScheme, out: Dst) {
             // |sum| <= 16 * 128, well inside i16.
             *sum = q.iter().map(|&v| i16::from(v)).sum();
         }
+    }
+}
+
+/// [`quantize_rows`] for the two per-32 schemes in AVX2: the same arithmetic (the largest
+/// magnitude, `1 / (amax / 127)`, products rounded ties-to-even, an integer sum), eight
+/// lanes at a time instead of a scalar loop per block.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_rows_avx2(x: &[f32], q8_1: bool, qs: &mut [i8], ds: &mut [[f32; 2]]) {
+    use std::arch::x86_64::*;
+    debug_assert!(x.len() == qs.len() && x.len() == ds.len() * QBLOCK);
+    let sign = _mm256_set1_ps(-0.0);
+    let top = _mm256_set1_ps(127.0);
+    for ((src, dst), out) in x.chunks_exact(QBLOCK).zip(qs.chunks_exact_mut(QBLOCK)).zip(ds) {
+        let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(src.as_ptr().add(8 * i)));
+        let m = _mm256_max_ps(
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
+        );
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        let d = amax / 127.0;
+        let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+        let q: [__m256i; 4] = std::array::from_fn(|i| {
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm256_mul_ps(v[i], inv),
+            );
+            _mm256_cvtps_epi32(_mm256_min_ps(r, top))
+        });
+        let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        let sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s)));
+        // Packing works per 128-bit lane: words come out as q0.lo q1.lo q0.hi q1.hi, bytes
+        // as (q01, q23) interleaved by lane; one permute of dwords restores the order.
+        let w01 = _mm256_packs_epi32(q[0], q[1]);
+        let w23 = _mm256_packs_epi32(q[2], q[3]);
+        let b = _mm256_packs_epi16(w01, w23);
+        let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(dst.as_mut_ptr().cast(), b);
+        let dh = round_f16(d);
+        *out = if q8_1 { [dh, round_f16(d * sum as f32)] } else { [dh, dh * sum as f32] };
     }
 }
 
@@ -189,6 +237,51 @@ impl Q8Acts {
             qs: &self.qs[r * self.cols..(r + 1) * self.cols],
             ds: &self.ds[r * b..(r + 1) * b],
             sums16: &self.sums16[r * s..(r + 1) * s],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The AVX2 quantizer of the per-32 schemes gives bitwise what the scalar loop gives:
+    /// blocks of mixed signs and magnitudes, an all-zero block, ties at .5 after scaling.
+    #[test]
+    fn avx2_quantizer_equals_the_scalar_loop() {
+        if !crate::Isa::Avx2.supported() {
+            return;
+        }
+        let blocks = 64;
+        let mut x: Vec<f32> = (0..blocks * QBLOCK)
+            .map(|i| (((i * 2654435761usize) >> 9) % 2001) as f32 / 1000.0 - 1.0)
+            .map(|v| v * (1 + (v.to_bits() % 7)) as f32)
+            .collect();
+        x[QBLOCK..2 * QBLOCK].fill(0.0);
+        // 127 and -63.5 scale to 127 and -63.5: a tie.
+        x[2 * QBLOCK] = 127.0;
+        x[2 * QBLOCK + 1] = -63.5;
+        for scheme in [ActScheme::Q8_0, ActScheme::Q8_1] {
+            let mut qs = vec![0i8; x.len()];
+            let mut ds = vec![[0.0f32; 2]; blocks];
+            // SAFETY: AVX2 checked above.
+            unsafe { quantize_rows_avx2(&x, scheme == ActScheme::Q8_1, &mut qs, &mut ds) };
+            let (mut want_qs, mut want_ds) = (vec![0i8; x.len()], vec![[0.0f32; 2]; blocks]);
+            for ((src, dst), out) in
+                x.chunks_exact(QBLOCK).zip(want_qs.chunks_exact_mut(QBLOCK)).zip(&mut want_ds)
+            {
+                let amax = src.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let d = amax / 127.0;
+                round_block_portable(src, if d > 0.0 { 1.0 / d } else { 0.0 }, dst);
+                let sum: i32 = dst.iter().map(|&q| i32::from(q)).sum();
+                *out = match scheme {
+                    ActScheme::Q8_1 => [round_f16(d), round_f16(d * sum as f32)],
+                    _ => [round_f16(d), round_f16(d) * sum as f32],
+                };
+            }
+            assert_eq!(qs, want_qs, "{scheme:?}");
+            let bits = |v: &[[f32; 2]]| v.iter().flatten().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&ds), bits(&want_ds), "{scheme:?}");
         }
     }
 }

@@ -8,7 +8,7 @@
 use cellm_format::{Interleaved, Tensor, INTERLEAVE};
 
 use crate::acts::{ActScheme, Q8Acts, Q8Row, QBLOCK};
-use crate::dot::x8::{self, QDotX8Fn};
+use crate::dot::x8::{self, QDotX16Fn, QDotX8Fn};
 use crate::dot::{DotTileFn, PathKernels, QDot4Fn, QDotFn, TILE_ROWS, TILE_TOKENS};
 use crate::gemm::{pack_tokens, FloatGemm};
 use crate::i8_gemm::{self, I8RowGemm};
@@ -104,7 +104,9 @@ struct Product<'a> {
 }
 
 enum Kernel<'a> {
-    Groups(QDotX8Fn, Vec<Q8Row<'a>>),
+    /// The group kernel, the path's pair kernel where it has one (with the fewest tokens it
+    /// takes), the token rows.
+    Groups(QDotX8Fn, Option<(QDotX16Fn, usize)>, Vec<Q8Row<'a>>),
     Integer((QDotFn, QDot4Fn), &'a Q8Acts),
     /// int8 rows times a batch: the blocked integer GEMM (`i8_gemm`).
     I8Gemm(I8RowGemm<'a>),
@@ -127,7 +129,8 @@ impl<'a> Product<'a> {
             Some(scheme) if w.format.interleaved().is_some() => {
                 let acts = acts_for(scheme);
                 let kern = path.group_kernel(w.format).expect("interleaved kernel");
-                Kernel::Groups(kern, (0..tokens).map(|t| acts.row(t)).collect())
+                let pair = path.pair_kernel(w.format);
+                Kernel::Groups(kern, pair, (0..tokens).map(|t| acts.row(t)).collect())
             }
             Some(scheme) if i8_gemm::applies(w, tokens) => {
                 Kernel::I8Gemm(I8RowGemm::new(w, acts_for(scheme)))
@@ -184,13 +187,49 @@ impl<'a> Product<'a> {
 
     fn run_block(&self, units: std::ops::Range<usize>, toks: std::ops::Range<usize>, n: usize) {
         let stride = self.w.bytes.len() / self.units().max(1);
+        let mut units = units;
+        if let Kernel::Groups(kern, Some((pair, min_tokens)), rows) = &self.kernel {
+            // Two groups a call while two are left; an odd last one, and steps of fewer
+            // tokens than pay for the pair kernel, take the group kernel.
+            let mut vals = [[0.0f32; 2 * INTERLEAVE]; x8::MAX_TOKENS];
+            while units.len() >= 2 {
+                let u = units.start;
+                let bytes = &self.w.bytes[u * stride..(u + 2) * stride];
+                for t in toks.clone().step_by(x8::MAX_TOKENS) {
+                    let count = (toks.end - t).min(x8::MAX_TOKENS);
+                    let x = &rows[t..t + count];
+                    if count >= *min_tokens {
+                        pair(bytes, x, &mut vals[..count]);
+                    } else {
+                        let mut half = [[0.0f32; INTERLEAVE]; x8::MAX_TOKENS];
+                        for (g, group) in bytes.chunks_exact(stride).enumerate() {
+                            kern(group, x, &mut half[..count]);
+                            for (v, h) in vals.iter_mut().zip(&half[..count]) {
+                                v[g * INTERLEAVE..(g + 1) * INTERLEAVE].copy_from_slice(h);
+                            }
+                        }
+                    }
+                    for (i, v) in vals[..count].iter().enumerate() {
+                        // SAFETY: as below, for the task's units `u` and `u + 1`.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                v.as_ptr(),
+                                self.out.at((t + i) * n + u * INTERLEAVE),
+                                2 * INTERLEAVE,
+                            )
+                        };
+                    }
+                }
+                units.start += 2;
+            }
+        }
         let mut vals = [[0.0f32; INTERLEAVE]; x8::MAX_TOKENS];
         for u in units {
             let bytes = &self.w.bytes[u * stride..(u + 1) * stride];
             for t in toks.clone().step_by(x8::MAX_TOKENS) {
                 let count = (toks.end - t).min(x8::MAX_TOKENS);
                 let width = match &self.kernel {
-                    Kernel::Groups(kern, rows) => {
+                    Kernel::Groups(kern, _, rows) => {
                         kern(bytes, &rows[t..t + count], &mut vals[..count]);
                         INTERLEAVE
                     }

@@ -8,7 +8,7 @@
 use cellm_format::TensorFormat;
 
 use super::kinds::{DotTileFn, HeadKernels, PanelFn, QDot4Fn, QDotFn, RowKernels};
-use super::x8::{self, QDotX8Fn};
+use super::x8::{self, QDotX16Fn, QDotX8Fn};
 use super::{blocks, int_scalar, scalar};
 use crate::isa::{self, Isa};
 use crate::panel::{self, TileFn};
@@ -23,6 +23,8 @@ pub struct PathKernels {
     floats: fn(TensorFormat) -> RowKernels,
     integer: fn(TensorFormat) -> Option<(QDotFn, QDot4Fn)>,
     groups: fn(TensorFormat) -> Option<QDotX8Fn>,
+    /// Two groups per call, where a path has wider registers than its group kernels use.
+    pairs: fn(TensorFormat) -> Option<(QDotX16Fn, usize)>,
     heads: fn(TensorFormat) -> HeadKernels,
     dot_tiles: fn(TensorFormat) -> DotTileFn,
     /// None where `gemm` widens row by row (scalar, NEON).
@@ -34,6 +36,7 @@ static SCALAR: PathKernels = PathKernels {
     floats: scalar::kernels,
     integer: int_scalar::qdot,
     groups: x8::scalar,
+    pairs: no_pairs,
     heads: scalar::head_kernels,
     dot_tiles: scalar::dot_tiles,
     panel_widener: None,
@@ -48,6 +51,7 @@ const fn avx2_family<const P: u8>(tile: TileFn) -> PathKernels {
         floats: avx2::kernels,
         integer: int_avx2::entries::<P>,
         groups: x8_avx2::qdot::<P>,
+        pairs: x8_avx2::pair_qdot::<P>,
         heads: avx2::head_kernels,
         dot_tiles: avx2::dot_tiles,
         panel_widener: Some(avx2::panel_widener),
@@ -74,6 +78,7 @@ const fn neon_family<const P: u8>() -> PathKernels {
         floats: neon::kernels,
         integer: int_neon::entries::<P>,
         groups: x8_neon::qdot::<P>,
+        pairs: no_pairs,
         heads: neon::head_kernels,
         dot_tiles: neon::dot_tiles,
         panel_widener: None,
@@ -128,6 +133,12 @@ impl PathKernels {
         (self.groups)(format)
     }
 
+    /// The pair kernel of an interleaved format, where the path has one, and the fewest
+    /// tokens a call should have for it to beat two group-kernel calls.
+    pub fn pair_kernel(&self, format: TensorFormat) -> Option<(QDotX16Fn, usize)> {
+        (self.pairs)(format)
+    }
+
     /// The head-group kernels of a float (cache) format.
     pub fn head_kernels(&self, format: TensorFormat) -> HeadKernels {
         (self.heads)(format)
@@ -147,6 +158,10 @@ impl PathKernels {
     pub fn tile_kernel(&self) -> TileFn {
         self.tile
     }
+}
+
+fn no_pairs(_: TensorFormat) -> Option<(QDotX16Fn, usize)> {
+    None
 }
 
 /// `pick` of every table this CPU can run, by path name, plus the VNNI kernel code on AVX2

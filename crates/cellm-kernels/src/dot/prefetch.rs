@@ -49,3 +49,25 @@ pub(super) unsafe fn column_ahead_part(column: *const u8, bytes: usize, part: us
         unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast()) };
     }
 }
+
+/// The two columns of `bytes` a pair kernel reads (`column` in the first group, the same
+/// column `stride` later in the second) about PREFETCH_BYTES of its two streams later: in
+/// the same groups while they last, past their end in the next pair's groups, which follow
+/// (`2 * stride` later), so that a task walking pair after pair streams memory in order.
+#[inline(always)]
+pub(super) unsafe fn pair_ahead(column: *const u8, offset: usize, bytes: usize, stride: usize) {
+    let distance = (PAIR_BYTES / bytes).max(1) * bytes;
+    let to = offset + distance;
+    let first = if to < stride {
+        column.wrapping_add(distance)
+    } else {
+        column.wrapping_add(distance + stride)
+    };
+    unsafe {
+        lines(first, bytes);
+        lines(first.wrapping_add(stride), bytes);
+    }
+}
+
+/// Each of a pair kernel's two streams runs this far ahead.
+const PAIR_BYTES: usize = 2048;

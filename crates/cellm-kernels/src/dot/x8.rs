@@ -21,6 +21,11 @@ pub const MAX_TOKENS: usize = 8;
 /// `out[t][r] = dot(row r of the group, x[t])` for `x.len() == out.len()` tokens (1..=8).
 pub type QDotX8Fn = fn(&[u8], &[Q8Row], &mut [[f32; INTERLEAVE]]);
 
+/// A group kernel for two neighbouring groups at once (the slice holds both, in order):
+/// `out[t]` is the first group's 8 outputs, then the second's, bitwise what the group kernel
+/// gives for each.
+pub type QDotX16Fn = fn(&[u8], &[Q8Row], &mut [[f32; 2 * INTERLEAVE]]);
+
 /// Panics unless a group kernel's arguments fit: whole block columns, one output per
 /// activation row, and activation rows (with their sums of 16 where `sums16`) that cover the
 /// group's columns.
@@ -180,6 +185,24 @@ mod tests {
                     kern(&group, std::slice::from_ref(xt), &mut alone);
                     assert!(out[t] == alone[0], "{format:?} {path} {case}: token {t} of {tokens}");
                 }
+                // A pair kernel gives bitwise what the group kernel gives for each group (here
+                // the group and its rows reversed).
+                if let Some(pair_kern) = paths::to_test(|k| k.pair_kernel(format))
+                    .into_iter()
+                    .find(|(p, _)| p == &path)
+                    .and_then(|(_, k)| k.map(|(k, _)| k))
+                {
+                    let second = interleave(format, &reversed(data, INTERLEAVE), INTERLEAVE);
+                    let mut other = vec![[0.0; INTERLEAVE]; tokens];
+                    kern(&second, &x, &mut other);
+                    let pair = [group.clone(), second].concat();
+                    let mut both = vec![[0.0; 2 * INTERLEAVE]; tokens];
+                    pair_kern(&pair, &x, &mut both);
+                    for t in 0..tokens {
+                        let want = [out[t], other[t]].concat();
+                        assert!(both[t][..] == want[..], "{format:?} {path} {case}: pair t={t}");
+                    }
+                }
                 for (t, xt) in x.iter().enumerate() {
                     for lane in 0..INTERLEAVE {
                         let src = &data[lane * row.len()..(lane + 1) * row.len()];
@@ -201,6 +224,12 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The `rows` source rows of `data` in reverse order.
+    fn reversed(data: &[u8], rows: usize) -> Vec<u8> {
+        let len = data.len() / rows;
+        data.chunks_exact(len).rev().flatten().copied().collect()
     }
 
     /// Random blocks, zero blocks, the largest f16 scale and the smallest subnormal one.

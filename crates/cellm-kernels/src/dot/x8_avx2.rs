@@ -10,7 +10,7 @@ use cellm_format::{TensorFormat, INTERLEAVE};
 
 use super::bytes::{self, Avx2, Avx512Vnni, AvxVnni, ByteDot};
 use super::prefetch;
-use super::x8::{self, check_group_args, QDotX8Fn};
+use super::x8::{self, check_group_args, QDotX16Fn, QDotX8Fn};
 use crate::acts::Q8Row;
 
 /// Activation bytes `4v..4v + 4` of block `b`, in every 32-bit lane.
@@ -451,6 +451,163 @@ fn entry<const P: u8, const F: usize>(group: &[u8], x: &[Q8Row], out: &mut [[f32
             n => panic!("group kernels take 1..=8 tokens, got {n}"),
         }
     }
+}
+
+// Pair kernels (AVX-512 VNNI): two neighbouring groups, 16 rows, per 512-bit vector. One
+// `vpdpbusd` then multiplies 4 quants of 16 rows by a token's 4 broadcast activation bytes,
+// where the group kernels above issue two 256-bit ones for two calls; the unpacking and the
+// broadcasts are shared the same way. Each row's integer sums are the group kernel's, and
+// its scales apply in the same float operations, so every output is bitwise what the group
+// kernel gives (a session's logits do not depend on which kernel its rows went through).
+
+/// The 32-byte chunk at `at` of the first group and the one `stride` later, of the second.
+#[inline(always)]
+unsafe fn load_pair(at: *const u8, stride: usize) -> __m512i {
+    let a = _mm256_loadu_si256(at.cast());
+    let b = _mm256_loadu_si256(at.add(stride).cast());
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b)
+}
+
+/// The 8 f16 fields at `at` (first group's rows) and `stride` later (second's), as f32.
+#[inline(always)]
+unsafe fn halves_ph(at: *const u8, stride: usize) -> __m512 {
+    let a = _mm_loadu_si128(at.cast());
+    let b = _mm_loadu_si128(at.add(stride).cast());
+    _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(a), b))
+}
+
+/// Activation bytes `4v..4v + 4` of block `b`, in every 32-bit lane of a 512-bit vector.
+#[inline(always)]
+unsafe fn broadcast4_x16(x: &Q8Row, b: usize, v: usize) -> __m512i {
+    _mm512_set1_epi32(x.qs.as_ptr().add(32 * b + 4 * v).cast::<i32>().read_unaligned())
+}
+
+/// [`unsigned_x8`] (q4_0x8 `KIND` 0, q4_1x8 `KIND` 1) for the two groups of `pair`.
+#[inline(always)]
+unsafe fn unsigned_x16<const N: usize, const KIND: u8>(pair: &[u8], x: &[Q8Row; N]) -> [__m512; N] {
+    let stride = pair.len() / 2;
+    let head = if KIND == 1 { 32 } else { 16 };
+    let bytes = head + 128;
+    let low = _mm512_set1_epi8(0x0F);
+    let mut acc = [_mm512_setzero_ps(); N];
+    let base = pair.as_ptr();
+    for b in 0..stride / bytes {
+        let blk = base.add(bytes * b);
+        prefetch::pair_ahead(blk, bytes * b, bytes, stride);
+        let d = halves_ph(blk, stride);
+        let c = match KIND {
+            0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
+            _ => halves_ph(blk.add(16), stride),
+        };
+        let qs = blk.add(head);
+        let mut run = [_mm512_setzero_si512(); N];
+        for chunk in 0..4 {
+            let q = load_pair(qs.add(32 * chunk), stride);
+            let lo = _mm512_and_si512(q, low);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), low);
+            for t in 0..N {
+                run[t] = _mm512_dpbusd_epi32(run[t], lo, broadcast4_x16(&x[t], b, chunk));
+                run[t] = _mm512_dpbusd_epi32(run[t], hi, broadcast4_x16(&x[t], b, chunk + 4));
+            }
+        }
+        for t in 0..N {
+            let [dx, sx] = x[t].ds[b];
+            let p = _mm512_cvtepi32_ps(run[t]);
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx)), p, acc[t]);
+            acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(sx), acc[t]);
+        }
+    }
+    acc
+}
+
+/// [`q8_0_x8`] for the two groups of `pair`: |w| times x carrying w's sign (a masked
+/// negation: AVX-512 has no `vpsignb`).
+#[inline(always)]
+unsafe fn q8_0_x16<const N: usize>(pair: &[u8], x: &[Q8Row; N]) -> [__m512; N] {
+    let stride = pair.len() / 2;
+    let bytes = 16 + 256;
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); N];
+    let base = pair.as_ptr();
+    for b in 0..stride / bytes {
+        let blk = base.add(bytes * b);
+        prefetch::pair_ahead(blk, bytes * b, bytes, stride);
+        let d = halves_ph(blk, stride);
+        let qs = blk.add(16);
+        let mut run = [_mm512_setzero_si512(); N];
+        for chunk in 0..8 {
+            let w = load_pair(qs.add(32 * chunk), stride);
+            let (wabs, neg) = (_mm512_abs_epi8(w), _mm512_movepi8_mask(w));
+            for t in 0..N {
+                let xb = broadcast4_x16(&x[t], b, chunk);
+                let xs = _mm512_mask_sub_epi8(xb, neg, zero, xb);
+                run[t] = _mm512_dpbusd_epi32(run[t], wabs, xs);
+            }
+        }
+        for t in 0..N {
+            let scale = _mm512_mul_ps(d, _mm512_set1_ps(x[t].ds[b][0]));
+            acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(run[t]), acc[t]);
+        }
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn run_pair<const N: usize, const F: usize>(
+    pair: &[u8],
+    x: &[Q8Row],
+    out: &mut [[f32; 2 * INTERLEAVE]],
+) {
+    let x: &[Q8Row; N] = x.try_into().expect("N activation rows");
+    let acc = match F {
+        0 => q8_0_x16::<N>(pair, x),
+        1 => unsigned_x16::<N, 0>(pair, x),
+        _ => unsigned_x16::<N, 1>(pair, x),
+    };
+    for (o, a) in out.iter_mut().zip(acc) {
+        _mm512_storeu_ps(o.as_mut_ptr(), a);
+    }
+}
+
+/// The pair kernel of format `F` (q8_0x8, q4_0x8, q4_1x8) for 1..=8 tokens.
+fn pair_entry<const F: usize>(pair: &[u8], x: &[Q8Row], out: &mut [[f32; 2 * INTERLEAVE]]) {
+    let format = TensorFormat::INTERLEAVED[F];
+    let (a, b) = pair.split_at(pair.len() / 2);
+    check_group_args(format, a, x, out.len(), false);
+    assert!(a.len() == b.len(), "{format:?} pair kernel: groups of unequal size");
+    // SAFETY: only `pair_qdot` hands this out, on the AVX-512 VNNI path, whose table
+    // `PathKernels::of` gives out only after checking the CPU; loads stay inside the two
+    // groups (each checked above) and the activation rows.
+    unsafe {
+        match x.len() {
+            1 => run_pair::<1, F>(pair, x, out),
+            2 => run_pair::<2, F>(pair, x, out),
+            3 => run_pair::<3, F>(pair, x, out),
+            4 => run_pair::<4, F>(pair, x, out),
+            5 => run_pair::<5, F>(pair, x, out),
+            6 => run_pair::<6, F>(pair, x, out),
+            7 => run_pair::<7, F>(pair, x, out),
+            8 => run_pair::<8, F>(pair, x, out),
+            n => panic!("pair kernels take 1..=8 tokens, got {n}"),
+        }
+    }
+}
+
+/// The pair kernel of `format` on path `P` (AVX-512 VNNI's, for q8_0x8, q4_0x8 and q4_1x8),
+/// with the fewest tokens it should take. Alone, `gemv` against a matrix streamed from
+/// memory (one thread), the pair kernel is slower (0.8x at one token: two streams),
+/// and faster from 2 tokens (q4_1: 1.1x at 2, 1.4x at 4, 2.0x at 8) or 4 (q8_0: 1.2x at 4,
+/// 1.3x at 8); on matrices that stay in L2, 1.3-2.3x from one token.
+pub(super) fn pair_qdot<const P: u8>(format: TensorFormat) -> Option<(QDotX16Fn, usize)> {
+    if P != bytes::AVX512_VNNI {
+        return None;
+    }
+    const PAIRS: [(TensorFormat, QDotX16Fn, usize); 3] = [
+        (TensorFormat::INTERLEAVED[0], pair_entry::<0>, 4),
+        (TensorFormat::INTERLEAVED[1], pair_entry::<1>, 2),
+        (TensorFormat::INTERLEAVED[2], pair_entry::<2>, 2),
+    ];
+    PAIRS.iter().find(|(f, ..)| *f == format).map(|&(_, k, min)| (k, min))
 }
 
 /// The entries of one path, in `TensorFormat::INTERLEAVED` order.
