@@ -153,7 +153,14 @@ unsafe fn quantize_rows_avx2(x: &[f32], q8_1: bool, qs: &mut [i8], ds: &mut [[f3
     let sign = _mm256_set1_ps(-0.0);
     let top = _mm256_set1_ps(127.0);
     for ((src, dst), out) in x.chunks_exact(QBLOCK).zip(qs.chunks_exact_mut(QBLOCK)).zip(ds) {
-        let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(src.as_ptr().add(8 * i)));
+        // (No closures: they would not inherit the target features.)
+        let p = src.as_ptr();
+        let v = [
+            _mm256_loadu_ps(p),
+            _mm256_loadu_ps(p.add(8)),
+            _mm256_loadu_ps(p.add(16)),
+            _mm256_loadu_ps(p.add(24)),
+        ];
         let m = _mm256_max_ps(
             _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
@@ -163,12 +170,13 @@ unsafe fn quantize_rows_avx2(x: &[f32], q8_1: bool, qs: &mut [i8], ds: &mut [[f3
         let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
         let d = amax / 127.0;
         let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
-        let q: [__m256i; 4] = std::array::from_fn(|i| {
+        let mut q = [_mm256_setzero_si256(); 4];
+        for (q, v) in q.iter_mut().zip(v) {
             let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-                _mm256_mul_ps(v[i], inv),
+                _mm256_mul_ps(v, inv),
             );
-            _mm256_cvtps_epi32(_mm256_min_ps(r, top))
-        });
+            *q = _mm256_cvtps_epi32(_mm256_min_ps(r, top));
+        }
         let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
         let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
         let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));

@@ -72,6 +72,7 @@ impl Isa {
                     avx2()
                         && is_x86_feature_detected!("avx512f")
                         && is_x86_feature_detected!("avx512vl")
+                        && is_x86_feature_detected!("avx512bw")
                         && is_x86_feature_detected!("avx512vnni")
                 }
                 Isa::Neon | Isa::NeonDotprod => false,

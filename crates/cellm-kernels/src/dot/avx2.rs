@@ -519,3 +519,212 @@ fn axpy_heads_f16(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
 fn axpy_heads_bf16(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
     unsafe { axpy_heads::<Bf16>(weights, rows, acc) }
 }
+
+// The page kernels again in 512-bit vectors, for the AVX-512 path (`head_kernels_512`):
+// half the instructions per position of the 256-bit ones, and 32 registers, so the three
+// heads' four running sums of `dot_four` no longer spill. Rows whose width is not a multiple
+// of 16 take the 256-bit kernels. A path's kernels are the same for every batch, so a
+// session's attention stays bitwise independent of what it is decoded beside.
+
+trait Lanes16: Lanes {
+    unsafe fn load16(p: *const Self::Elem) -> __m512;
+}
+impl Lanes16 for F32 {
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+}
+impl Lanes16 for F16 {
+    #[inline(always)]
+    unsafe fn load16(p: *const HalfBits) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+    }
+}
+impl Lanes16 for Bf16 {
+    #[inline(always)]
+    unsafe fn load16(p: *const BrainBits) -> __m512 {
+        let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide))
+    }
+}
+
+/// The high and low 256-bit halves of `v`, added.
+#[inline(always)]
+unsafe fn fold512(v: __m512) -> __m256 {
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+    _mm256_add_ps(_mm512_castps512_ps256(v), hi)
+}
+
+/// [`dot_four`] 16 columns at a time (`n` a multiple of 16).
+#[inline(always)]
+unsafe fn dot_four16<L: Lanes16, const H: usize>(
+    rows: [*const L::Elem; 4],
+    n: usize,
+    q: *const f32,
+) -> [__m128; H] {
+    let mut acc = [[_mm512_setzero_ps(); 4]; H];
+    let mut qv = [_mm512_setzero_ps(); H];
+    for i in (0..n).step_by(16) {
+        for (h, qv) in qv.iter_mut().enumerate() {
+            *qv = _mm512_loadu_ps(q.add(h * n + i));
+        }
+        for (s, row) in rows.iter().enumerate() {
+            let k = L::load16(row.add(i));
+            for h in 0..H {
+                acc[h][s] = _mm512_fmadd_ps(qv[h], k, acc[h][s]);
+            }
+        }
+    }
+    let mut sums = [_mm_setzero_ps(); H];
+    for (sum, acc) in sums.iter_mut().zip(acc) {
+        // (No closure: it would not inherit the target features.)
+        let halves = [fold512(acc[0]), fold512(acc[1]), fold512(acc[2]), fold512(acc[3])];
+        *sum = hsum4(halves);
+    }
+    sums
+}
+
+/// [`dot_pass`] on [`dot_four16`].
+#[inline(always)]
+unsafe fn dot_pass16<L: Lanes16, const H: usize>(
+    rows: CachedRows,
+    q: *const f32,
+    scores: *mut f32,
+) {
+    let (base, count) = (rows.bytes.as_ptr(), rows.count);
+    for s0 in (0..count).step_by(4) {
+        let mut four = [base.cast::<L::Elem>(); 4];
+        for (s, row) in four.iter_mut().enumerate() {
+            *row = base.add((s0 + s).min(count - 1) * rows.stride).cast();
+        }
+        let sums = dot_four16::<L, H>(four, rows.dim, q);
+        let real = (count - s0).min(4);
+        for (h, sum) in sums.iter().enumerate() {
+            let to = scores.add(h * count + s0);
+            if real == 4 {
+                _mm_storeu_ps(to, *sum);
+            } else {
+                let mut lanes = [0.0f32; 4];
+                _mm_storeu_ps(lanes.as_mut_ptr(), *sum);
+                for (i, &lane) in lanes[..real].iter().enumerate() {
+                    *to.add(i) = lane;
+                }
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
+unsafe fn dot_heads16<L: Lanes16>(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
+    if !rows.dim.is_multiple_of(16) {
+        return dot_heads::<L>(rows, q, scores);
+    }
+    let elem = size_of::<L::Elem>();
+    let heads = rows.heads(elem, (q.len(), rows.dim), (scores.len(), rows.count));
+    for pass in head_passes(heads, 3) {
+        let (qp, sp) = (q.as_ptr().add(pass.start * rows.dim), scores.as_mut_ptr());
+        let sp = sp.add(pass.start * rows.count);
+        match pass.len() {
+            1 => dot_pass16::<L, 1>(rows, qp, sp),
+            2 => dot_pass16::<L, 2>(rows, qp, sp),
+            _ => dot_pass16::<L, 3>(rows, qp, sp),
+        }
+    }
+}
+
+/// [`axpy_cols`] 16 columns a vector.
+#[inline(always)]
+unsafe fn axpy_cols16<L: Lanes16, const H: usize, const C: usize>(
+    w: *const f32,
+    rows: CachedRows,
+    col: usize,
+    acc: *mut f32,
+) {
+    let (n, count) = (rows.dim, rows.count);
+    let mut o = [[_mm512_setzero_ps(); C]; H];
+    for (h, o) in o.iter_mut().enumerate() {
+        for (c, o) in o.iter_mut().enumerate() {
+            *o = _mm512_loadu_ps(acc.add(h * n + col + 16 * c));
+        }
+    }
+    for s in 0..count {
+        let row = rows.bytes.as_ptr().add(s * rows.stride).cast::<L::Elem>().add(col);
+        let mut ws = [_mm512_setzero_ps(); H];
+        for (h, ws) in ws.iter_mut().enumerate() {
+            *ws = _mm512_set1_ps(*w.add(h * count + s));
+        }
+        for c in 0..C {
+            let v = L::load16(row.add(16 * c));
+            for (o, w) in o.iter_mut().zip(ws) {
+                o[c] = _mm512_fmadd_ps(w, v, o[c]);
+            }
+        }
+    }
+    for (h, o) in o.iter().enumerate() {
+        for (c, o) in o.iter().enumerate() {
+            _mm512_storeu_ps(acc.add(h * n + col + 16 * c), *o);
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
+unsafe fn axpy_heads16<L: Lanes16>(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
+    if !rows.dim.is_multiple_of(16) {
+        return axpy_heads::<L>(weights, rows, acc);
+    }
+    let elem = size_of::<L::Elem>();
+    let heads = rows.heads(elem, (acc.len(), rows.dim), (weights.len(), rows.count));
+    let n = rows.dim;
+    for pass in head_passes(heads, 3) {
+        let wp = weights.as_ptr().add(pass.start * rows.count);
+        let ap = acc.as_mut_ptr().add(pass.start * n);
+        let mut col = 0;
+        while col + 64 <= n {
+            match pass.len() {
+                1 => axpy_cols16::<L, 1, 4>(wp, rows, col, ap),
+                2 => axpy_cols16::<L, 2, 4>(wp, rows, col, ap),
+                _ => axpy_cols16::<L, 3, 4>(wp, rows, col, ap),
+            }
+            col += 64;
+        }
+        while col < n {
+            match pass.len() {
+                1 => axpy_cols16::<L, 1, 1>(wp, rows, col, ap),
+                2 => axpy_cols16::<L, 2, 1>(wp, rows, col, ap),
+                _ => axpy_cols16::<L, 3, 1>(wp, rows, col, ap),
+            }
+            col += 16;
+        }
+    }
+}
+
+fn dot_heads16_f32(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
+    unsafe { dot_heads16::<F32>(rows, q, scores) }
+}
+fn dot_heads16_f16(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
+    unsafe { dot_heads16::<F16>(rows, q, scores) }
+}
+fn dot_heads16_bf16(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
+    unsafe { dot_heads16::<Bf16>(rows, q, scores) }
+}
+fn axpy_heads16_f32(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
+    unsafe { axpy_heads16::<F32>(weights, rows, acc) }
+}
+fn axpy_heads16_f16(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
+    unsafe { axpy_heads16::<F16>(weights, rows, acc) }
+}
+fn axpy_heads16_bf16(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
+    unsafe { axpy_heads16::<Bf16>(weights, rows, acc) }
+}
+
+/// The head-group kernels of the AVX-512 path. Only its table hands them out, after
+/// `PathKernels::of` checked the CPU.
+pub fn head_kernels_512(format: TensorFormat) -> HeadKernels {
+    match format {
+        TensorFormat::F32 => HeadKernels { dot: dot_heads16_f32, axpy: axpy_heads16_f32 },
+        TensorFormat::F16 => HeadKernels { dot: dot_heads16_f16, axpy: axpy_heads16_f16 },
+        TensorFormat::BF16 => HeadKernels { dot: dot_heads16_bf16, axpy: axpy_heads16_bf16 },
+        other => unreachable!("{other:?} is not a cache format"),
+    }
+}

@@ -107,7 +107,7 @@ mod tests {
                     (scalar_rows(format), PathKernels::of(isa).head_kernels(format));
                 let elem = format.nbytes(&[1]).unwrap();
                 for (n, group, count) in
-                    [(64, 1, 16), (64, 3, 7), (60, 7, 5), (256, 4, 1), (12, 5, 9)]
+                    [(64, 1, 16), (64, 3, 7), (60, 7, 5), (256, 4, 1), (12, 5, 9), (80, 2, 6)]
                 {
                     // Each row sits in a stride of three rows (kv heads side by side), the
                     // run starting at the second.

@@ -52,7 +52,7 @@ const fn avx2_family<const P: u8>(tile: TileFn) -> PathKernels {
         integer: int_avx2::entries::<P>,
         groups: x8_avx2::qdot::<P>,
         pairs: x8_avx2::pair_qdot::<P>,
-        heads: avx2::head_kernels,
+        heads: if P == bytes::AVX512_VNNI { avx2::head_kernels_512 } else { avx2::head_kernels },
         dot_tiles: avx2::dot_tiles,
         panel_widener: Some(avx2::panel_widener),
         tile,
@@ -64,7 +64,8 @@ static AVX2: PathKernels = avx2_family::<{ bytes::AVX2 }>(panel::avx2::tile);
 #[cfg(target_arch = "x86_64")]
 static AVX_VNNI: PathKernels = avx2_family::<{ bytes::AVX_VNNI }>(panel::avx2::tile);
 /// AVX-512's register tile for the float GEMM and dense attention (twice the AVX2 tile's
-/// multiply-adds per instruction); the row kernels stay AVX2's.
+/// multiply-adds per instruction) and its attention page kernels; the row kernels stay
+/// AVX2's.
 #[cfg(target_arch = "x86_64")]
 static AVX512_VNNI: PathKernels = avx2_family::<{ bytes::AVX512_VNNI }>(panel::avx512::tile);
 /// The VNNI paths' kernel code on AVX2 with `vpdpbusd` emulated (tests).
