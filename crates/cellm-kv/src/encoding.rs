@@ -205,11 +205,7 @@ impl KvEncoding {
                     d.copy_from_slice(&s.to_le_bytes());
                 }
             }
-            Self::F16 => {
-                for (d, s) in dst.chunks_exact_mut(2).zip(src) {
-                    d.copy_from_slice(&half::f16::from_f32(*s).to_bits().to_le_bytes());
-                }
-            }
+            Self::F16 => kv_rows::encode_f16(src, &mut dst[..2 * src.len()]),
             Self::Int8 => kv_rows::encode_i8(src, dst),
             Self::Int4 => kv_rows::encode_i4(src, dst),
         }

@@ -166,10 +166,15 @@ impl From<&RopeConfig> for Rope {
 impl Rope {
     /// Rotates the first `2 * inv_freq.len()` dims of every `head_dim`-wide head in `x`.
     pub fn apply(&self, x: &mut [f32], positions: &[usize], head_dim: usize) {
+        self.apply_all(&mut [x], positions, head_dim);
+    }
+
+    /// [`Self::apply`] to each of `xs` (queries and keys), each position's angles computed
+    /// once for all of them.
+    pub fn apply_all(&self, xs: &mut [&mut [f32]], positions: &[usize], head_dim: usize) {
         let half = self.inv_freq.len();
-        let per_token = x.len() / positions.len();
         let mut cos_sin = vec![(0.0f32, 0.0f32); half];
-        for (row, &pos) in x.chunks_exact_mut(per_token).zip(positions) {
+        for (t, &pos) in positions.iter().enumerate() {
             for (cs, &f) in cos_sin.iter_mut().zip(&self.inv_freq) {
                 // The angle is rounded to f32 first, as the reference computes it.
                 let angle = f64::from(pos as f32 * f);
@@ -178,12 +183,15 @@ impl Rope {
                     (angle.sin() as f32) * self.attention_factor,
                 );
             }
-            for head in row.chunks_exact_mut(head_dim) {
-                let (a, b) = head[..2 * half].split_at_mut(half);
-                for ((x1, x2), &(c, s)) in a.iter_mut().zip(b.iter_mut()).zip(&cos_sin) {
-                    let (u, v) = (*x1, *x2);
-                    *x1 = u * c - v * s;
-                    *x2 = v * c + u * s;
+            for x in xs.iter_mut() {
+                let per_token = x.len() / positions.len();
+                for head in x[t * per_token..(t + 1) * per_token].chunks_exact_mut(head_dim) {
+                    let (a, b) = head[..2 * half].split_at_mut(half);
+                    for ((x1, x2), &(c, s)) in a.iter_mut().zip(b.iter_mut()).zip(&cos_sin) {
+                        let (u, v) = (*x1, *x2);
+                        *x1 = u * c - v * s;
+                        *x2 = v * c + u * s;
+                    }
                 }
             }
         }
@@ -294,8 +302,7 @@ impl Attention {
             kn.apply(&mut k);
         }
         if let Some(rope) = &self.rope {
-            rope.apply(&mut q, positions, hd);
-            rope.apply(&mut k, positions, hd);
+            rope.apply_all(&mut [&mut q, &mut k], positions, hd);
         }
         let mut ctx = vec![0.0; q.len()];
         cellm_kv::AttentionCall {
