@@ -46,6 +46,9 @@ pub struct Q8Acts {
     /// K scheme only: the integer sum of every 16 values, for q6_k's `-32` offset (its
     /// sub-blocks are 16 long). Empty for the other schemes.
     pub sums16: Vec<i16>,
+    /// Per-32 schemes: the integer sum of every block (at most 32 * 127 in magnitude), for
+    /// kernels that multiply offset bytes (q8_0's pair kernel). Empty for the K scheme.
+    pub sums32: Vec<i16>,
 }
 
 /// One row of quantized activations.
@@ -55,6 +58,8 @@ pub struct Q8Row<'a> {
     pub ds: &'a [[f32; 2]],
     /// As [`Q8Acts::sums16`].
     pub sums16: &'a [i16],
+    /// As [`Q8Acts::sums32`].
+    pub sums32: &'a [i16],
 }
 
 /// `dst = round(src * inv)`, ties to even as llama.cpp's SIMD quantizers round; the K
@@ -94,6 +99,7 @@ struct Dst<'a> {
     qs: &'a mut [i8],
     ds: &'a mut [[f32; 2]],
     sums16: &'a mut [i16],
+    sums32: &'a mut [i16],
 }
 
 /// Quantizes `x` in groups of `group` (32, or 256 for the K scheme) into `qs`, per-32 `ds` and
@@ -102,9 +108,11 @@ fn quantize_rows(x: &[f32], group: usize, scheme: ActScheme, out: Dst) {
     #[cfg(target_arch = "x86_64")]
     if scheme != ActScheme::Q8K && crate::Isa::Avx2.supported() {
         // SAFETY: AVX2 and FMA (every AVX2 path's baseline) were just checked.
-        return unsafe { quantize_rows_avx2(x, scheme == ActScheme::Q8_1, out.qs, out.ds) };
+        let q8_1 = scheme == ActScheme::Q8_1;
+        return unsafe { quantize_rows_avx2(x, q8_1, out.qs, out.ds, out.sums32) };
     }
-    let Dst { qs, ds, sums16 } = out;
+    let Dst { qs, ds, sums16, sums32 } = out;
+    let mut sums32 = sums32.iter_mut();
     let blocks = ds.chunks_exact_mut(group / QBLOCK);
     for ((src, dst), ds) in x.chunks_exact(group).zip(qs.chunks_exact_mut(group)).zip(blocks) {
         let (d, inv) = match scheme {
@@ -126,6 +134,9 @@ fn quantize_rows(x: &[f32], group: usize, scheme: ActScheme, out: Dst) {
         round_block(src, inv, dst);
         for (block, out) in dst.chunks_exact(QBLOCK).zip(ds.iter_mut()) {
             let sum: i32 = block.iter().map(|&q| i32::from(q)).sum();
+            if let Some(s) = sums32.next() {
+                *s = sum as i16;
+            }
             *out = match scheme {
                 // llama.cpp's q8_0 has no sum; the unsigned kernels use it for offsets.
                 ActScheme::Q8_0 => [round_f16(d), round_f16(d) * sum as f32],
@@ -147,12 +158,19 @@ fn quantize_rows(x: &[f32], group: usize, scheme: ActScheme, out: Dst) {
 /// lanes at a time instead of a scalar loop per block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantize_rows_avx2(x: &[f32], q8_1: bool, qs: &mut [i8], ds: &mut [[f32; 2]]) {
+unsafe fn quantize_rows_avx2(
+    x: &[f32],
+    q8_1: bool,
+    qs: &mut [i8],
+    ds: &mut [[f32; 2]],
+    sums32: &mut [i16],
+) {
     use std::arch::x86_64::*;
     debug_assert!(x.len() == qs.len() && x.len() == ds.len() * QBLOCK);
     let sign = _mm256_set1_ps(-0.0);
     let top = _mm256_set1_ps(127.0);
-    for ((src, dst), out) in x.chunks_exact(QBLOCK).zip(qs.chunks_exact_mut(QBLOCK)).zip(ds) {
+    let blocks = x.chunks_exact(QBLOCK).zip(qs.chunks_exact_mut(QBLOCK));
+    for (((src, dst), out), isum) in blocks.zip(ds).zip(sums32) {
         // (No closures: they would not inherit the target features.)
         let p = src.as_ptr();
         let v = [
@@ -189,6 +207,7 @@ unsafe fn quantize_rows_avx2(x: &[f32], q8_1: bool, qs: &mut [i8], ds: &mut [[f3
         let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(dst.as_mut_ptr().cast(), b);
         let dh = round_f16(d);
+        *isum = sum as i16;
         *out = if q8_1 { [dh, round_f16(d * sum as f32)] } else { [dh, dh * sum as f32] };
     }
 }
@@ -202,15 +221,22 @@ impl Q8Acts {
         let rows = x.len() / cols.max(1);
         let per_row = cols / QBLOCK;
         let sums_per_row = if scheme == ActScheme::Q8K { cols / 16 } else { 0 };
+        let sums32_per_row = if scheme == ActScheme::Q8K { 0 } else { per_row };
         let mut acts = Self {
             cols,
             qs: vec![0; x.len()],
             ds: vec![[0.0; 2]; x.len() / QBLOCK],
             sums16: vec![0; rows * sums_per_row],
+            sums32: vec![0; rows * sums32_per_row],
         };
         let threads = pool::current_threads();
         if rows < 2 || x.len() < PARALLEL_MIN || threads == 1 {
-            let dst = Dst { qs: &mut acts.qs, ds: &mut acts.ds, sums16: &mut acts.sums16 };
+            let dst = Dst {
+                qs: &mut acts.qs,
+                ds: &mut acts.ds,
+                sums16: &mut acts.sums16,
+                sums32: &mut acts.sums32,
+            };
             quantize_rows(x, group, scheme, dst);
             return acts;
         }
@@ -220,9 +246,10 @@ impl Q8Acts {
             pool::SharedOut(acts.ds.as_mut_ptr()),
             pool::SharedOut(acts.sums16.as_mut_ptr()),
         );
+        let sums32 = pool::SharedOut(acts.sums32.as_mut_ptr());
         pool::parallel_for(rows.div_ceil(per), |i| {
             let r = i * per..((i + 1) * per).min(rows);
-            // SAFETY: the tasks' row ranges are disjoint and inside the three buffers.
+            // SAFETY: the tasks' row ranges are disjoint and inside the four buffers.
             let dst = unsafe {
                 Dst {
                     qs: std::slice::from_raw_parts_mut(qs.at(r.start * cols), r.len() * cols),
@@ -230,6 +257,10 @@ impl Q8Acts {
                     sums16: std::slice::from_raw_parts_mut(
                         sums.at(r.start * sums_per_row),
                         r.len() * sums_per_row,
+                    ),
+                    sums32: std::slice::from_raw_parts_mut(
+                        sums32.at(r.start * sums32_per_row),
+                        r.len() * sums32_per_row,
                     ),
                 }
             };
@@ -241,10 +272,12 @@ impl Q8Acts {
     pub fn row(&self, r: usize) -> Q8Row<'_> {
         let b = self.cols / QBLOCK;
         let s = if self.sums16.is_empty() { 0 } else { self.cols / 16 };
+        let s32 = if self.sums32.is_empty() { 0 } else { b };
         Q8Row {
             qs: &self.qs[r * self.cols..(r + 1) * self.cols],
             ds: &self.ds[r * b..(r + 1) * b],
             sums16: &self.sums16[r * s..(r + 1) * s],
+            sums32: &self.sums32[r * s32..(r + 1) * s32],
         }
     }
 }
@@ -272,9 +305,12 @@ mod tests {
         for scheme in [ActScheme::Q8_0, ActScheme::Q8_1] {
             let mut qs = vec![0i8; x.len()];
             let mut ds = vec![[0.0f32; 2]; blocks];
+            let mut sums = vec![0i16; blocks];
+            let q8_1 = scheme == ActScheme::Q8_1;
             // SAFETY: AVX2 checked above.
-            unsafe { quantize_rows_avx2(&x, scheme == ActScheme::Q8_1, &mut qs, &mut ds) };
+            unsafe { quantize_rows_avx2(&x, q8_1, &mut qs, &mut ds, &mut sums) };
             let (mut want_qs, mut want_ds) = (vec![0i8; x.len()], vec![[0.0f32; 2]; blocks]);
+            let mut want_sums = Vec::new();
             for ((src, dst), out) in
                 x.chunks_exact(QBLOCK).zip(want_qs.chunks_exact_mut(QBLOCK)).zip(&mut want_ds)
             {
@@ -282,12 +318,14 @@ mod tests {
                 let d = amax / 127.0;
                 round_block_portable(src, if d > 0.0 { 1.0 / d } else { 0.0 }, dst);
                 let sum: i32 = dst.iter().map(|&q| i32::from(q)).sum();
+                want_sums.push(sum as i16);
                 *out = match scheme {
                     ActScheme::Q8_1 => [round_f16(d), round_f16(d * sum as f32)],
                     _ => [round_f16(d), round_f16(d) * sum as f32],
                 };
             }
             assert_eq!(qs, want_qs, "{scheme:?}");
+            assert_eq!(sums, want_sums, "{scheme:?}");
             let bits = |v: &[[f32; 2]]| v.iter().flatten().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&ds), bits(&want_ds), "{scheme:?}");
         }

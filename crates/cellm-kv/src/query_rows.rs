@@ -63,8 +63,14 @@ pub(crate) fn attend(
         units.iter().enumerate().flat_map(|(u, &(_, n))| (0..n).map(move |c| (u, c))).collect();
     let width = n_heads * hd;
     let pass_width = per_pass.min(n_heads) * hd;
-    let mut partial = vec![Partial::default(); total];
-    let mut acc = vec![0.0f32; total * pass_width];
+    // The chunks' records and sums live in this thread's scratch, reused from call to call:
+    // a fresh pair of buffers every layer cost more in the allocator (freeing coalesced
+    // them) than the attention's own bookkeeping.
+    let (mut partial, mut acc) = SCRATCH.with(|s| s.take());
+    partial.clear();
+    partial.resize(total, Partial::default());
+    acc.clear();
+    acc.resize(total * pass_width, 0.0);
     let (parts, accs) = (SharedOut(partial.as_mut_ptr()), SharedOut(acc.as_mut_ptr()));
     // Each row's queries times the scale, once for all its chunks instead of in every
     // score.
@@ -107,6 +113,13 @@ pub(crate) fn attend(
             );
         }
     }
+    SCRATCH.with(|s| s.set((partial, acc)));
+}
+
+thread_local! {
+    /// [`attend`]'s chunk records and sums, kept for the thread's next call.
+    static SCRATCH: std::cell::Cell<(Vec<Partial>, Vec<f32>)> =
+        const { std::cell::Cell::new((Vec::new(), Vec::new())) };
 }
 
 /// What every task of one call reads, with the page kernels chosen once for all.

@@ -520,13 +520,15 @@ unsafe fn unsigned_x16<const N: usize, const KIND: u8>(pair: &[u8], x: &[Q8Row; 
     acc
 }
 
-/// [`q8_0_x8`] for the two groups of `pair`: |w| times x carrying w's sign (a masked
-/// negation: AVX-512 has no `vpsignb`).
+/// [`q8_0_x8`] for the two groups of `pair`. AVX-512 has no `vpsignb`: the signed quants
+/// `w` go in as the bytes `w + 128` (`w ^ 0x80`, once for every token), and each block's sum
+/// takes off `128 * sum(x)` (the activations' integer block sum): the same integer as the
+/// group kernel's `|w| * (x signed by w)` sums, with one instruction less per token and chunk.
 #[inline(always)]
 unsafe fn q8_0_x16<const N: usize>(pair: &[u8], x: &[Q8Row; N]) -> [__m512; N] {
     let stride = pair.len() / 2;
     let bytes = 16 + 256;
-    let zero = _mm512_setzero_si512();
+    let flip = _mm512_set1_epi8(-128);
     let mut acc = [_mm512_setzero_ps(); N];
     let base = pair.as_ptr();
     for b in 0..stride / bytes {
@@ -536,17 +538,16 @@ unsafe fn q8_0_x16<const N: usize>(pair: &[u8], x: &[Q8Row; N]) -> [__m512; N] {
         let qs = blk.add(16);
         let mut run = [_mm512_setzero_si512(); N];
         for chunk in 0..8 {
-            let w = load_pair(qs.add(32 * chunk), stride);
-            let (wabs, neg) = (_mm512_abs_epi8(w), _mm512_movepi8_mask(w));
+            let u = _mm512_xor_si512(load_pair(qs.add(32 * chunk), stride), flip);
             for t in 0..N {
-                let xb = broadcast4_x16(&x[t], b, chunk);
-                let xs = _mm512_mask_sub_epi8(xb, neg, zero, xb);
-                run[t] = _mm512_dpbusd_epi32(run[t], wabs, xs);
+                run[t] = _mm512_dpbusd_epi32(run[t], u, broadcast4_x16(&x[t], b, chunk));
             }
         }
         for t in 0..N {
+            let offset = _mm512_set1_epi32(128 * i32::from(x[t].sums32[b]));
+            let sum = _mm512_sub_epi32(run[t], offset);
             let scale = _mm512_mul_ps(d, _mm512_set1_ps(x[t].ds[b][0]));
-            acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(run[t]), acc[t]);
+            acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), acc[t]);
         }
     }
     acc
@@ -575,6 +576,14 @@ fn pair_entry<const F: usize>(pair: &[u8], x: &[Q8Row], out: &mut [[f32; 2 * INT
     let (a, b) = pair.split_at(pair.len() / 2);
     check_group_args(format, a, x, out.len(), false);
     assert!(a.len() == b.len(), "{format:?} pair kernel: groups of unequal size");
+    if F == 0 {
+        let blocks =
+            a.len() / (INTERLEAVE * format.interleaved().expect("interleaved").base.block_bytes());
+        assert!(
+            x.iter().all(|r| r.sums32.len() >= blocks),
+            "the activations' block sums are missing"
+        );
+    }
     // SAFETY: only `pair_qdot` hands this out, on the AVX-512 VNNI path, whose table
     // `PathKernels::of` gives out only after checking the CPU; loads stay inside the two
     // groups (each checked above) and the activation rows.
