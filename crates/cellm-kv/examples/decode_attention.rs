@@ -91,7 +91,7 @@ fn time_steps(
     };
     for pos in 0..context {
         for layer in 0..layers {
-            pool.write(&seq, (layer, HEAD_DIM), pos, &row(pos), &row(pos + 5));
+            pool.write(&seq, (layer, HEAD_DIM), pos, &[], &row(pos), &row(pos + 5));
         }
     }
     pool.commit(&mut seq, context);

@@ -19,10 +19,12 @@ impl AttentionCall<'_> {
         for s in self.spans {
             for i in 0..s.len {
                 let r = s.row0 + i;
+                let q_width = self.shape.n_heads * self.shape.head_dim;
                 pool.write(
                     s.kv,
                     (self.layer, self.shape.head_dim),
                     s.start + i,
+                    &self.q[r * q_width..(r + 1) * q_width],
                     &self.k[r * kv_width..][..kv_width],
                     self.v.get(r * kv_width..(r + 1) * kv_width).unwrap_or(&[]),
                 );
@@ -180,7 +182,7 @@ mod tests {
         let q: Vec<f32> = (0..len * n_heads * hd).map(|i| val(i + 3)).collect();
         let k: Vec<f32> = (0..len * n_kv * hd).map(|i| val(i + 11)).collect();
         let v: Vec<f32> = (0..len * n_kv * hd).map(|i| val(i + 29)).collect();
-        let k_held = stored_keys(encoding, hd, (n_kv, 4), &k);
+        let k_held = stored_keys(encoding, hd, (n_kv, 4), &q, &k);
         let v_held = stored_values(encoding, hd, &v);
         let mut seq = pool.new_seq();
         pool.reserve(&mut seq, len).unwrap();

@@ -450,12 +450,16 @@ impl PagePool {
 
     /// Stores the key and value rows of position `pos` for `layer`, whose heads are
     /// `head_dim` wide (rotated first where the encoding rotates). A layer narrower than the
-    /// pool's rows fills a prefix of them.
+    /// pool's rows fills a prefix of them. `q` is the position's query row (all query
+    /// heads): where pages keep key headers, the first position of a page chooses the
+    /// header's channel scales by how strongly its queries read each channel (empty: by
+    /// the keys alone).
     pub fn write(
         &mut self,
         seq: &SeqKv,
         (layer, hd): (usize, usize),
         pos: usize,
+        q: &[f32],
         k: &[f32],
         v: &[f32],
     ) {
@@ -499,7 +503,9 @@ impl PagePool {
                         .flatten()
                         .copied()
                         .collect();
-                    KeyHeader::encode(head, &prev, at)
+                    let group = q.len() / hd / (k.len() / hd);
+                    let q = q.get(h * group * hd..(h + 1) * group * hd).unwrap_or(&[]);
+                    KeyHeader::encode(head, &prev, &KeyHeader::importance(q, hd), at)
                 } else {
                     KeyHeader::decode(at, hd)
                 };
@@ -674,7 +680,7 @@ mod tests {
                     continue; // out of the window before the step ends: never read
                 }
                 let k = [t as f32, layer as f32, pos as f32, 1.0];
-                p.write(s, (layer, 4), pos, &k, &k.map(|x| -x));
+                p.write(s, (layer, 4), pos, &[], &k, &k.map(|x| -x));
             }
         }
         p.commit_tokens(s, end, tokens);
@@ -810,7 +816,7 @@ mod tests {
         let mut p = pool(8);
         let mut s = p.new_seq();
         p.reserve(&mut s, 6).unwrap();
-        p.write(&s, (1, 4), 5, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0]);
+        p.write(&s, (1, 4), 5, &[], &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0]);
         let (k, v) = p.rows(&s, 1, 5);
         assert_eq!(&k[4..8], &2.0f32.to_le_bytes());
         assert_eq!(&v[12..16], &8.0f32.to_le_bytes());

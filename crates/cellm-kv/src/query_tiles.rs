@@ -420,8 +420,11 @@ mod tests {
                 // The keys and values the cache holds (what the encoding keeps of them).
                 let held: Vec<[Vec<f32>; 2]> = data
                     .iter()
-                    .map(|[_, k, v]| {
-                        [stored_keys(encoding, hd, (n_kv, ps), k), stored_values(encoding, hd, v)]
+                    .map(|[q, k, v]| {
+                        [
+                            stored_keys(encoding, hd, (n_kv, ps), q, k),
+                            stored_values(encoding, hd, v),
+                        ]
                     })
                     .collect();
                 let mut seqs: Vec<_> = lens.iter().map(|_| pool.new_seq()).collect();
