@@ -282,7 +282,8 @@ impl Q8Acts {
     }
 }
 
-#[cfg(test)]
+// The one test is of the x86 quantizer.
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
 

@@ -33,17 +33,15 @@ pub fn i4_row_bytes(dim: usize) -> usize {
     dim.div_ceil(I4_GROUP) * I4_BLOCK
 }
 
-/// Stores `x` as an int8 row (`out` is [`i8_row_bytes`] long).
 /// `x` as little-endian f16, rounded to nearest even (as `half::f16::from_f32`), 8 values
 /// at a time with F16C where the CPU has it.
 pub fn encode_f16(x: &[f32], out: &mut [u8]) {
     assert!(out.len() >= 2 * x.len(), "encode_f16: output too short");
-    let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if Isa::Avx2.supported() {
-        // SAFETY: AVX2 paths' baseline (F16C) was just checked; `out` holds 2 * x.len() bytes.
-        done = unsafe { encode_f16_f16c(x, out) };
-    }
+    // SAFETY: AVX2 paths' baseline (F16C) is checked first; `out` holds 2 * x.len() bytes.
+    let done = if Isa::Avx2.supported() { unsafe { encode_f16_f16c(x, out) } } else { 0 };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
     for (d, s) in out[2 * done..].chunks_exact_mut(2).zip(&x[done..]) {
         d.copy_from_slice(&half::f16::from_f32(*s).to_bits().to_le_bytes());
     }
@@ -62,6 +60,7 @@ unsafe fn encode_f16_f16c(x: &[f32], out: &mut [u8]) -> usize {
     n
 }
 
+/// Stores `x` as an int8 row (`out` is [`i8_row_bytes`] long).
 pub fn encode_i8(x: &[f32], out: &mut [u8]) {
     let top = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     // The scale as stored (f16), so the values are rounded against what decoding multiplies.
