@@ -7,7 +7,7 @@ a compressed cache, against the fixtures' HF logits. Quantizing the cache legiti
 logits, by an amount no formula gives for random-weight models, so the bounds are loose
 sanity bounds: a cache read at the wrong place, or a rotation not undone, gives KL of nats and
 top-1 agreement near chance, far outside them. How close the encodings stay on trained models
-is measured by tools/kv_encoding_table.py (perplexity, docs/benchmarks.md)."""
+is measured by benches/kv_encodings.py (perplexity, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
