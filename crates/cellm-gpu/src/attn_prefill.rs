@@ -3,12 +3,6 @@
 //! steps keep the split decode kernel and its combine (`shaders/attention.wgsl`), which
 //! spreads one token's context over many workgroups instead.
 
-use std::sync::Arc;
-
-use crate::kernels::{KernelId, Kernels};
-use crate::ops::{Buf, Grid, Op, When};
-use crate::step::Token;
-
 /// Query tokens per workgroup (`BQ`).
 pub const BQ: u32 = 16;
 /// Shared memory the kernel may take: 32 KiB, what lavapipe, Metal and NVIDIA's Vulkan offer.
@@ -65,38 +59,4 @@ pub fn source(head_dim: u32, attention: &str, kernel: &str) -> String {
         tile.keys,
         &attention[start..start + len]
     )
-}
-
-/// The prefill launch of one layer, taking the decode attention's `params`: None where the
-/// head dim has no tile or the device lacks the shared memory, and under
-/// `CELLM_GPU_NO_PREFILL_ATTN=1` (prefill then runs the decode attention; for measuring).
-pub fn op(
-    gpu: &crate::device::Gpu,
-    kernels: &mut Kernels,
-    head_dim: usize,
-    heads: usize,
-    params: [u32; 16],
-) -> Option<Op> {
-    let hd = head_dim as u32;
-    let tile = Tile::new(hd)?;
-    if tile.shared_bytes(hd) > gpu.limits.max_compute_workgroup_storage_size
-        || std::env::var_os("CELLM_GPU_NO_PREFILL_ATTN").is_some()
-    {
-        return None;
-    }
-    let kernel: Arc<_> = kernels.get(&gpu.device, KernelId::AttnPrefill(hd));
-    Some(Op {
-        kernel,
-        params,
-        binds: vec![(1, Buf::Qkv), (2, Buf::Ctx), (5, Buf::Pool)],
-        grid: Grid::QueryTiles(heads as u32),
-        when: When::Prefill,
-    })
-}
-
-/// Whether a chunk of `tokens` runs the prefill kernel: enough tokens per session (a
-/// session's tokens are consecutive rows sharing one page-table offset).
-pub fn wanted(tokens: &[Token]) -> bool {
-    let sessions = 1 + tokens.windows(2).filter(|w| w[0].table != w[1].table).count();
-    tokens.len() >= MIN_TOKENS_PER_SESSION * sessions
 }

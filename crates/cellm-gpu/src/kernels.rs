@@ -241,6 +241,9 @@ fn sections(text: &str, keep: &dyn Fn(&str) -> bool) -> String {
     out
 }
 
+/// Output rows one matvec workgroup computes (`RPW` in `shaders/matvec.wgsl`).
+pub(crate) const ROWS_PER_GROUP: usize = 4;
+
 /// The one-token matvec's column steps a pass (`UN` in `shaders/matvec.wgsl`). On the H200,
 /// 4 was 0-5% slower at tg64@128 than 1 or 2 (SmolLM2 Q4_1, Llama-3.2-1B Q4_K_M, 3B F16),
 /// and 1 and 2 were within noise of each other.
@@ -405,7 +408,7 @@ impl Kernel {
         if tokens < GEMM_MIN_TOKENS {
             return None;
         }
-        let per = crate::model::ROWS_PER_GROUP as u32;
+        let per = ROWS_PER_GROUP as u32;
         match &self.coop {
             Some((coop, tile)) if cols.is_multiple_of(32) => Some((
                 coop,

@@ -15,9 +15,9 @@ use cellm_models::{
 
 use crate::attn_prefill;
 use crate::device::Gpu;
-use crate::kernels::{KernelId, Kernels, GEMM_MIN_TOKENS};
+use crate::kernels::{KernelId, Kernels, GEMM_MIN_TOKENS, ROWS_PER_GROUP};
 use crate::ops::{Buf, Dims, Grid, Op, When};
-use crate::step::{HostStep, StepBuffers};
+use crate::step::{HostStep, StepBuffers, Token};
 use crate::weights::{as_bytes, Matrix, Uploader};
 use crate::GpuOptions;
 
@@ -35,8 +35,6 @@ const HEAD: u32 = 16;
 const GELU: u32 = 32;
 const ROPE: u32 = 64;
 const MAX_GROUPS: usize = 65535;
-/// Output rows one matvec workgroup computes (`RPW` in `shaders/matvec.wgsl`).
-pub(crate) const ROWS_PER_GROUP: usize = 4;
 
 pub struct GpuModel {
     cfg: ModelConfig,
@@ -662,7 +660,7 @@ fn plan(
             cfg.attention_scale().to_bits(),
             cfg.attn_logit_softcap.unwrap_or(0.0).to_bits(),
         ]);
-        ops.extend(attn_prefill::op(gpu, kernels, cfg.head_dim, cfg.num_heads, p));
+        ops.extend(prefill_attention_op(gpu, kernels, cfg.head_dim, cfg.num_heads, p));
         ops.push(Op {
             kernel: kernels.get(&gpu.device, KernelId::Attention),
             params: p,
@@ -958,7 +956,7 @@ impl Runner {
             let stamped = matches!(&self.profile, Some(p) if p.times(t) && p.stamps.is_some());
             // Prefill attention where the model has it and the chunk's sessions bring many
             // tokens each (else the decode attention and its combine).
-            let prefill = self.has_prefill && attn_prefill::wanted(&chunk.tokens);
+            let prefill = self.has_prefill && prefill_attention_wanted(&chunk.tokens);
             let key = (t, r, splits, prefill, self.bufs.generation());
             let ahead = self.ahead.take().filter(|a| a.key == key && !stamped);
             let commands = match ahead {
@@ -1007,4 +1005,38 @@ impl Runner {
         }
         Ok(logits)
     }
+}
+
+/// The prefill attention (`attn_prefill`) launch of one layer, taking the decode attention's `params`: None where the
+/// head dim has no tile or the device lacks the shared memory, and under
+/// `CELLM_GPU_NO_PREFILL_ATTN=1` (prefill then runs the decode attention; for measuring).
+fn prefill_attention_op(
+    gpu: &crate::device::Gpu,
+    kernels: &mut Kernels,
+    head_dim: usize,
+    heads: usize,
+    params: [u32; 16],
+) -> Option<Op> {
+    let hd = head_dim as u32;
+    let tile = attn_prefill::Tile::new(hd)?;
+    if tile.shared_bytes(hd) > gpu.limits.max_compute_workgroup_storage_size
+        || std::env::var_os("CELLM_GPU_NO_PREFILL_ATTN").is_some()
+    {
+        return None;
+    }
+    let kernel = kernels.get(&gpu.device, KernelId::AttnPrefill(hd));
+    Some(Op {
+        kernel,
+        params,
+        binds: vec![(1, Buf::Qkv), (2, Buf::Ctx), (5, Buf::Pool)],
+        grid: Grid::QueryTiles(heads as u32),
+        when: When::Prefill,
+    })
+}
+
+/// Whether a chunk of `tokens` runs the prefill attention: enough tokens per session (a
+/// session's tokens are consecutive rows sharing one page-table offset).
+fn prefill_attention_wanted(tokens: &[Token]) -> bool {
+    let sessions = 1 + tokens.windows(2).filter(|w| w[0].table != w[1].table).count();
+    tokens.len() >= attn_prefill::MIN_TOKENS_PER_SESSION * sessions
 }

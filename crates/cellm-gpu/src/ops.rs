@@ -59,7 +59,7 @@ pub enum When {
     /// Steps that run the matvec (below `GEMM_MIN_TOKENS` tokens): the q|k|v launch of two
     /// formats, which has no GEMM build.
     Matvec,
-    /// Steps that run the decode attention (see `attn_prefill::wanted`).
+    /// Steps that run the decode attention (see `model::prefill_attention_wanted`).
     Decode,
     /// Steps that run the decode attention with more than one split (the combine).
     Splits,
