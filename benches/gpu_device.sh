@@ -147,7 +147,9 @@ if [[ $phase == measure ]]; then
     cp $W/build.log $OUT/
 fi
 
-if [[ $phase == cellm ]]; then
+# The cellm and prefill phases on a fresh machine: the Vulkan loader, cellm, the F16 GGUFs
+# (a CPU-only llama-quantize builds meanwhile, in a session of its own) and a logits check.
+fresh_machine_setup() {
     for f in "$D"/gl/*.deb; do dpkg -x "$f" /; done
     ldconfig
     mkdir -p /tmp/site $G
@@ -171,14 +173,23 @@ if [[ $phase == cellm ]]; then
     python3 "$D/random_gguf.py" --out $G --formats f16 --shapes "${SHAPES// /,}" 2>&1 | tail -1
     B="python3 $D/gpu_bench.py"
     $B --check-only --models $G/llama-3.2-1b-f16.gguf,$G/gemma-3-270m-f16.gguf | tee $OUT/check.jsonl
-    F=$G/llama-3.2-1b-f16.gguf,$G/smollm2-135m-f16.gguf,$G/llama-3.2-3b-f16.gguf
-    $B --speed-only --models $F | tee $OUT/speed.jsonl
+}
+
+# The Q4 files, once build_quantize is done: SmolLM2 in Q4_1, the others in Q4_K_M.
+quantize_q4() {
     while ! grep -q Q_END $W/q.log; do sleep 3; done
     Q=$W/bq/bin/llama-quantize
     $Q $G/smollm2-135m-f16.gguf $G/smollm2-135m-q4_1.gguf Q4_1 >/dev/null 2>&1
     for s in gemma-3-270m qwen2.5-0.5b llama-3.2-1b llama-3.2-3b; do
         $Q $G/$s-f16.gguf $G/$s-q4_k_m.gguf Q4_K_M >/dev/null 2>&1
     done
+}
+
+if [[ $phase == cellm ]]; then
+    fresh_machine_setup
+    F=$G/llama-3.2-1b-f16.gguf,$G/smollm2-135m-f16.gguf,$G/llama-3.2-3b-f16.gguf
+    $B --speed-only --models $F | tee $OUT/speed.jsonl
+    quantize_q4
     M=$(for m in $MODELS; do [[ $m == *-f16 ]] || printf '%s,' $G/$m.gguf; done)
     $B --speed-only --models "${M%,}" | tee -a $OUT/speed.jsonl
     C=$G/smollm2-135m-q4_1.gguf,$G/qwen2.5-0.5b-q4_k_m.gguf,$G/llama-3.2-1b-q4_k_m.gguf
@@ -194,35 +205,8 @@ if [[ $phase == cellm ]]; then
 fi
 
 if [[ $phase == prefill ]]; then
-    for f in "$D"/gl/*.deb; do dpkg -x "$f" /; done
-    ldconfig
-    mkdir -p /tmp/site $G
-    if ls "$D"/cellm-*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$D"/cellm-*.whl
-    else
-        tar xJf "$D"/cellm_pkg.tar.xz -C /tmp/site
-    fi
-    tar xJf "$D/llama.cpp.tar.xz" -C $W
-    export PYTHONPATH=/tmp/site:$W/llama.cpp/gguf-py CELLM_GPU_INFO=1 PYTHONUNBUFFERED=1
-    build_quantize() {
-        cmake -S $W/llama.cpp -B $W/bq -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-            -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF &&
-            cmake --build $W/bq --target llama-quantize -j 12
-        echo Q_END
-    }
-    export -f build_quantize
-    export W
-    setsid bash -c build_quantize >$W/q.log 2>&1 </dev/null &
-    python3 "$D/random_gguf.py" --out $G --formats f16 --shapes "${SHAPES// /,}" 2>&1 | tail -1
-    B="python3 $D/gpu_bench.py"
-    $B --check-only --models $G/llama-3.2-1b-f16.gguf,$G/gemma-3-270m-f16.gguf | tee $OUT/check.jsonl
-    while ! grep -q Q_END $W/q.log; do sleep 3; done
-    Q=$W/bq/bin/llama-quantize
-    $Q $G/smollm2-135m-f16.gguf $G/smollm2-135m-q4_1.gguf Q4_1 >/dev/null 2>&1
-    for s in gemma-3-270m qwen2.5-0.5b llama-3.2-1b llama-3.2-3b; do
-        $Q $G/$s-f16.gguf $G/$s-q4_k_m.gguf Q4_K_M >/dev/null 2>&1
-    done
+    fresh_machine_setup
+    quantize_q4
     M=$(for m in $MODELS; do printf '%s,' $G/$m.gguf; done)
     # Variants, alternating: everything on; the f32 GEMM; prefill running the decode
     # attention (PREFILL_VARIANTS picks others).
