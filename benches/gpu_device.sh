@@ -29,8 +29,9 @@
 #   bash gpu_device.sh prefill DIR   cellm's prefill alone on a fresh machine, in one call:
 #                                    logits checks of the cooperative-matrix GEMM, pp512 of
 #                                    every model with everything on and with prefill on the
-#                                    decode attention (CELLM_GPU_NO_PREFILL_ATTN=1; or the
-#                                    f32 GEMM: PREFILL_VARIANTS="all f32 all f32"),
+#                                    f32 prefill attention (CELLM_GPU_NO_COOP_ATTN=1; or the
+#                                    f32 GEMM: PREFILL_VARIANTS="all f32 all f32", the decode
+#                                    attention: "all decode-attn ..."),
 #                                    alternating, and a
 #                                    CELLM_GPU_PROFILE=prefill pass (GPU time per kernel of
 #                                    one 512-token step)
@@ -209,15 +210,17 @@ if [[ $phase == prefill ]]; then
     quantize_q4
     M=$(for m in $MODELS; do printf '%s,' $G/$m.gguf; done)
     # Variants, alternating: everything on; the f32 GEMM; prefill running the decode
-    # attention (PREFILL_VARIANTS picks others).
-    for v in ${PREFILL_VARIANTS:-all decode-attn all decode-attn}; do
-        unset CELLM_GPU_NO_COOPMAT CELLM_GPU_NO_PREFILL_ATTN
+    # attention; the f32 prefill attention instead of the cooperative one (f32-attn)
+    # (PREFILL_VARIANTS picks others).
+    for v in ${PREFILL_VARIANTS:-all f32-attn all f32-attn}; do
+        unset CELLM_GPU_NO_COOPMAT CELLM_GPU_NO_PREFILL_ATTN CELLM_GPU_NO_COOP_ATTN
         [[ $v == f32 ]] && export CELLM_GPU_NO_COOPMAT=1
         [[ $v == decode-attn ]] && export CELLM_GPU_NO_PREFILL_ATTN=1
+        [[ $v == f32-attn ]] && export CELLM_GPU_NO_COOP_ATTN=1
         $B --speed-only --prefill-only --models "${M%,}" | sed "s/^{/{\"variant\": \"$v\", /" |
             tee -a $OUT/prefill.jsonl
     done
-    unset CELLM_GPU_NO_COOPMAT CELLM_GPU_NO_PREFILL_ATTN
+    unset CELLM_GPU_NO_COOPMAT CELLM_GPU_NO_PREFILL_ATTN CELLM_GPU_NO_COOP_ATTN
     C=$G/smollm2-135m-q4_1.gguf,$G/qwen2.5-0.5b-q4_k_m.gguf,$G/llama-3.2-1b-q4_k_m.gguf
     $B --check-dequantized $W --models $C | tee -a $OUT/check.jsonl
     P=$G/llama-3.2-1b-q4_k_m.gguf,$G/llama-3.2-3b-f16.gguf

@@ -19,6 +19,7 @@ const ROPE_KV: &str = include_str!("shaders/rope_kv.wgsl");
 const ATTENTION: &str = include_str!("shaders/attention.wgsl");
 const ATTN_COMBINE: &str = include_str!("shaders/attn_combine.wgsl");
 const ATTN_PREFILL: &str = include_str!("shaders/attn_prefill.wgsl");
+const ATTN_PREFILL_COOP: &str = include_str!("shaders/attn_prefill_coop.wgsl");
 const NORM_ADD: &str = include_str!("shaders/norm_add.wgsl");
 
 /// How a kernel binds one buffer.
@@ -45,6 +46,9 @@ pub enum KernelId {
     AttnCombine,
     /// Prefill attention for heads of this dim.
     AttnPrefill(u32),
+    /// Prefill attention on cooperative matrices for heads of this dim (where the GEMM has
+    /// them; `attn_prefill::coop_head_dim_ok`).
+    AttnPrefillCoop(u32),
     NormAdd,
 }
 
@@ -117,7 +121,9 @@ impl KernelId {
             }
             KernelId::Attention => vec![(0, Uniform), (1, Read), (2, Write), (3, Write), (5, Read)],
             KernelId::AttnCombine => vec![(0, Uniform), (1, Read), (2, Write)],
-            KernelId::AttnPrefill(_) => vec![(0, Uniform), (1, Read), (2, Write), (5, Read)],
+            KernelId::AttnPrefill(_) | KernelId::AttnPrefillCoop(_) => {
+                vec![(0, Uniform), (1, Read), (2, Write), (5, Read)]
+            }
             KernelId::NormAdd => vec![(0, Uniform), (1, Read), (2, Write), (3, Read)],
         };
         b.push((7, Read));
@@ -155,6 +161,9 @@ impl KernelId {
         let gemm_body = coop_body.as_deref().unwrap_or(GEMM);
         let prefill = match self {
             KernelId::AttnPrefill(hd) => crate::attn_prefill::source(hd, ATTENTION, ATTN_PREFILL),
+            KernelId::AttnPrefillCoop(hd) => {
+                crate::attn_prefill::coop_source(hd, ATTENTION, ATTN_PREFILL_COOP)
+            }
             _ => String::new(),
         };
         let (body, weights, glu): (&str, Option<Layout>, bool) = match self {
@@ -166,11 +175,11 @@ impl KernelId {
             KernelId::RopeKv => (ROPE_KV, None, false),
             KernelId::Attention => (ATTENTION, None, false),
             KernelId::AttnCombine => (ATTN_COMBINE, None, false),
-            KernelId::AttnPrefill(_) => (&prefill, None, false),
+            KernelId::AttnPrefill(_) | KernelId::AttnPrefillCoop(_) => (&prefill, None, false),
             KernelId::NormAdd => (NORM_ADD, None, false),
         };
         let mut src = String::new();
-        if coop {
+        if coop || matches!(self, KernelId::AttnPrefillCoop(_)) {
             src.push_str("enable f16;\nenable wgpu_cooperative_matrix;\n");
         }
         if self.per_token_count() && !gemm {
@@ -181,8 +190,14 @@ impl KernelId {
             src.push_str(&format!("const TT: u32 = {tokens}u;\nconst UN: u32 = {un}u;\n"));
         }
         src.push_str(STEP);
-        if matches!(self, KernelId::RopeKv | KernelId::Attention | KernelId::AttnPrefill(_)) || rope
-        {
+        let attention = matches!(
+            self,
+            KernelId::RopeKv
+                | KernelId::Attention
+                | KernelId::AttnPrefill(_)
+                | KernelId::AttnPrefillCoop(_)
+        );
+        if attention || rope {
             src.push_str(KV);
         }
         if self.per_token_count() {
@@ -444,6 +459,12 @@ impl Kernels {
             immediates: gpu.immediates,
             built: HashMap::new(),
         }
+    }
+
+    /// Whether the cooperative-matrix GEMM runs (and so the cooperative prefill attention
+    /// may).
+    pub fn coopmat(&self) -> bool {
+        self.coopmat
     }
 
     pub fn get(&mut self, device: &wgpu::Device, id: KernelId) -> Arc<Kernel> {

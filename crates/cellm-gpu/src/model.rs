@@ -906,7 +906,7 @@ impl Runner {
                     }
                     Grid::PerToken(n) => ((n, t, 1), t),
                     Grid::Splits(n) => ((n, t, splits), t),
-                    Grid::QueryTiles(n) => ((n, t.div_ceil(attn_prefill::BQ), 1), t),
+                    Grid::QueryTiles { heads, block } => ((heads, t.div_ceil(block), 1), t),
                     Grid::Columns(c) => ((c.div_ceil(64), t, 1), t),
                 };
                 if x * y * z == 0 {
@@ -1018,18 +1018,31 @@ fn prefill_attention_op(
     params: [u32; 16],
 ) -> Option<Op> {
     let hd = head_dim as u32;
-    let tile = attn_prefill::Tile::new(hd)?;
-    if tile.shared_bytes(hd) > gpu.limits.max_compute_workgroup_storage_size
-        || std::env::var_os("CELLM_GPU_NO_PREFILL_ATTN").is_some()
-    {
+    let limit = gpu.limits.max_compute_workgroup_storage_size;
+    if std::env::var_os("CELLM_GPU_NO_PREFILL_ATTN").is_some() {
         return None;
     }
-    let kernel = kernels.get(&gpu.device, KernelId::AttnPrefill(hd));
+    // On cooperative matrices where the GEMM runs on them and the head dim fits
+    // (`CELLM_GPU_NO_COOP_ATTN=1`: the f32 kernel, for measuring).
+    let coop = kernels.coopmat()
+        && attn_prefill::coop_head_dim_ok(hd)
+        && attn_prefill::coop_shared_bytes(hd) <= limit
+        && std::env::var_os("CELLM_GPU_NO_COOP_ATTN").is_none();
+    let (id, block) = if coop {
+        (KernelId::AttnPrefillCoop(hd), attn_prefill::coop_block())
+    } else {
+        let tile = attn_prefill::Tile::new(hd)?;
+        if tile.shared_bytes(hd) > limit {
+            return None;
+        }
+        (KernelId::AttnPrefill(hd), attn_prefill::BQ)
+    };
+    let kernel = kernels.get(&gpu.device, id);
     Some(Op {
         kernel,
         params,
         binds: vec![(1, Buf::Qkv), (2, Buf::Ctx), (5, Buf::Pool)],
-        grid: Grid::QueryTiles(heads as u32),
+        grid: Grid::QueryTiles { heads: heads as u32, block },
         when: When::Prefill,
     })
 }

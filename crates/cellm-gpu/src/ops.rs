@@ -32,8 +32,8 @@ pub enum Grid {
     HeadRows { groups: u32, groups_x: u32 },
     /// `n` per token per attention split.
     Splits(u32),
-    /// `n` per block of `attn_prefill::BQ` tokens.
-    QueryTiles(u32),
+    /// `heads` per block of `block` tokens.
+    QueryTiles { heads: u32, block: u32 },
     /// `n` per token.
     PerToken(u32),
     /// 64 columns of 4 per workgroup, per token.

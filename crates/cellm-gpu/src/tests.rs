@@ -293,15 +293,18 @@ fn every_kernel_translates_to_metal() {
     }
 }
 
-/// The cooperative-matrix GEMM of every layout (plain and GLU) validates with naga's
+/// The cooperative-matrix GEMM of every layout (plain and GLU), and the cooperative prefill
+/// attention of every head dim it takes, validate with naga's
 /// cooperative-matrix and f16 capabilities and translates to SPIR-V (it runs on Vulkan only;
 /// lavapipe has no cooperative matrices, so on CI it is built here but not run).
 #[test]
 fn coop_gemm_translates_to_spirv() {
     use naga::back::spv;
     use naga::valid::{Capabilities, ValidationFlags, Validator};
-    let ids = KernelId::all().into_iter().filter(|id| id.per_token_count());
-    for id in ids {
+    let gemms = KernelId::all().into_iter().filter(|id| id.per_token_count());
+    // And the cooperative prefill attention of every head dim it takes.
+    let attn = [16, 32, 64, 80, 96, 128].map(KernelId::AttnPrefillCoop);
+    for id in gemms.chain(attn) {
         let src = id.source(true, crate::kernels::COOP_BUILD);
         let module = naga::front::wgsl::parse_str(&src)
             .unwrap_or_else(|e| panic!("{id:?}: {}", e.emit_to_string(&src)));
