@@ -150,6 +150,11 @@ impl KernelId {
     /// ones, for up to `tokens` tokens a workgroup where it batches tokens (1 or 4), or its
     /// tiled-GEMM build where `tokens` is `GEMM_BUILD` (matvec and GLU only).
     pub fn source(self, subgroups: bool, tokens: u32) -> String {
+        self.source_wg(subgroups, tokens, MATVEC_WG)
+    }
+
+    /// `source`, with `wg` threads a workgroup in the matvec builds (`WG` in matvec.wgsl).
+    pub fn source_wg(self, subgroups: bool, tokens: u32, wg: u32) -> String {
         let coop = tokens == COOP_BUILD && self.per_token_count();
         let gemm = (tokens == GEMM_BUILD || coop) && self.per_token_count();
         let rope = matches!(self, KernelId::MatvecRope(_) | KernelId::MatvecRope2(..)) && !gemm;
@@ -203,8 +208,15 @@ impl KernelId {
         if self.per_token_count() {
             src.push_str(LINEAR);
         }
-        src.push_str(&sections(body, &|name| match name {
+        let body = body.replace("$WG", &wg.to_string());
+        // CELLM_GPU_MATVEC_PLAIN=1: the one-token build dequantizes 8 columns (`w8`) and
+        // takes two dots, as the batched one does, instead of the format's `d8` (for A/B).
+        let plain = std::env::var_os("CELLM_GPU_MATVEC_PLAIN").is_some();
+        src.push_str(&sections(&body, &|name| match name {
             "glu" => glu,
+            "noglu" => !glu,
+            "dot" => tokens == 1 && !plain,
+            "nodot" => tokens != 1 || plain,
             "rope" => rope,
             "plain" => !rope,
             "two" => second.is_some(),
@@ -214,18 +226,39 @@ impl KernelId {
             _ => false,
         }));
         if let Some(l) = weights {
-            let accessor = sections(FORMATS, &|name| name == l.wgsl_name());
+            let accessor = with_dot(sections(FORMATS, &|name| name == l.wgsl_name()));
             src.push_str(&accessor_for(&accessor, "", 5, 6));
             if glu {
                 src.push_str(&accessor_for(&accessor, "b", 8, 9));
             }
             if let Some(b) = second {
-                let accessor = sections(FORMATS, &|name| name == b.wgsl_name());
+                let accessor = with_dot(sections(FORMATS, &|name| name == b.wgsl_name()));
                 src.push_str(&accessor_for(&accessor, "b", 8, 9));
             }
         }
         src
     }
+}
+
+/// A format's accessor, with the plain `d8$` (w8 and two dots) where it has none of its own.
+fn with_dot(mut accessor: String) -> String {
+    if !accessor.contains("fn d8$(r: u32") {
+        accessor.push_str(
+            "fn d8$(r: u32, i: u32, x0: vec4<f32>, x1: vec4<f32>, xs: f32) -> f32 {\n    \
+             let w = w8$(r, i);\n    return dot(x0, w[0]) + dot(x1, w[1]);\n}\n",
+        );
+    }
+    if !accessor.contains("fn d32$(r: u32") {
+        accessor.push_str(
+            "fn d32$(r: u32, u: u32, xa: array<vec4<f32>, 8>, xh: vec2<f32>) -> f32 {\n    \
+             var acc = 0.0;\n    \
+             for (var k = 0u; k < 4u; k++) {\n        \
+             let a = xa[2u * k];\n        let b = xa[2u * k + 1u];\n        \
+             acc += d8$(r, 4u * u + k, a, b, dot(a + b, vec4<f32>(1.0)));\n    }\n    \
+             return acc;\n}\n",
+        );
+    }
+    accessor
 }
 
 /// A weight accessor with its names suffixed by `suffix`, bound at `quants` and `scales`.
@@ -258,6 +291,36 @@ fn sections(text: &str, keep: &dyn Fn(&str) -> bool) -> String {
 
 /// Output rows one matvec workgroup computes (`RPW` in `shaders/matvec.wgsl`).
 pub(crate) const ROWS_PER_GROUP: usize = 4;
+
+/// Threads of a matvec workgroup (`WG` in `shaders/matvec.wgsl`).
+pub const MATVEC_WG: u32 = 64;
+
+/// The one-token matvec's wide build: its threads, and which launches take it (at least
+/// `cols` columns and fewer than `rows` rows): more threads along a row where a launch has
+/// too few rows to fill the GPU with 64-thread workgroups, so that each thread has fewer
+/// column steps to walk. `CELLM_GPU_MATVEC_WIDE=threads,cols,rows` picks others (threads a
+/// power of two from 64 to 256, 64 for none; for measuring). Only built with subgroups (its
+/// shared-memory tree would not fit 16 KiB).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wide {
+    pub threads: u32,
+    pub cols: u32,
+    pub rows: u32,
+}
+
+impl Wide {
+    pub fn get() -> Self {
+        let default = Wide { threads: 256, cols: 2048, rows: 8192 };
+        let Some(v) = std::env::var("CELLM_GPU_MATVEC_WIDE").ok() else { return default };
+        let n: Vec<u32> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        match n[..] {
+            [threads, cols, rows] if (64..=256).contains(&threads) && threads.is_power_of_two() => {
+                Wide { threads, cols, rows }
+            }
+            _ => default,
+        }
+    }
+}
 
 /// The one-token matvec's column steps a pass (`UN` in `shaders/matvec.wgsl`). On the H200,
 /// 4 was 0-5% slower at tg64@128 than 1 or 2 (SmolLM2 Q4_1, Llama-3.2-1B Q4_K_M, 3B F16),
@@ -393,6 +456,9 @@ pub struct Kernel {
     pub name: String,
     pub pipeline: wgpu::ComputePipeline,
     pub single: Option<wgpu::ComputePipeline>,
+    /// The one-token build with `Wide::get()` threads, and which launches take it (where the
+    /// device has subgroups).
+    pub wide: Option<(wgpu::ComputePipeline, Wide)>,
     pub gemm: Option<wgpu::ComputePipeline>,
     pub coop: Option<(wgpu::ComputePipeline, CoopTile)>,
     pub layout: wgpu::BindGroupLayout,
@@ -402,10 +468,12 @@ pub struct Kernel {
 }
 
 impl Kernel {
-    /// The pipeline for a launch over `tokens` tokens (the GEMM is `gemm_for`'s).
-    pub fn for_tokens(&self, tokens: u32) -> &wgpu::ComputePipeline {
-        match (&self.single, tokens) {
-            (Some(one), 1) => one,
+    /// The pipeline for a launch over `tokens` tokens of `rows` x `cols` (the GEMM is
+    /// `gemm_for`'s).
+    pub fn for_launch(&self, tokens: u32, rows: u32, cols: u32) -> &wgpu::ComputePipeline {
+        match (&self.wide, &self.single, tokens) {
+            (Some((wide, w)), _, 1) if cols >= w.cols && rows < w.rows => wide,
+            (_, Some(one), 1) => one,
             _ => &self.pipeline,
         }
     }
@@ -515,11 +583,11 @@ fn build(
         bind_group_layouts: &[Some(&layout)],
         immediate_size: if immediates { PARAMS_BYTES } else { 0 },
     });
-    let pipeline = |tokens: u32| {
+    let pipeline_wg = |tokens: u32, wg: u32| {
         let desc = wgpu::ShaderModuleDescriptor {
             label: Some(&label),
             source: wgpu::ShaderSource::Wgsl(
-                params_decl(id.source(subgroups, tokens), immediates).into(),
+                params_decl(id.source_wg(subgroups, tokens, wg), immediates).into(),
             ),
         };
         // SAFETY: every index a kernel computes is clamped into its buffer by the kernel
@@ -539,12 +607,16 @@ fn build(
             cache: None,
         })
     };
+    let pipeline = |tokens: u32| pipeline_wg(tokens, MATVEC_WG);
     let single = id.per_token_count().then(|| pipeline(1));
+    let w = Wide::get();
+    let wide = (id.per_token_count() && subgroups && w.threads != MATVEC_WG)
+        .then(|| (pipeline_wg(1, w.threads), w));
     let gemm = id.has_gemm().then(|| pipeline(GEMM_BUILD));
     let glu = matches!(id, KernelId::Glu(_));
     let coop = (coopmat && id.has_gemm()).then(|| (pipeline(COOP_BUILD), CoopTile::get(glu)));
     let name = label.split('(').next().unwrap_or_default().to_string();
-    Kernel { name, pipeline: pipeline(4), single, gemm, coop, layout, immediates }
+    Kernel { name, pipeline: pipeline(4), single, wide, gemm, coop, layout, immediates }
 }
 
 /// `src` with its parameters as immediates where `immediates`.

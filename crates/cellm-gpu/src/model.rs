@@ -916,7 +916,7 @@ impl Runner {
                     pass.write_timestamp(&s.set, s.names.len() as u32);
                     s.names.push(op.kernel.name.clone());
                 }
-                pass.set_pipeline(op.kernel.for_tokens(count));
+                pass.set_pipeline(op.kernel.for_launch(count, op.params[0], op.params[1]));
                 pass.set_bind_group(0, group, &[]);
                 if op.kernel.immediates {
                     pass.set_immediates(0, as_bytes(&op.params));

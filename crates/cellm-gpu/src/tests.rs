@@ -92,8 +92,16 @@ fn interleave(x8: TensorFormat, base: TensorFormat, data: &[u8], rows: usize) ->
 }
 
 /// `W x` for `tokens` rows of x on the GPU, through the matvec kernel over every part of
-/// the uploaded matrix (a binding cap of `cap` bytes splits it).
-fn gpu_matvec(gpu: &Gpu, w: WeightRows, x: &[f32], tokens: usize, cap: u64) -> (Vec<f32>, usize) {
+/// the uploaded matrix (a binding cap of `cap` bytes splits it); one token through the wide
+/// build where `wide` (and the device has it).
+fn gpu_matvec(
+    gpu: &Gpu,
+    w: WeightRows,
+    x: &[f32],
+    tokens: usize,
+    cap: u64,
+    wide: bool,
+) -> (Vec<f32>, usize) {
     let mut up = Uploader::new(gpu, cap);
     let m = up.matrix_rows(&[("w", w)]).expect("upload");
     let mut kernels = Kernels::new(gpu);
@@ -178,7 +186,10 @@ fn gpu_matvec(gpu: &Gpu, w: WeightRows, x: &[f32], tokens: usize, cap: u64) -> (
                     pass.dispatch_workgroups(x, y, z);
                 }
                 None => {
-                    pass.set_pipeline(kernel.for_tokens(t));
+                    match (&kernel.wide, wide && t == 1) {
+                        (Some((p, _)), true) => pass.set_pipeline(p),
+                        _ => pass.set_pipeline(kernel.for_launch(t, 0, 0)),
+                    }
                     imm(&mut pass);
                     pass.dispatch_workgroups(groups_x, groups.div_ceil(groups_x), t.div_ceil(4));
                 }
@@ -215,8 +226,13 @@ fn matvec_matches_cpu_decoding_in_every_layout() {
         TensorFormat::Q4K,
         TensorFormat::Q6K,
     ];
-    // 512 columns (the 8-column path) everywhere, 516 (the 4-column one) for f16.
-    let cases = formats.iter().map(|&f| (f, 512)).chain([(TensorFormat::F16, 516)]);
+    // 512 columns (the 8-column path) everywhere, 516 (the 4-column one) for f16, and 2048
+    // (the one-token build's 32-column path) everywhere.
+    let cases = formats
+        .iter()
+        .map(|&f| (f, 512))
+        .chain([(TensorFormat::F16, 516)])
+        .chain(formats.iter().map(|&f| (f, 2048)));
     for (base, cols) in cases {
         let data = random_rows(base, rows, cols, &mut rng);
         let mut variants = vec![(base, data.clone())];
@@ -226,11 +242,16 @@ fn matvec_matches_cpu_decoding_in_every_layout() {
         for (format, bytes) in variants {
             assert!(Layout::of(format).is_some());
             let w = WeightRows { format, bytes: &bytes, rows, cols };
-            for tokens in [1, 5, 70] {
+            let tokens_all = if cols == 2048 { &[1][..] } else { &[1, 5, 70] };
+            for &tokens in tokens_all {
                 let x: Vec<f32> = (0..tokens * cols).map(|_| rng.uniform()).collect();
                 let row_bytes = (data.len() / rows) as u64 * 2;
-                for cap in [u64::MAX, row_bytes * 5] {
-                    let (got, parts) = gpu_matvec(&gpu, w, &x, tokens, cap);
+                let wide = if tokens == 1 { &[false, true][..] } else { &[false] };
+                for (cap, &wide) in [u64::MAX, row_bytes * 5]
+                    .into_iter()
+                    .flat_map(|c| wide.iter().map(move |w| (c, w)))
+                {
+                    let (got, parts) = gpu_matvec(&gpu, w, &x, tokens, cap, wide);
                     assert_eq!(parts > 1, cap != u64::MAX, "{format:?}: {parts} parts");
                     let mut decoded = vec![0f32; cols];
                     for r in 0..rows {
@@ -267,10 +288,13 @@ fn every_kernel_translates_to_metal() {
     use naga::valid::{Capabilities, ValidationFlags, Validator};
     let variants = KernelId::all()
         .into_iter()
-        .flat_map(|id| [false, true].map(|sg| [(id, sg, 4), (id, sg, 1), (id, sg, 0)]))
+        .flat_map(|id| {
+            [false, true]
+                .map(|sg| [(id, sg, 4, 64), (id, sg, 1, 64), (id, sg, 1, 256), (id, sg, 0, 64)])
+        })
         .flatten();
-    for (id, subgroups, tokens) in variants {
-        let src = id.source(subgroups, tokens);
+    for (id, subgroups, tokens, wg) in variants {
+        let src = id.source_wg(subgroups, tokens, wg);
         let module = naga::front::wgsl::parse_str(&src)
             .unwrap_or_else(|e| panic!("{id:?}: {}", e.emit_to_string(&src)));
         // pack2x16float / unpack2x16float (f16 KV and weights in u32 words) need only this,

@@ -1,8 +1,14 @@
 // Weight accessors, one per GPU weight layout (see repack.rs). Each defines the bindings
 // `wq$` (and `ws$`) at @binding($Q) / @binding($S), `fn w4$(r, i) -> vec4<f32>`: columns
 // 4i..4i+3 of row r, dequantized, and `fn w8$(r, i) -> array<vec4<f32>, 2>`: columns
-// 8i..8i+7 (rows of a multiple of 8 columns), sharing the block's scales and loads. `$` is a suffix so a kernel can hold two matrices. Only
-// the section of the format in use is kept (between `//# name` and `//# end`).
+// 8i..8i+7 (rows of a multiple of 8 columns), sharing the block's scales and loads. `$` is a
+// suffix so a kernel can hold two matrices. Only the section of the format in use is kept
+// (between `//# name` and `//# end`). A format may also define `fn d8$(r, i, x0, x1, xs) ->
+// f32`: the dot product of those 8 columns with x (x0: columns 0-3, x1: 4-7; xs: their sum,
+// for the blocks' offsets), computed on the quants with the scales applied once (the
+// one-token matvec uses it); kernels.rs adds the plain one (w8 and two dots) where not.
+// Likewise `fn d32$(r, u, xa, xh) -> f32` for columns 32u..32u+31 (xa: 8 vec4 of x; xh: the
+// sums of its two halves of 16), where a format can share more of a block's decoding.
 
 //# f32
 @group(0) @binding($Q) var<storage, read> wq$: array<vec4<f32>>;
@@ -93,6 +99,17 @@ fn w4$(r: u32, i: u32) -> vec4<f32> {
 fn w8$(r: u32, i: u32) -> array<vec4<f32>, 2> {
     return array<vec4<f32>, 2>(w4$(r, 2u * i), w4$(r, 2u * i + 1u));
 }
+fn d8$(r: u32, i: u32, x0: vec4<f32>, x1: vec4<f32>, xs: f32) -> f32 {
+    // w4 indices 2i and 2i + 1: words j, j + 1 of the block at the same shift.
+    let b = r * (p.cols / 32u) + i / 4u;
+    let j = (2u * i) % 8u;
+    let at = b * 4u + j % 4u;
+    let sh = select(0u, 4u, j >= 4u);
+    let q0 = vec4<f32>(unpack4xU8((wq$[at] >> sh) & 0x0f0f0f0fu));
+    let q1 = vec4<f32>(unpack4xU8((wq$[at + 1u] >> sh) & 0x0f0f0f0fu));
+    let dm = unpack2x16float(ws$[b]);
+    return dm.x * (dot(q0, x0) + dot(q1, x1)) + dm.y * xs;
+}
 //# end
 
 //# q5_0
@@ -154,6 +171,34 @@ fn w8$(r: u32, i: u32) -> array<vec4<f32>, 2> {
     let mm = vec4<f32>(dm.y * m);
     return array<vec4<f32>, 2>(d * q0 - mm, d * q1 - mm);
 }
+fn d8$(r: u32, i: u32, x0: vec4<f32>, x1: vec4<f32>, xs: f32) -> f32 {
+    let sb = r * (p.cols / 256u) + i / 32u;
+    let e = (i % 32u) * 8u;
+    let at = sb * 32u + (e / 64u) * 8u + (e % 32u) / 4u;
+    let sh = select(0u, 4u, e % 64u >= 32u);
+    let q0 = vec4<f32>(unpack4xU8((wq$[at] >> sh) & 0x0f0f0f0fu));
+    let q1 = vec4<f32>(unpack4xU8((wq$[at + 1u] >> sh) & 0x0f0f0f0fu));
+    let dm = unpack2x16float(ws$[sb * 5u]);
+    let sub = e / 32u;
+    let sc = f32((ws$[sb * 5u + 1u + sub / 4u] >> (8u * (sub % 4u))) & 255u);
+    let m = f32((ws$[sb * 5u + 3u + sub / 4u] >> (8u * (sub % 4u))) & 255u);
+    return (dm.x * sc) * (dot(q0, x0) + dot(q1, x1)) - (dm.y * m) * xs;
+}
+fn d32$(r: u32, u: u32, xa: array<vec4<f32>, 8>, xh: vec2<f32>) -> f32 {
+    // Sub-block u % 8: the low (even) or high (odd) nibbles of the 8 words of its 64.
+    let sb = r * (p.cols / 256u) + u / 8u;
+    let sub = u % 8u;
+    let at = sb * 32u + (sub / 2u) * 8u;
+    let sh = (sub % 2u) * 4u;
+    var acc = 0.0;
+    for (var k = 0u; k < 8u; k++) {
+        acc += dot(vec4<f32>(unpack4xU8((wq$[at + k] >> sh) & 0x0f0f0f0fu)), xa[k]);
+    }
+    let dm = unpack2x16float(ws$[sb * 5u]);
+    let sc = f32((ws$[sb * 5u + 1u + sub / 4u] >> (8u * (sub % 4u))) & 255u);
+    let m = f32((ws$[sb * 5u + 3u + sub / 4u] >> (8u * (sub % 4u))) & 255u);
+    return (dm.x * sc) * acc - (dm.y * m) * (xh.x + xh.y);
+}
 //# end
 
 //# q6_k
@@ -190,5 +235,50 @@ fn w8$(r: u32, i: u32) -> array<vec4<f32>, 2> {
     let sc = f32((i32(ws$[sb * 5u + 1u + s / 4u]) << (24u - 8u * (s % 4u))) >> 24u);
     let d = bitcast<f32>(ws$[sb * 5u]) * sc;
     return array<vec4<f32>, 2>(d * (vec4<f32>(l0 | h0) - 32.0), d * (vec4<f32>(l1 | h1) - 32.0));
+}
+// The 2-bit fields at bits 4k (k = 0..3) of `h` moved to bits 8k + 4 (the high bits of
+// byte k's 6-bit quant).
+fn q6_spread$(h: u32) -> u32 {
+    let a = (h & 0x00ffu) | ((h & 0xff00u) << 8u);
+    return ((a & 0x000f000fu) | ((a & 0x00f000f0u) << 4u)) << 4u;
+}
+fn d8$(r: u32, i: u32, x0: vec4<f32>, x1: vec4<f32>, xs: f32) -> f32 {
+    let sb = r * (p.cols / 256u) + i / 32u;
+    let e = (i % 32u) * 8u;
+    let lo = wq$[sb * 48u + e / 8u];
+    let hi = wq$[sb * 48u + 32u + e / 16u] >> ((e % 16u) * 2u);
+    // Bytes of the even elements (0, 2, 4, 6) and of the odd ones, as 6-bit quants.
+    let qe = vec4<f32>(unpack4xU8((lo & 0x0f0f0f0fu) | q6_spread$(hi & 0x3333u)));
+    let qo = vec4<f32>(unpack4xU8(((lo >> 4u) & 0x0f0f0f0fu) | q6_spread$((hi >> 2u) & 0x3333u)));
+    let s = e / 16u;
+    let sc = f32((i32(ws$[sb * 5u + 1u + s / 4u]) << (24u - 8u * (s % 4u))) >> 24u);
+    let d = bitcast<f32>(ws$[sb * 5u]) * sc;
+    let xe = vec4<f32>(x0.x, x0.z, x1.x, x1.z);
+    let xo = vec4<f32>(x0.y, x0.w, x1.y, x1.w);
+    return d * (dot(qe, xe) + dot(qo, xo) - 32.0 * xs);
+}
+fn d32$(r: u32, u: u32, xa: array<vec4<f32>, 8>, xh: vec2<f32>) -> f32 {
+    // Two halves of 16 (a scale each): 2 words of low bits and 1 of high bits each.
+    let sb = r * (p.cols / 256u) + u / 8u;
+    let e = (u % 8u) * 32u;
+    let s = e / 16u;
+    let sw = i32(ws$[sb * 5u + 1u + s / 4u]);
+    let sc0 = f32((sw << (24u - 8u * (s % 4u))) >> 24u);
+    let sc1 = f32((sw << (16u - 8u * (s % 4u))) >> 24u);
+    var acc = vec2<f32>(0.0);
+    for (var h = 0u; h < 2u; h++) {
+        let hi = wq$[sb * 48u + 32u + e / 16u + h];
+        for (var k = 0u; k < 2u; k++) {
+            let lo = wq$[sb * 48u + e / 8u + 2u * h + k];
+            let hh = hi >> (16u * k);
+            let qe = vec4<f32>(unpack4xU8((lo & 0x0f0f0f0fu) | q6_spread$(hh & 0x3333u)));
+            let qo = vec4<f32>(unpack4xU8(((lo >> 4u) & 0x0f0f0f0fu) | q6_spread$((hh >> 2u) & 0x3333u)));
+            let x0 = xa[4u * h + 2u * k];
+            let x1 = xa[4u * h + 2u * k + 1u];
+            acc[h] += dot(qe, vec4<f32>(x0.x, x0.z, x1.x, x1.z)) + dot(qo, vec4<f32>(x0.y, x0.w, x1.y, x1.w));
+        }
+    }
+    let d = bitcast<f32>(ws$[sb * 5u]);
+    return d * (sc0 * (acc.x - 32.0 * xh.x) + sc1 * (acc.y - 32.0 * xh.y));
 }
 //# end

@@ -12,18 +12,37 @@
 // (two rotated pairs), rotates them, and stores the k and v rows into the KV pool too. Its
 // two-format build reads q|k rows through one format's accessor and v rows through another's
 // (`w8b`; rows a multiple of 8 columns only).
-const WG: u32 = 64u;
+// The one-token build (TT = 1) takes each 8 columns' dot product from the format's `d8`
+// (scales applied once to the sums of quants times x) and is built for WG = 64 threads and
+// for a wider workgroup (more threads along a row, for long rows: kernels.rs picks by
+// columns). Reductions cover only the token lanes and slots in use.
+const WG: u32 = $WGu;
 const RPW: u32 = 4u;
 // Sums a thread carries per token lane: RPW of W x, RPW of the GLU's second matrix, and
 // sum(x^2).
 const Q: u32 = 2u * RPW + 1u;
+//# glu
+const IS_GLU: bool = true;
+//# end
+//# noglu
+const IS_GLU: bool = false;
+//# end
 //# sg
 // One slot per subgroup (subgroups of at least 4 invocations).
-var<workgroup> red: array<vec4<f32>, 144>;  // Q * WG / 4
+var<workgroup> red: array<vec4<f32>, Q * WG / 4u>;
 //# end
 //# nosg
-var<workgroup> red: array<vec4<f32>, 576>;  // Q * WG
+var<workgroup> red: array<vec4<f32>, Q * WG>;
 //# end
+
+// Whether sum slot j carries anything: W x always, the GLU's second matrix in the GLU, the
+// squares with the norm.
+fn slot_used(j: u32, norm: bool) -> bool {
+    if (j == Q - 1u) {
+        return norm;
+    }
+    return j < RPW || IS_GLU;
+}
 //# rope
 @group(0) @binding(10) var<storage, read> rope: array<vec2<f32>>;
 @group(0) @binding(11) var<storage, read_write> pool: array<u32>;
@@ -43,7 +62,7 @@ fn rope_row(r0: u32, j: u32) -> u32 {
 //# end
 
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32,
 //# sg
         @builtin(subgroup_invocation_id) sl: u32, @builtin(subgroup_id) sid: u32,
@@ -84,7 +103,42 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     // Rows of a multiple of 8 columns: 8 columns (one `w8`) a thread per row and step, UN
     // steps (i, i + WG, ...) a pass, so that each thread has UN * RPW weight loads in flight
     // (past the end: the last step's columns again, times zero).
-    let n8 = select(0u, p.cols / 8u, p.cols % 8u == 0u);
+    // One-token build: rows of a multiple of 32 columns, long enough that every thread has
+    // one, go 32 columns (`d32`) a step instead.
+    var n32 = 0u;
+    //# dot
+    n32 = select(0u, p.cols / 32u, p.cols % 32u == 0u && p.cols >= 32u * WG);
+    for (var i = li; i < n32; i += WG) {
+        var xa: array<vec4<f32>, 8>;
+        var xh = vec2<f32>(0.0);
+        for (var k = 0u; k < 8u; k++) {
+            var g = vec4<f32>(1.0);
+            if (norm) {
+                g = gamma[8u * i + k];
+            }
+            let a = x[xr[0] + 8u * i + k];
+            s[Q - 1u].x += dot(a, a);
+            xa[k] = a * g;
+            xh[k / 4u] += dot(xa[k], vec4<f32>(1.0));
+        }
+        for (var j = 0u; j < RPW; j++) {
+            //# one
+            s[j].x += d32(rr[j], i, xa, xh);
+            //# end
+            //# two
+            if (in_b) {
+                s[j].x += d32b(rr[j] - p.q_dim - p.kv_dim, i, xa, xh);
+            } else {
+                s[j].x += d32(rr[j], i, xa, xh);
+            }
+            //# end
+            //# glu
+            s[RPW + j].x += d32b(rr[j], i, xa, xh);
+            //# end
+        }
+    }
+    //# end
+    let n8 = select(0u, p.cols / 8u, p.cols % 8u == 0u && n32 == 0u);
     for (var i0 = li; i0 < n8; i0 += UN * WG) {
         for (var u = 0u; u < UN; u++) {
             let ok = i0 + u * WG < n8;
@@ -106,6 +160,25 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                 x1[k] = b * g1;
                 s[Q - 1u][k] += select(0.0, dot(a, a) + dot(b, b), ok);
             }
+            //# dot
+            let xs = dot(x0[0] + x1[0], vec4<f32>(1.0));
+            for (var j = 0u; j < RPW; j++) {
+                //# one
+                s[j].x += d8(rr[j], i, x0[0], x1[0], xs);
+                //# end
+                //# two
+                if (in_b) {
+                    s[j].x += d8b(rr[j] - p.q_dim - p.kv_dim, i, x0[0], x1[0], xs);
+                } else {
+                    s[j].x += d8(rr[j], i, x0[0], x1[0], xs);
+                }
+                //# end
+                //# glu
+                s[RPW + j].x += d8b(rr[j], i, x0[0], x1[0], xs);
+                //# end
+            }
+            //# end
+            //# nodot
             for (var j = 0u; j < RPW; j++) {
                 //# one
                 let wa = w8(rr[j], i);
@@ -129,11 +202,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                     //# end
                 }
             }
+            //# end
         }
     }
     // Otherwise two columns of vec4 a thread per pass (i and i + WG), so that each thread
     // has 2 * RPW weight loads in flight.
-    let n4 = select(p.cols / 4u, 0u, n8 > 0u);
+    let n4 = select(p.cols / 4u, 0u, n8 > 0u || n32 > 0u);
     for (var i0 = li; i0 < n4; i0 += 2u * WG) {
         for (var u = 0u; u < 2u; u++) {
             // Past the end: the last vec4 again, times zero (no branch around the loads).
@@ -166,11 +240,17 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     }
     //# sg
     for (var j = 0u; j < Q; j++) {
-        s[j] = subgroupAdd(s[j]);
+        if (slot_used(j, norm)) {
+            for (var k = 0u; k < TT; k++) {
+                s[j][k] = subgroupAdd(s[j][k]);
+            }
+        }
     }
     if (sl == 0u) {
         for (var j = 0u; j < Q; j++) {
-            red[sid * Q + j] = s[j];
+            if (slot_used(j, norm)) {
+                red[sid * Q + j] = s[j];
+            }
         }
     }
     workgroupBarrier();
@@ -205,8 +285,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             var ss = 0.0;
             for (var u = 0u; u < parts; u++) {
                 a += red[u * stride + j][k];
+                //# glu
                 b += red[u * stride + RPW + j][k];
-                ss += red[u * stride + Q - 1u][k];
+                //# end
+                if (norm) {
+                    ss += red[u * stride + Q - 1u][k];
+                }
             }
             var v = epilogue(a, ss, r);
             //# glu
@@ -229,7 +313,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                 var ss = 0.0;
                 for (var u = 0u; u < parts; u++) {
                     a += red[u * stride + jj][k];
-                    ss += red[u * stride + Q - 1u][k];
+                    if (norm) {
+                        ss += red[u * stride + Q - 1u][k];
+                    }
                 }
                 o[jj] = epilogue(a, ss, rr[jj]);
             }
