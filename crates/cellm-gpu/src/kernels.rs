@@ -248,16 +248,6 @@ fn with_dot(mut accessor: String) -> String {
              let w = w8$(r, i);\n    return dot(x0, w[0]) + dot(x1, w[1]);\n}\n",
         );
     }
-    if !accessor.contains("fn d32$(r: u32") {
-        accessor.push_str(
-            "fn d32$(r: u32, u: u32, xa: array<vec4<f32>, 8>, xh: vec2<f32>) -> f32 {\n    \
-             var acc = 0.0;\n    \
-             for (var k = 0u; k < 4u; k++) {\n        \
-             let a = xa[2u * k];\n        let b = xa[2u * k + 1u];\n        \
-             acc += d8$(r, 4u * u + k, a, b, dot(a + b, vec4<f32>(1.0)));\n    }\n    \
-             return acc;\n}\n",
-        );
-    }
     accessor
 }
 
@@ -298,9 +288,12 @@ pub const MATVEC_WG: u32 = 64;
 /// The one-token matvec's wide build: its threads, and which launches take it (at least
 /// `cols` columns and fewer than `rows` rows): more threads along a row where a launch has
 /// too few rows to fill the GPU with 64-thread workgroups, so that each thread has fewer
-/// column steps to walk. `CELLM_GPU_MATVEC_WIDE=threads,cols,rows` picks others (threads a
-/// power of two from 64 to 256, 64 for none; for measuring). Only built with subgroups (its
-/// shared-memory tree would not fit 16 KiB).
+/// column steps to walk. On the H200 this helped Qwen2.5-0.5B's down projection (896 rows
+/// of 4864 columns: tg64@128 +9%) and Gemma 3's (640 of 2048: +2%), and cost 9-25% where
+/// it also took the Llamas' launches of 2048 and 3072 rows, hence at most 1024 rows.
+/// `CELLM_GPU_MATVEC_WIDE=threads,cols,rows` picks others (threads a power of two from 64
+/// to 256, 64 for none; for measuring). Only built with subgroups (its shared-memory tree
+/// would not fit 16 KiB).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Wide {
     pub threads: u32,
@@ -310,9 +303,11 @@ pub struct Wide {
 
 impl Wide {
     pub fn get() -> Self {
-        let default = Wide { threads: 256, cols: 2048, rows: 8192 };
+        let default = Wide { threads: 256, cols: 2048, rows: 1025 };
         let Some(v) = std::env::var("CELLM_GPU_MATVEC_WIDE").ok() else { return default };
-        let n: Vec<u32> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        // Any separator: `256,2048,8192` or `256.2048.8192`.
+        let n: Vec<u32> =
+            v.split(|c: char| !c.is_ascii_digit()).filter_map(|x| x.parse().ok()).collect();
         match n[..] {
             [threads, cols, rows] if (64..=256).contains(&threads) && threads.is_power_of_two() => {
                 Wide { threads, cols, rows }

@@ -7,8 +7,6 @@
 // f32`: the dot product of those 8 columns with x (x0: columns 0-3, x1: 4-7; xs: their sum,
 // for the blocks' offsets), computed on the quants with the scales applied once (the
 // one-token matvec uses it); kernels.rs adds the plain one (w8 and two dots) where not.
-// Likewise `fn d32$(r, u, xa, xh) -> f32` for columns 32u..32u+31 (xa: 8 vec4 of x; xh: the
-// sums of its two halves of 16), where a format can share more of a block's decoding.
 
 //# f32
 @group(0) @binding($Q) var<storage, read> wq$: array<vec4<f32>>;
@@ -184,21 +182,6 @@ fn d8$(r: u32, i: u32, x0: vec4<f32>, x1: vec4<f32>, xs: f32) -> f32 {
     let m = f32((ws$[sb * 5u + 3u + sub / 4u] >> (8u * (sub % 4u))) & 255u);
     return (dm.x * sc) * (dot(q0, x0) + dot(q1, x1)) - (dm.y * m) * xs;
 }
-fn d32$(r: u32, u: u32, xa: array<vec4<f32>, 8>, xh: vec2<f32>) -> f32 {
-    // Sub-block u % 8: the low (even) or high (odd) nibbles of the 8 words of its 64.
-    let sb = r * (p.cols / 256u) + u / 8u;
-    let sub = u % 8u;
-    let at = sb * 32u + (sub / 2u) * 8u;
-    let sh = (sub % 2u) * 4u;
-    var acc = 0.0;
-    for (var k = 0u; k < 8u; k++) {
-        acc += dot(vec4<f32>(unpack4xU8((wq$[at + k] >> sh) & 0x0f0f0f0fu)), xa[k]);
-    }
-    let dm = unpack2x16float(ws$[sb * 5u]);
-    let sc = f32((ws$[sb * 5u + 1u + sub / 4u] >> (8u * (sub % 4u))) & 255u);
-    let m = f32((ws$[sb * 5u + 3u + sub / 4u] >> (8u * (sub % 4u))) & 255u);
-    return (dm.x * sc) * acc - (dm.y * m) * (xh.x + xh.y);
-}
 //# end
 
 //# q6_k
@@ -256,29 +239,5 @@ fn d8$(r: u32, i: u32, x0: vec4<f32>, x1: vec4<f32>, xs: f32) -> f32 {
     let xe = vec4<f32>(x0.x, x0.z, x1.x, x1.z);
     let xo = vec4<f32>(x0.y, x0.w, x1.y, x1.w);
     return d * (dot(qe, xe) + dot(qo, xo) - 32.0 * xs);
-}
-fn d32$(r: u32, u: u32, xa: array<vec4<f32>, 8>, xh: vec2<f32>) -> f32 {
-    // Two halves of 16 (a scale each): 2 words of low bits and 1 of high bits each.
-    let sb = r * (p.cols / 256u) + u / 8u;
-    let e = (u % 8u) * 32u;
-    let s = e / 16u;
-    let sw = i32(ws$[sb * 5u + 1u + s / 4u]);
-    let sc0 = f32((sw << (24u - 8u * (s % 4u))) >> 24u);
-    let sc1 = f32((sw << (16u - 8u * (s % 4u))) >> 24u);
-    var acc = vec2<f32>(0.0);
-    for (var h = 0u; h < 2u; h++) {
-        let hi = wq$[sb * 48u + 32u + e / 16u + h];
-        for (var k = 0u; k < 2u; k++) {
-            let lo = wq$[sb * 48u + e / 8u + 2u * h + k];
-            let hh = hi >> (16u * k);
-            let qe = vec4<f32>(unpack4xU8((lo & 0x0f0f0f0fu) | q6_spread$(hh & 0x3333u)));
-            let qo = vec4<f32>(unpack4xU8(((lo >> 4u) & 0x0f0f0f0fu) | q6_spread$((hh >> 2u) & 0x3333u)));
-            let x0 = xa[4u * h + 2u * k];
-            let x1 = xa[4u * h + 2u * k + 1u];
-            acc[h] += dot(qe, vec4<f32>(x0.x, x0.z, x1.x, x1.z)) + dot(qo, vec4<f32>(x0.y, x0.w, x1.y, x1.w));
-        }
-    }
-    let d = bitcast<f32>(ws$[sb * 5u]);
-    return d * (sc0 * (acc.x - 32.0 * xh.x) + sc1 * (acc.y - 32.0 * xh.y));
 }
 //# end

@@ -103,42 +103,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     // Rows of a multiple of 8 columns: 8 columns (one `w8`) a thread per row and step, UN
     // steps (i, i + WG, ...) a pass, so that each thread has UN * RPW weight loads in flight
     // (past the end: the last step's columns again, times zero).
-    // One-token build: rows of a multiple of 32 columns, long enough that every thread has
-    // one, go 32 columns (`d32`) a step instead.
-    var n32 = 0u;
-    //# dot
-    n32 = select(0u, p.cols / 32u, p.cols % 32u == 0u && p.cols >= 32u * WG);
-    for (var i = li; i < n32; i += WG) {
-        var xa: array<vec4<f32>, 8>;
-        var xh = vec2<f32>(0.0);
-        for (var k = 0u; k < 8u; k++) {
-            var g = vec4<f32>(1.0);
-            if (norm) {
-                g = gamma[8u * i + k];
-            }
-            let a = x[xr[0] + 8u * i + k];
-            s[Q - 1u].x += dot(a, a);
-            xa[k] = a * g;
-            xh[k / 4u] += dot(xa[k], vec4<f32>(1.0));
-        }
-        for (var j = 0u; j < RPW; j++) {
-            //# one
-            s[j].x += d32(rr[j], i, xa, xh);
-            //# end
-            //# two
-            if (in_b) {
-                s[j].x += d32b(rr[j] - p.q_dim - p.kv_dim, i, xa, xh);
-            } else {
-                s[j].x += d32(rr[j], i, xa, xh);
-            }
-            //# end
-            //# glu
-            s[RPW + j].x += d32b(rr[j], i, xa, xh);
-            //# end
-        }
-    }
-    //# end
-    let n8 = select(0u, p.cols / 8u, p.cols % 8u == 0u && n32 == 0u);
+    let n8 = select(0u, p.cols / 8u, p.cols % 8u == 0u);
     for (var i0 = li; i0 < n8; i0 += UN * WG) {
         for (var u = 0u; u < UN; u++) {
             let ok = i0 + u * WG < n8;
@@ -207,7 +172,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     }
     // Otherwise two columns of vec4 a thread per pass (i and i + WG), so that each thread
     // has 2 * RPW weight loads in flight.
-    let n4 = select(p.cols / 4u, 0u, n8 > 0u || n32 > 0u);
+    let n4 = select(p.cols / 4u, 0u, n8 > 0u);
     for (var i0 = li; i0 < n4; i0 += 2u * WG) {
         for (var u = 0u; u < 2u; u++) {
             // Past the end: the last vec4 again, times zero (no branch around the loads).
