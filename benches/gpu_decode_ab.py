@@ -11,8 +11,9 @@ Knobs (read when a model loads): CELLM_GPU_NO_AHEAD (no recording of the next de
 ahead), CELLM_GPU_NO_FUSE (RoPE and the KV store in their own launch), CELLM_GPU_MATVEC_STEPS
 (the one-token matvec's column steps a pass), CELLM_GPU_NO_IMMEDIATES (parameters from a
 uniform buffer), CELLM_GPU_NO_SUBGROUPS, CELLM_GPU_PROFILE, CELLM_GPU_MATVEC_WIDE
-(threads,cols,rows of the one-token matvec's wide build; 64,0,0 for none), CELLM_GPU_MATVEC_PLAIN (the one-token
-matvec dequantizes and takes dots instead of the formats' d8).
+(threads,cols,rows of the one-token matvec's wide build, any separator: 64.0.0 for none),
+CELLM_GPU_MATVEC_PLAIN (the one-token matvec dequantizes and takes dots instead of the
+formats' d8).
 """
 
 from __future__ import annotations
