@@ -155,6 +155,13 @@ impl KernelId {
 
     /// `source`, with `wg` threads a workgroup in the matvec builds (`WG` in matvec.wgsl).
     pub fn source_wg(self, subgroups: bool, tokens: u32, wg: u32) -> String {
+        self.source_opts(subgroups, tokens, wg, f16_vec4())
+    }
+
+    /// `source_wg`, with f16 weights read 16 bytes a load (`f16v4` in formats.wgsl) where
+    /// `f16v4`.
+    pub fn source_opts(self, subgroups: bool, tokens: u32, wg: u32, f16v4: bool) -> String {
+        let fmt = |l: Layout| if f16v4 && l == Layout::F16 { "f16v4" } else { l.wgsl_name() };
         let coop = tokens == COOP_BUILD && self.per_token_count();
         let gemm = (tokens == GEMM_BUILD || coop) && self.per_token_count();
         let rope = matches!(self, KernelId::MatvecRope(_) | KernelId::MatvecRope2(..)) && !gemm;
@@ -226,13 +233,13 @@ impl KernelId {
             _ => false,
         }));
         if let Some(l) = weights {
-            let accessor = with_dot(sections(FORMATS, &|name| name == l.wgsl_name()));
+            let accessor = with_dot(sections(FORMATS, &|name| name == fmt(l)));
             src.push_str(&accessor_for(&accessor, "", 5, 6));
             if glu {
                 src.push_str(&accessor_for(&accessor, "b", 8, 9));
             }
             if let Some(b) = second {
-                let accessor = with_dot(sections(FORMATS, &|name| name == b.wgsl_name()));
+                let accessor = with_dot(sections(FORMATS, &|name| name == fmt(b)));
                 src.push_str(&accessor_for(&accessor, "b", 8, 9));
             }
         }
@@ -281,6 +288,13 @@ fn sections(text: &str, keep: &dyn Fn(&str) -> bool) -> String {
 
 /// Output rows one matvec workgroup computes (`RPW` in `shaders/matvec.wgsl`).
 pub(crate) const ROWS_PER_GROUP: usize = 4;
+
+/// Whether f16 weights are read as one 16-byte load per 8 columns (`f16v4` in
+/// formats.wgsl) instead of two 8-byte ones: `CELLM_GPU_F16_VEC4=1`, for measuring (not
+/// yet timed on hardware; the upload pads every weight buffer to 16 bytes either way).
+pub fn f16_vec4() -> bool {
+    std::env::var_os("CELLM_GPU_F16_VEC4").is_some()
+}
 
 /// Threads of a matvec workgroup (`WG` in `shaders/matvec.wgsl`).
 pub const MATVEC_WG: u32 = 64;
@@ -504,6 +518,8 @@ pub struct Kernels {
     subgroups: bool,
     coopmat: bool,
     immediates: bool,
+    /// f16 weights 16 bytes a load (`f16_vec4()`; tests set it).
+    pub f16v4: bool,
     built: HashMap<KernelId, Arc<Kernel>>,
 }
 
@@ -520,6 +536,7 @@ impl Kernels {
             subgroups: gpu.subgroups,
             coopmat: gpu.coopmat && fits,
             immediates: gpu.immediates,
+            f16v4: f16_vec4(),
             built: HashMap::new(),
         }
     }
@@ -531,8 +548,8 @@ impl Kernels {
     }
 
     pub fn get(&mut self, device: &wgpu::Device, id: KernelId) -> Arc<Kernel> {
-        let (sg, coop, imm) = (self.subgroups, self.coopmat, self.immediates);
-        self.built.entry(id).or_insert_with(|| Arc::new(build(device, id, sg, coop, imm))).clone()
+        let opts = (self.subgroups, self.coopmat, self.immediates, self.f16v4);
+        self.built.entry(id).or_insert_with(|| Arc::new(build(device, id, opts))).clone()
     }
 }
 
@@ -545,9 +562,7 @@ pub const PARAMS_BYTES: u32 = 64;
 fn build(
     device: &wgpu::Device,
     id: KernelId,
-    subgroups: bool,
-    coopmat: bool,
-    immediates: bool,
+    (subgroups, coopmat, immediates, f16v4): (bool, bool, bool, bool),
 ) -> Kernel {
     let label = format!("{id:?}");
     let entries: Vec<wgpu::BindGroupLayoutEntry> = id
@@ -582,7 +597,7 @@ fn build(
         let desc = wgpu::ShaderModuleDescriptor {
             label: Some(&label),
             source: wgpu::ShaderSource::Wgsl(
-                params_decl(id.source_wg(subgroups, tokens, wg), immediates).into(),
+                params_decl(id.source_opts(subgroups, tokens, wg, f16v4), immediates).into(),
             ),
         };
         // SAFETY: every index a kernel computes is clamped into its buffer by the kernel

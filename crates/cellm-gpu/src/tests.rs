@@ -101,10 +101,12 @@ fn gpu_matvec(
     tokens: usize,
     cap: u64,
     wide: bool,
+    f16v4: bool,
 ) -> (Vec<f32>, usize) {
     let mut up = Uploader::new(gpu, cap);
     let m = up.matrix_rows(&[("w", w)]).expect("upload");
     let mut kernels = Kernels::new(gpu);
+    kernels.f16v4 = f16v4;
     let kernel = kernels.get(&gpu.device, KernelId::Matvec(m.layout));
     let dev = &gpu.device;
     let storage = |label: &str, words: &[u32], extra: wgpu::BufferUsages| {
@@ -241,11 +243,13 @@ fn matvec_matches_cpu_decoding_in_every_layout() {
                 let x: Vec<f32> = (0..tokens * cols).map(|_| rng.uniform()).collect();
                 let row_bytes = (data.len() / rows) as u64 * 2;
                 let wide = if tokens == 1 { &[false, true][..] } else { &[false] };
-                for (cap, &wide) in [u64::MAX, row_bytes * 5]
-                    .into_iter()
-                    .flat_map(|c| wide.iter().map(move |w| (c, w)))
-                {
-                    let (got, parts) = gpu_matvec(&gpu, w, &x, tokens, cap, wide);
+                // f16 also 16 bytes a load (`f16v4`), every other format once.
+                let v4s = if base == TensorFormat::F16 { &[false, true][..] } else { &[false] };
+                let runs = [u64::MAX, row_bytes * 5].into_iter().flat_map(|c| {
+                    wide.iter().flat_map(move |&w| v4s.iter().map(move |&v| (c, w, v)))
+                });
+                for (cap, wide, v4) in runs {
+                    let (got, parts) = gpu_matvec(&gpu, w, &x, tokens, cap, wide, v4);
                     assert_eq!(parts > 1, cap != u64::MAX, "{format:?}: {parts} parts");
                     let mut decoded = vec![0f32; cols];
                     for r in 0..rows {
@@ -287,8 +291,15 @@ fn every_kernel_translates_to_metal() {
                 .map(|sg| [(id, sg, 4, 64), (id, sg, 1, 64), (id, sg, 1, 256), (id, sg, 0, 64)])
         })
         .flatten();
-    for (id, subgroups, tokens, wg) in variants {
-        let src = id.source_wg(subgroups, tokens, wg);
+    let f16 = KernelId::all().into_iter().filter(|id| format!("{id:?}").contains("(F16"));
+    let f16v4 = f16.flat_map(|id| {
+        [false, true]
+            .map(|sg| [(id, sg, 4, 64, true), (id, sg, 1, 64, true), (id, sg, 0, 64, true)])
+    });
+    let f16v4 = f16v4.flatten();
+    let variants = variants.map(|(id, sg, t, wg)| (id, sg, t, wg, false)).chain(f16v4);
+    for (id, subgroups, tokens, wg, v4) in variants {
+        let src = id.source_opts(subgroups, tokens, wg, v4);
         let module = naga::front::wgsl::parse_str(&src)
             .unwrap_or_else(|e| panic!("{id:?}: {}", e.emit_to_string(&src)));
         // pack2x16float / unpack2x16float (f16 KV and weights in u32 words) need only this,

@@ -40,7 +40,16 @@ impl<'g> Uploader<'g> {
     }
 
     fn buffer(&mut self, label: &str, words: &[u32]) -> Result<wgpu::Buffer> {
-        let bytes: &[u8] = if words.is_empty() { &[0; 4] } else { as_bytes(words) };
+        // Whole 16-byte elements, for kernels that read them as vec4 (f16 with
+        // CELLM_GPU_F16_VEC4); a copy only where the length is not already a multiple.
+        let padded;
+        let words = if words.len().is_multiple_of(4) && !words.is_empty() {
+            words
+        } else {
+            padded = [words, &[0; 4][..(4 - words.len() % 4)]].concat();
+            &padded[..]
+        };
+        let bytes: &[u8] = as_bytes(words);
         let b = self.gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some(label),
             contents: bytes,

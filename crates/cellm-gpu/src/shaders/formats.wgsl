@@ -33,6 +33,23 @@ fn w8$(r: u32, i: u32) -> array<vec4<f32>, 2> {
 }
 //# end
 
+//# f16v4
+// f16 as above, 8 to a 16-byte element: one load per `w8` (the upload pads buffers to 16
+// bytes, so a row's last 4 columns are in bounds where cols % 8 == 4).
+@group(0) @binding($Q) var<storage, read> wq$: array<vec4<u32>>;
+fn w4$(r: u32, i: u32) -> vec4<f32> {
+    let at = r * (p.cols / 4u) + i;
+    let v = wq$[at / 2u];
+    let h = select(v.xy, v.zw, (at & 1u) == 1u);
+    return vec4<f32>(unpack2x16float(h.x), unpack2x16float(h.y));
+}
+fn w8$(r: u32, i: u32) -> array<vec4<f32>, 2> {
+    let v = wq$[r * (p.cols / 8u) + i];
+    return array<vec4<f32>, 2>(vec4<f32>(unpack2x16float(v.x), unpack2x16float(v.y)),
+                               vec4<f32>(unpack2x16float(v.z), unpack2x16float(v.w)));
+}
+//# end
+
 //# bf16
 @group(0) @binding($Q) var<storage, read> wq$: array<vec2<u32>>;
 fn w4$(r: u32, i: u32) -> vec4<f32> {
