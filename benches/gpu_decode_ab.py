@@ -13,7 +13,7 @@ ahead), CELLM_GPU_NO_FUSE (RoPE and the KV store in their own launch), CELLM_GPU
 uniform buffer), CELLM_GPU_NO_SUBGROUPS, CELLM_GPU_PROFILE, CELLM_GPU_MATVEC_WIDE
 (threads,cols,rows of the one-token matvec's wide build, any separator: 64.0.0 for none),
 CELLM_GPU_MATVEC_PLAIN (the one-token matvec dequantizes and takes dots instead of the
-formats' d8).
+formats' d8), CELLM_GPU_F16_VEC4 (f16 weights 16 bytes a load).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ KNOBS = [
     "CELLM_GPU_PROFILE",
     "CELLM_GPU_MATVEC_WIDE",
     "CELLM_GPU_MATVEC_PLAIN",
+    "CELLM_GPU_F16_VEC4",
 ]
 IDS = [int(i) for i in np.random.default_rng(1).integers(100, 20000, 2048 + 64)]
 
