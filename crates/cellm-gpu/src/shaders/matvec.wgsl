@@ -14,8 +14,8 @@
 // (`w8b`; rows a multiple of 8 columns only).
 // The one-token build (TT = 1) takes each 8 columns' dot product from the format's `d8`
 // (scales applied once to the sums of quants times x) and is built for WG = 64 threads and
-// for a wider workgroup (more threads along a row, for long rows: kernels.rs picks by
-// columns). Reductions cover only the token lanes and slots in use.
+// for a wider workgroup (more threads along a row, for launches of long rows and few of them:
+// `Wide` in kernels.rs). Reductions cover only the token lanes and slots in use.
 const WG: u32 = $WGu;
 const RPW: u32 = 4u;
 // Sums a thread carries per token lane: RPW of W x, RPW of the GLU's second matrix, and
