@@ -184,19 +184,15 @@ def quantized(tmp_path_factory):
     return get
 
 
-FLOAT_DECODE = (
-    "float weights are not batch-invariant yet: one token takes a 4-accumulator dot product, "
-    "2-3 tokens a register tile and more a GEMM, each summing in its own order"
-)
-
-
 @pytest.mark.parametrize(
     "scheme,kv",
     [
         ("q4_1", "f16"),
         ("q8_0", "int8"),
         ("int8", "int4"),
-        pytest.param(None, "f32", marks=pytest.mark.xfail(reason=FLOAT_DECODE, strict=True)),
+        ("f32", "f32"),
+        ("f16", "f16"),
+        ("bf16", "f16"),
     ],
 )
 def test_a_decode_step_ignores_the_rest_of_the_batch(quantized, converted, scheme, kv):
@@ -204,13 +200,17 @@ def test_a_decode_step_ignores_the_rest_of_the_batch(quantized, converted, schem
     not depend on which other sessions share its decode steps. Session A (a context of several
     KV pages) decodes 6 tokens alone, then again beside sessions of other lengths, in other
     batch positions: its logits must be bitwise equal (quantized weights with int8
-    activations, compressed KV pages; 2 threads, so attention splits contexts)."""
-    path = converted("llama", "f32") if scheme is None else quantized(scheme)
+    activations, compressed KV pages; 2 threads, so attention splits contexts), and with float
+    weights (which the engine sums in one order for every decode step, whatever its size, and
+    whose decoding sessions run apart from prompt chunks in a step that has both). The last
+    company is a session decoding beside a 40-token prompt chunk in every step."""
+    floats = ("f32", "f16", "bf16")
+    path = converted("llama", scheme) if scheme in floats else quantized(scheme)
     engine = Engine(str(path), threads=2, kv_encoding=kv, prefix_cache=False)
     prompt = [(7 * i) % 250 + 3 for i in range(70)]
     others = [[(5 * i) % 200 + 3 for i in range(n)] for n in (9, 130, 33, 1)]
 
-    def decode(company: list[list[int]], at: int) -> list[np.ndarray]:
+    def decode(company: list[list[int]], at: int, chunk: int = 0) -> list[np.ndarray]:
         a = engine.create_session()
         engine.step([(a, prompt)])
         rest = []
@@ -220,7 +220,11 @@ def test_a_decode_step_ignores_the_rest_of_the_batch(quantized, converted, schem
             rest.append(s)
         token, out = 11, []
         for i in range(6):
-            batch = [(s, [3 + (i + j) % 50]) for j, s in enumerate(rest)]
+            step_len = [chunk if j == 0 and chunk else 1 for j in range(len(rest))]
+            batch = [
+                (s, [3 + (i + j + k) % 50 for k in range(n)])
+                for j, (s, n) in enumerate(zip(rest, step_len))
+            ]
             batch.insert(at, (a, [token]))
             logits = engine.step(batch)[at]
             out.append(logits.copy())
@@ -230,6 +234,8 @@ def test_a_decode_step_ignores_the_rest_of_the_batch(quantized, converted, schem
         return out
 
     alone = decode([], 0)
-    for company, at in [(others[:1], 1), (others, 0), (others[1:3], 2)]:
-        got = decode(company, at)
-        assert all(np.array_equal(g, w) for g, w in zip(got, alone)), (company, at)
+    for company, at, chunk in [(others[:1], 1, 0), (others, 0, 0), (others[1:3], 2, 0)] + [
+        (others[:2], 1, 40)
+    ]:
+        got = decode(company, at, chunk)
+        assert all(np.array_equal(g, w) for g, w in zip(got, alone)), (company, at, chunk)

@@ -9,7 +9,8 @@ pub use encoder::EncoderEngine;
 use std::collections::HashMap;
 use std::path::Path;
 
-use cellm_format::{CellmFile, Error, Result};
+use cellm_format::{CellmFile, Error, Result, TensorFormat};
+use cellm_kernels::{with_float_order, FloatOrder};
 use cellm_kv::{KvConfig, PagePool, SeqKv, SeqSpan, SeqState};
 use cellm_models::{CausalLm, ForwardError, GivenEmbeds, Step, MAX_CONTEXT};
 
@@ -101,6 +102,9 @@ pub struct Engine {
     next_session: SessionId,
     workers: ThreadPool,
     context_length: usize,
+    /// Some matrix is stored as floats (f32, f16, bf16) and multiplied on the CPU: a step
+    /// that mixes decoding sessions with prompts runs as two forwards (`step_given`).
+    float_weights: bool,
 }
 
 impl Engine {
@@ -169,7 +173,16 @@ impl Engine {
             let context_pages = context_length.div_ceil(PAGE_SIZE);
             pool.enable_prefix_cache(context_pages.saturating_mul(layout.kv_layers));
         }
+        let float_weights = opts.gpu.is_none()
+            && file.header().tensors.iter().any(|e| {
+                e.shape.len() >= 2
+                    && matches!(
+                        TensorFormat::parse(&e.format),
+                        Ok(TensorFormat::F32 | TensorFormat::F16 | TensorFormat::BF16)
+                    )
+            });
         Ok(Self {
+            float_weights,
             file,
             model,
             pool,
@@ -322,6 +335,17 @@ impl Engine {
         cancel: &(dyn Fn() -> bool + Sync),
     ) -> Result<(Vec<f32>, usize)> {
         self.validate(batch)?;
+        // Float products sum a token's terms in an order set per step (`FloatOrder`): one
+        // for steps of one token per session, another for steps that prefill. A step that
+        // mixes the two runs its prompts first, then its decoding sessions, so a decode
+        // token's logits are the same bits alone or beside any prompt chunk.
+        let decoding = |i: &usize| batch[*i].1.len() == 1;
+        if self.float_weights && given.is_empty() && (0..batch.len()).any(|i| decoding(&i)) {
+            let (one, more): (Vec<usize>, Vec<usize>) = (0..batch.len()).partition(decoding);
+            if !more.is_empty() {
+                return self.step_split(batch, [&more, &one], mode, cancel);
+            }
+        }
         let (embed_rows, embed_values) = self.given_rows(batch, given)?;
         if cancel() {
             return Err(Error::Interrupted);
@@ -373,7 +397,10 @@ impl Engine {
         let embeds = GivenEmbeds { rows: &embed_rows, values: &embed_values };
         let step = Step { tokens: &tokens, spans: &spans, logit_rows: &logit_rows, embeds, cancel };
         let (model, pool) = (&self.model, &mut self.pool);
-        let result = self.workers.install(|| model.forward(&step, pool, &mut states));
+        let order = if prefill { FloatOrder::Batch } else { FloatOrder::Decode };
+        let result = self
+            .workers
+            .install(|| with_float_order(order, || model.forward(&step, pool, &mut states)));
         if result.is_err() {
             for (state, saved) in states.iter_mut().zip(saved) {
                 **state = saved;
@@ -401,6 +428,49 @@ impl Engine {
             self.pool.commit_tokens(seq, new_len, &t[..known]);
         }
         Ok((logits, logit_rows.len()))
+    }
+
+    /// A step of prompts (`parts[0]`, entries of `batch`) and decoding sessions (`parts[1]`)
+    /// as two steps, the prompts' first: pages for both are reserved before either runs, and
+    /// only the first may be cancelled, so the step still succeeds or fails as a whole
+    /// (short of a failing forward). The logits come back in batch order.
+    fn step_split(
+        &mut self,
+        batch: &[(SessionId, &[u32])],
+        parts: [&[usize]; 2],
+        mode: LogitsMode,
+        cancel: &(dyn Fn() -> bool + Sync),
+    ) -> Result<(Vec<f32>, usize)> {
+        for (i, &(id, tokens)) in batch.iter().enumerate() {
+            let seq = &mut self.sessions.get_mut(&id).expect("validated").kv;
+            let new_len = seq.len() + tokens.len();
+            if let Err(e) = self.pool.reserve(seq, new_len) {
+                self.unreserve(&batch[..i]);
+                return Err(e);
+            }
+        }
+        let pick = |ix: &[usize]| ix.iter().map(|&i| batch[i]).collect::<Vec<_>>();
+        let (first, second) = (pick(parts[0]), pick(parts[1]));
+        let a = match self.step_given(&first, &[], mode, cancel) {
+            Ok(a) => a,
+            Err(e) => {
+                self.unreserve(&second);
+                return Err(e);
+            }
+        };
+        let b = self.step_given(&second, &[], mode, &|| false)?;
+        let rows = |t: &[u32]| if mode == LogitsMode::Last { 1 } else { t.len() };
+        let vocab = a.0.len() / a.1.max(1);
+        let mut chunks: Vec<&[f32]> = vec![&[]; batch.len()];
+        for (part, (logits, _)) in parts.iter().zip([&a, &b]) {
+            let mut at = 0;
+            for &i in part.iter() {
+                let n = rows(batch[i].1) * vocab;
+                chunks[i] = &logits[at..at + n];
+                at += n;
+            }
+        }
+        Ok((chunks.concat(), a.1 + b.1))
     }
 
     /// Gives back the pages reserved past each batch session's length.

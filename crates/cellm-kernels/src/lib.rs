@@ -20,5 +20,8 @@ pub mod pool;
 pub mod rows;
 
 pub use isa::Isa;
-pub use matmul::{decode_row, decode_row_raw, matmul, matmul_many, matmul_many_raw, matmul_raw};
+pub use matmul::{
+    decode_row, decode_row_raw, matmul, matmul_many, matmul_many_raw, matmul_raw, with_float_order,
+    FloatOrder,
+};
 pub use rows::WeightRows;

@@ -9,7 +9,7 @@ use cellm_format::{Interleaved, Tensor, INTERLEAVE};
 
 use crate::acts::{ActScheme, Q8Acts, Q8Row, QBLOCK};
 use crate::dot::x8::{self, QDotX16Fn, QDotX8Fn};
-use crate::dot::{DotTileFn, PathKernels, QDot4Fn, QDotFn, TILE_ROWS, TILE_TOKENS};
+use crate::dot::{DotFn, DotTileFn, PathKernels, QDot4Fn, QDotFn, TILE_ROWS, TILE_TOKENS};
 use crate::gemm::{pack_tokens, FloatGemm};
 use crate::i8_gemm::{self, I8RowGemm};
 use crate::isa;
@@ -23,6 +23,38 @@ const ACT_BLOCK_BYTES: usize = 256 << 10;
 
 /// Below this many multiply-adds a call runs on the calling thread: fork-join costs more.
 const PARALLEL_MIN_WORK: usize = 1 << 15;
+
+/// How float-weight products choose their kernel, and so the order in which each output's
+/// products are summed. By count (the default), one token takes one row dot at a time (four
+/// accumulators), 2-3 tokens a register tile and more a GEMM, each summing in its own order,
+/// so a token's outputs depend on how many tokens share the product. An engine step sets
+/// [`FloatOrder::Decode`] for a step whose every session brings one token (each output one
+/// row dot, whatever the count) and [`FloatOrder::Batch`] for a step that prefills (the GEMM,
+/// whatever the count): a decode token's outputs are then the same bits alone or beside any
+/// other decoding sessions, and those of a prompt's tokens the same in any chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FloatOrder {
+    ByCount,
+    Decode,
+    Batch,
+}
+
+thread_local! {
+    static FLOAT_ORDER: std::cell::Cell<FloatOrder> =
+        const { std::cell::Cell::new(FloatOrder::ByCount) };
+}
+
+/// Runs `f` with float products on this thread in `order` ([`FloatOrder`]).
+pub fn with_float_order<R>(order: FloatOrder, f: impl FnOnce() -> R) -> R {
+    struct Restore(FloatOrder);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FLOAT_ORDER.with(|o| o.set(self.0));
+        }
+    }
+    let _restore = Restore(FLOAT_ORDER.with(|o| o.replace(order)));
+    f()
+}
 
 /// `out` (`tokens x rows(w)`) = `x` (`tokens x cols(w)`) times `w` transposed. Formats with an
 /// integer kernel get `x` quantized to int8 blocks once, here, for all their rows.
@@ -60,12 +92,21 @@ pub fn matmul_many_raw(x: &[f32], tokens: usize, ws: &[WeightRows], outs: &mut [
     }
     let acts_for = |scheme| &quantized.iter().find(|(s, _)| *s == scheme).expect("quantized").1;
     // A batch times float weights runs as a GEMM over activations packed once, here.
-    let batch_gemm = tokens > TILE_TOKENS && ws.iter().any(|w| act_scheme(*w).is_none());
+    let order = FLOAT_ORDER.with(|o| o.get());
+    let gemm_order = match order {
+        FloatOrder::ByCount => tokens > TILE_TOKENS,
+        FloatOrder::Decode => false,
+        FloatOrder::Batch => true,
+    };
+    let batch_gemm = gemm_order && ws.iter().any(|w| act_scheme(*w).is_none());
     let packed = batch_gemm.then(|| pack_tokens(x, tokens, ws[0].cols));
     let products: Vec<Product> = ws
         .iter()
         .zip(outs.iter_mut())
-        .map(|(&w, out)| Product::new(w, x, packed.as_deref(), tokens, out.as_mut_ptr(), &acts_for))
+        .map(|(&w, out)| {
+            let by_rows = order == FloatOrder::Decode;
+            Product::new(w, x, packed.as_deref(), by_rows, tokens, out.as_mut_ptr(), &acts_for)
+        })
         .collect();
 
     let work: usize = ws.iter().map(|w| w.rows * w.cols * tokens).sum();
@@ -113,6 +154,9 @@ enum Kernel<'a> {
     /// Float rows: decode in register tiles of rows x tokens, a batch as a GEMM over the
     /// packed activations.
     Float(DotTileFn, &'a [f32], Option<&'a [f32]>),
+    /// Float rows, one row dot per (row, token) whatever the count ([`FloatOrder::Decode`]):
+    /// each row is read from memory once and stays in L1 for the other tokens.
+    FloatRows(DotFn, &'a [f32]),
 }
 
 impl<'a> Product<'a> {
@@ -120,6 +164,7 @@ impl<'a> Product<'a> {
         w: WeightRows<'a>,
         x: &'a [f32],
         packed: Option<&'a [f32]>,
+        by_rows: bool,
         tokens: usize,
         out: *mut f32,
         acts_for: &impl Fn(ActScheme) -> &'a Q8Acts,
@@ -139,6 +184,7 @@ impl<'a> Product<'a> {
                 let qdot = path.row_kernels(w.format).qdot.expect("integer kernel");
                 Kernel::Integer(qdot, acts_for(scheme))
             }
+            None if by_rows => Kernel::FloatRows(path.row_kernels(w.format).dot, x),
             None => Kernel::Float(path.dot_tiles(w.format), x, packed),
         };
         Self { w, tokens, out: SharedOut(out), kernel }
@@ -168,6 +214,19 @@ impl<'a> Product<'a> {
     fn run(&self, units: std::ops::Range<usize>) {
         if let Kernel::Float(tile, x, packed) = self.kernel {
             return self.run_float(tile, x, packed, units);
+        }
+        if let Kernel::FloatRows(dot, x) = self.kernel {
+            let (n, cols) = (self.w.rows, self.w.cols);
+            let stride = self.w.bytes.len() / n.max(1);
+            for r in units {
+                let row = &self.w.bytes[r * stride..(r + 1) * stride];
+                for t in 0..self.tokens {
+                    // SAFETY: each task owns distinct rows, so output (t, r) is written by
+                    // it alone, and it lies inside `out` (tokens x n).
+                    unsafe { *self.out.at(t * n + r) = dot(row, &x[t * cols..(t + 1) * cols]) };
+                }
+            }
+            return;
         }
         if let Kernel::I8Gemm(gemm) = &self.kernel {
             let n = self.w.rows;
@@ -250,7 +309,7 @@ impl<'a> Product<'a> {
                         (i..count).for_each(|k| vals[k][0] = one(bytes, acts.row(t + k)));
                         1
                     }
-                    Kernel::Float(..) | Kernel::I8Gemm(..) => {
+                    Kernel::Float(..) | Kernel::FloatRows(..) | Kernel::I8Gemm(..) => {
                         unreachable!("float and i8 GEMM products run in tiles")
                     }
                 };
