@@ -398,9 +398,10 @@ impl Engine {
         let step = Step { tokens: &tokens, spans: &spans, logit_rows: &logit_rows, embeds, cancel };
         let (model, pool) = (&self.model, &mut self.pool);
         let order = if prefill { FloatOrder::Batch } else { FloatOrder::Decode };
-        let result = self
-            .workers
-            .install(|| with_float_order(order, || model.forward(&step, pool, &mut states)));
+        let by_row = mode == LogitsMode::Last;
+        let result = self.workers.install(|| {
+            with_float_order(order, by_row, || model.forward(&step, pool, &mut states))
+        });
         if result.is_err() {
             for (state, saved) in states.iter_mut().zip(saved) {
                 **state = saved;

@@ -9,7 +9,9 @@ use cellm_format::{Interleaved, Tensor, INTERLEAVE};
 
 use crate::acts::{ActScheme, Q8Acts, Q8Row, QBLOCK};
 use crate::dot::x8::{self, QDotX16Fn, QDotX8Fn};
-use crate::dot::{DotFn, DotTileFn, PathKernels, QDot4Fn, QDotFn, TILE_ROWS, TILE_TOKENS};
+use crate::dot::{
+    DotFn, DotTileFn, DotTokensFn, PathKernels, QDot4Fn, QDotFn, TILE_ROWS, TILE_TOKENS,
+};
 use crate::gemm::{pack_tokens, FloatGemm};
 use crate::i8_gemm::{self, I8RowGemm};
 use crate::isa;
@@ -31,7 +33,9 @@ const PARALLEL_MIN_WORK: usize = 1 << 15;
 /// [`FloatOrder::Decode`] for a step whose every session brings one token (each output one
 /// row dot, whatever the count) and [`FloatOrder::Batch`] for a step that prefills (the GEMM,
 /// whatever the count): a decode token's outputs are then the same bits alone or beside any
-/// other decoding sessions, and those of a prompt's tokens the same in any chunk.
+/// other decoding sessions, and those of a prompt's tokens the same in any chunk. The rows
+/// whose logits a prefill step returns (one per session) may take row dots for the products
+/// after the model gathers them ([`for_logit_rows`]): a GEMM of one row is slow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FloatOrder {
     ByCount,
@@ -40,20 +44,33 @@ pub enum FloatOrder {
 }
 
 thread_local! {
-    static FLOAT_ORDER: std::cell::Cell<FloatOrder> =
-        const { std::cell::Cell::new(FloatOrder::ByCount) };
+    /// The order, and whether the logit rows of a step take row dots.
+    static FLOAT_ORDER: std::cell::Cell<(FloatOrder, bool)> =
+        const { std::cell::Cell::new((FloatOrder::ByCount, false)) };
 }
 
-/// Runs `f` with float products on this thread in `order` ([`FloatOrder`]).
-pub fn with_float_order<R>(order: FloatOrder, f: impl FnOnce() -> R) -> R {
-    struct Restore(FloatOrder);
+/// Runs `f` with float products on this thread in `order` ([`FloatOrder`]); with
+/// `logit_rows_by_row`, products inside [`for_logit_rows`] take row dots (as in
+/// [`FloatOrder::Decode`]): for steps that return one logit row per session, whose gathered
+/// rows are then summed in one order whatever their count.
+pub fn with_float_order<R>(order: FloatOrder, logit_rows_by_row: bool, f: impl FnOnce() -> R) -> R {
+    struct Restore((FloatOrder, bool));
     impl Drop for Restore {
         fn drop(&mut self) {
             FLOAT_ORDER.with(|o| o.set(self.0));
         }
     }
-    let _restore = Restore(FLOAT_ORDER.with(|o| o.replace(order)));
+    let _restore = Restore(FLOAT_ORDER.with(|o| o.replace((order, logit_rows_by_row))));
     f()
+}
+
+/// Runs `f`, a model's products over the rows it gathered for logits, in row dots if the
+/// step asked for that ([`with_float_order`]).
+pub fn for_logit_rows<R>(f: impl FnOnce() -> R) -> R {
+    match FLOAT_ORDER.with(|o| o.get()) {
+        (FloatOrder::Batch, true) => with_float_order(FloatOrder::Decode, true, f),
+        _ => f(),
+    }
 }
 
 /// `out` (`tokens x rows(w)`) = `x` (`tokens x cols(w)`) times `w` transposed. Formats with an
@@ -92,7 +109,7 @@ pub fn matmul_many_raw(x: &[f32], tokens: usize, ws: &[WeightRows], outs: &mut [
     }
     let acts_for = |scheme| &quantized.iter().find(|(s, _)| *s == scheme).expect("quantized").1;
     // A batch times float weights runs as a GEMM over activations packed once, here.
-    let order = FLOAT_ORDER.with(|o| o.get());
+    let order = FLOAT_ORDER.with(|o| o.get().0);
     let gemm_order = match order {
         FloatOrder::ByCount => tokens > TILE_TOKENS,
         FloatOrder::Decode => false,
@@ -156,7 +173,7 @@ enum Kernel<'a> {
     Float(DotTileFn, &'a [f32], Option<&'a [f32]>),
     /// Float rows, one row dot per (row, token) whatever the count ([`FloatOrder::Decode`]):
     /// each row is read from memory once and stays in L1 for the other tokens.
-    FloatRows(DotFn, &'a [f32]),
+    FloatRows(DotFn, Option<DotTokensFn>, &'a [f32]),
 }
 
 impl<'a> Product<'a> {
@@ -184,7 +201,9 @@ impl<'a> Product<'a> {
                 let qdot = path.row_kernels(w.format).qdot.expect("integer kernel");
                 Kernel::Integer(qdot, acts_for(scheme))
             }
-            None if by_rows => Kernel::FloatRows(path.row_kernels(w.format).dot, x),
+            None if by_rows => {
+                Kernel::FloatRows(path.row_kernels(w.format).dot, path.dot_tokens(w.format), x)
+            }
             None => Kernel::Float(path.dot_tiles(w.format), x, packed),
         };
         Self { w, tokens, out: SharedOut(out), kernel }
@@ -215,15 +234,23 @@ impl<'a> Product<'a> {
         if let Kernel::Float(tile, x, packed) = self.kernel {
             return self.run_float(tile, x, packed, units);
         }
-        if let Kernel::FloatRows(dot, x) = self.kernel {
+        if let Kernel::FloatRows(dot, many, x) = self.kernel {
             let (n, cols) = (self.w.rows, self.w.cols);
             let stride = self.w.bytes.len() / n.max(1);
+            let mut vals = vec![0.0f32; self.tokens];
             for r in units {
                 let row = &self.w.bytes[r * stride..(r + 1) * stride];
-                for t in 0..self.tokens {
+                match many {
+                    Some(many) if self.tokens > 1 => many(row, &x[..self.tokens * cols], &mut vals),
+                    _ => {
+                        let xs = x.chunks_exact(cols);
+                        vals.iter_mut().zip(xs).for_each(|(v, x)| *v = dot(row, x));
+                    }
+                }
+                for (t, v) in vals.iter().enumerate() {
                     // SAFETY: each task owns distinct rows, so output (t, r) is written by
                     // it alone, and it lies inside `out` (tokens x n).
-                    unsafe { *self.out.at(t * n + r) = dot(row, &x[t * cols..(t + 1) * cols]) };
+                    unsafe { *self.out.at(t * n + r) = *v };
                 }
             }
             return;
@@ -422,6 +449,42 @@ mod tests {
             matmul_raw(&x[..half * cols], half, w, lo);
             matmul_raw(&x[half * cols..], tokens - half, w, hi);
             assert_eq!(whole, parts, "{format:?}");
+        }
+    }
+
+    /// Under the engine's float orders a token's outputs do not depend on the other tokens
+    /// of the product, bit for bit: decode order (row dots, several tokens a row) and batch
+    /// order (the GEMM), 1 to 9 tokens against the first tokens of 9, on a pool of 2.
+    #[test]
+    fn float_orders_do_not_depend_on_the_token_count() {
+        let _serial = crate::isa::test_lock();
+        let (rows, cols, all) = (40, 200, 9);
+        let vals: Vec<f32> =
+            (0..rows * cols).map(|i| ((i * 7919) % 211) as f32 / 100.0 - 1.05).collect();
+        let x: Vec<f32> = (0..all * cols).map(|i| ((i * 31) % 17) as f32 * 0.1 - 0.8).collect();
+        let pool = ThreadPool::new(2).unwrap();
+        for format in [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16] {
+            let bytes = crate::dot::encode(format, &vals);
+            let w = WeightRows { format, bytes: &bytes, rows, cols };
+            for order in [FloatOrder::Decode, FloatOrder::Batch] {
+                let run = |tokens: usize| {
+                    let mut out = vec![0.0f32; tokens * rows];
+                    pool.install(|| {
+                        with_float_order(order, false, || {
+                            matmul_raw(&x[..tokens * cols], tokens, w, &mut out)
+                        })
+                    });
+                    out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+                };
+                let whole = run(all);
+                for tokens in 1..all {
+                    assert_eq!(
+                        run(tokens),
+                        whole[..tokens * rows],
+                        "{format:?} {order:?} {tokens}"
+                    );
+                }
+            }
         }
     }
 

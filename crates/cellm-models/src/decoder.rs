@@ -2,7 +2,7 @@
 //! head), the residual loop over layers, token mixers that are either attention or a
 //! recurrent block, and the cache layout they imply. A family only defines its layer.
 
-use cellm_kernels::ops;
+use cellm_kernels::{for_logit_rows, ops};
 use cellm_kv::{PagePool, SeqState};
 
 use cellm_format::Result;
@@ -64,7 +64,7 @@ impl<L: DecoderLayer + Send + Sync> CausalLm for Decoder<L> {
         let mut ctx = StepCtx { step, positions: &positions, kv, states };
         let layers = &self.layers[..c.layers_run()];
         let (mut x, rows) = run_layers(layers, x, c.hidden_size, c.residual_multiplier, &mut ctx)?;
-        Ok(self.head.forward(&mut x, rows))
+        Ok(for_logit_rows(|| self.head.forward(&mut x, rows)))
     }
 }
 
@@ -110,7 +110,10 @@ pub fn run_layers<L: DecoderLayer>(
         if cancel() {
             return Err(Cancelled);
         }
-        let ff = layer.feed_forward(&x, rows);
+        let ff = match i + 1 == layers.len() {
+            true => for_logit_rows(|| layer.feed_forward(&x, rows)),
+            false => layer.feed_forward(&x, rows),
+        };
         ops::add_scaled(&mut x, &ff, residual_scale);
     }
     Ok((x, rows))

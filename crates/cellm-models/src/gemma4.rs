@@ -424,6 +424,6 @@ impl CausalLm for Gemma4 {
             }
             layer.finish(&mut x, rows, input.as_deref(), self.act);
         }
-        Ok(self.head.forward(&mut x, rows))
+        Ok(cellm_kernels::for_logit_rows(|| self.head.forward(&mut x, rows)))
     }
 }

@@ -21,6 +21,9 @@ pub type QDot4Fn = fn(&[u8], &[Q8Row; 4]) -> [f32; 4];
 /// `out[r * T + t] = dot(rows[r], x[t])` for 1..=4 float rows of one length and the `T` =
 /// 1..=3 token rows in `x`: a register tile of the float matmul.
 pub type DotTileFn = fn(&[&[u8]], &[f32], &mut [f32]);
+/// `out[t] = dot(row, x[t])` for every token row of `x` (`out.len()` of them), each the same
+/// bits as the path's row dot alone, the row loaded once for several tokens.
+pub type DotTokensFn = fn(&[u8], &[f32], &mut [f32]);
 /// Rows and tokens of the largest [`DotTileFn`] tile.
 pub const TILE_ROWS: usize = 4;
 pub const TILE_TOKENS: usize = 3;

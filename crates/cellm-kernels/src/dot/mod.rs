@@ -37,7 +37,7 @@ mod x8_neon;
 pub(crate) use floats::encode;
 pub use kinds::{
     head_passes, AxpyFn, AxpyHeadsFn, CachedRows, DecodeFn, DotFn, DotHeadsFn, DotTileFn,
-    HeadKernels, PanelFn, QDot4Fn, QDotFn, RowKernels, TILE_ROWS, TILE_TOKENS,
+    DotTokensFn, HeadKernels, PanelFn, QDot4Fn, QDotFn, RowKernels, TILE_ROWS, TILE_TOKENS,
 };
 pub use paths::PathKernels;
 
@@ -170,6 +170,34 @@ mod tests {
                                     );
                                 }
                             }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The several-token row dot gives each token what the path's row dot gives it alone,
+    /// bit for bit, for 1 to 7 tokens (three at a time, then two or one) and row lengths with
+    /// and without the 8-element and scalar tails.
+    #[test]
+    fn dot_tokens_equal_row_dots_bitwise() {
+        for isa in Isa::available() {
+            let path = PathKernels::of(isa);
+            for format in [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16] {
+                let Some(many) = path.dot_tokens(format) else { continue };
+                let dot = path.row_kernels(format).dot;
+                for n in [8, 29, 64, 77, 200] {
+                    let bytes = encode(format, &pseudo_random(n, n as u32));
+                    let words = aligned(&bytes);
+                    let row = as_bytes(&words, bytes.len());
+                    for tokens in 1..=7 {
+                        let x = pseudo_random(tokens * n, 3 + tokens as u32);
+                        let mut got = vec![0.0; tokens];
+                        many(row, &x, &mut got);
+                        for (t, g) in got.iter().enumerate() {
+                            let want = dot(row, &x[t * n..(t + 1) * n]);
+                            assert_eq!(g.to_bits(), want.to_bits(), "{isa:?} {format:?} n={n}");
                         }
                     }
                 }

@@ -7,7 +7,7 @@
 
 use cellm_format::TensorFormat;
 
-use super::kinds::{DotTileFn, HeadKernels, PanelFn, QDot4Fn, QDotFn, RowKernels};
+use super::kinds::{DotTileFn, DotTokensFn, HeadKernels, PanelFn, QDot4Fn, QDotFn, RowKernels};
 use super::x8::{self, QDotX16Fn, QDotX8Fn};
 use super::{blocks, int_scalar, scalar};
 use crate::isa::{self, Isa};
@@ -27,6 +27,8 @@ pub struct PathKernels {
     pairs: fn(TensorFormat) -> Option<(QDotX16Fn, usize)>,
     heads: fn(TensorFormat) -> HeadKernels,
     dot_tiles: fn(TensorFormat) -> DotTileFn,
+    /// None where a row dot per token is all there is (scalar, NEON).
+    dot_tokens: Option<fn(TensorFormat) -> DotTokensFn>,
     /// None where `gemm` widens row by row (scalar, NEON).
     panel_widener: Option<fn(TensorFormat) -> PanelFn>,
     tile: TileFn,
@@ -39,6 +41,7 @@ static SCALAR: PathKernels = PathKernels {
     pairs: no_pairs,
     heads: scalar::head_kernels,
     dot_tiles: scalar::dot_tiles,
+    dot_tokens: None,
     panel_widener: None,
     tile: panel::tile_scalar,
 };
@@ -54,6 +57,7 @@ const fn avx2_family<const P: u8>(tile: TileFn) -> PathKernels {
         pairs: x8_avx2::pair_qdot::<P>,
         heads: if P == bytes::AVX512_VNNI { avx2::head_kernels_512 } else { avx2::head_kernels },
         dot_tiles: avx2::dot_tiles,
+        dot_tokens: Some(avx2::dot_tokens_kernel),
         panel_widener: Some(avx2::panel_widener),
         tile,
     }
@@ -82,6 +86,7 @@ const fn neon_family<const P: u8>() -> PathKernels {
         pairs: no_pairs,
         heads: neon::head_kernels,
         dot_tiles: neon::dot_tiles,
+        dot_tokens: None,
         panel_widener: None,
         tile: panel::neon::tile,
     }
@@ -148,6 +153,11 @@ impl PathKernels {
     /// The float matmul's tile kernel of a float format.
     pub fn dot_tiles(&self, format: TensorFormat) -> DotTileFn {
         (self.dot_tiles)(format)
+    }
+
+    /// The several-token row dot of a float format, where the path has one.
+    pub fn dot_tokens(&self, format: TensorFormat) -> Option<DotTokensFn> {
+        self.dot_tokens.map(|k| k(format))
     }
 
     /// The SIMD panel widener of a float format (None where `gemm` widens row by row).
