@@ -312,7 +312,12 @@ impl<'a> FloatGemm<'a> {
         let elem = stride / k.max(1);
         let mut slice = vec![0.0f32; tile_rows * BLOCK_COLS];
         let mut half = vec![0.0f32; PANEL_ROWS * BLOCK_COLS];
-        let mut acc = vec![0.0f32; row_block * token_block * tile_len];
+        assert!(part.start.is_multiple_of(group) && part.end <= tokens, "gemm: token part");
+        let part_groups = part.start / group..part.end.div_ceil(group);
+        // Accumulators for the groups a token block really has: a step of a few tokens needs
+        // a row block's tiles for one group, not for a full token block (192 KiB to zero).
+        let block_groups = token_block.min(part_groups.len());
+        let mut acc = vec![0.0f32; row_block * block_groups * tile_len];
         // Stored rows r0.. (at most a panel's, up to `end`), each cut to `cols`.
         let stored_rows = |r0: usize, end: usize, cols: &std::ops::Range<usize>| {
             let mut stored: [&[u8]; MAX_ROWS] = [&[]; MAX_ROWS];
@@ -322,8 +327,6 @@ impl<'a> FloatGemm<'a> {
             }
             (stored, count)
         };
-        assert!(part.start.is_multiple_of(group) && part.end <= tokens, "gemm: token part");
-        let part_groups = part.start / group..part.end.div_ceil(group);
         for g0 in part_groups.clone().step_by(token_block) {
             let token_groups = g0..(g0 + token_block).min(part_groups.end);
             let n_groups = token_groups.len();
@@ -346,7 +349,7 @@ impl<'a> FloatGemm<'a> {
                             let x = &xs[g * group * width..][..group * width];
                             // The last group's padding is not multiplied.
                             let live = (tokens - g * group).min(group);
-                            let at = (p * token_block + g - g0) * tile_len;
+                            let at = (p * block_groups + g - g0) * tile_len;
                             self.tile.run(slice, x, width, live, &mut acc[at..at + tile_len]);
                         }
                     }
@@ -355,7 +358,7 @@ impl<'a> FloatGemm<'a> {
                     let count = (block_end - r0).min(tile_rows);
                     for g in token_groups.clone() {
                         let t0 = g * group;
-                        let at = (p * token_block + g - g0) * tile_len;
+                        let at = (p * block_groups + g - g0) * tile_len;
                         let tile = &acc[at..at + tile_len];
                         for (t, vals) in tile.chunks_exact(tile_rows).enumerate().take(tokens - t0)
                         {

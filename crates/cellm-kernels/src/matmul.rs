@@ -10,7 +10,8 @@ use cellm_format::{Interleaved, Tensor, INTERLEAVE};
 use crate::acts::{ActScheme, Q8Acts, Q8Row, QBLOCK};
 use crate::dot::x8::{self, QDotX16Fn, QDotX8Fn};
 use crate::dot::{
-    DotFn, DotTileFn, DotTokensFn, PathKernels, QDot4Fn, QDotFn, TILE_ROWS, TILE_TOKENS,
+    DotFn, DotTileFn, DotTokensFn, PathKernels, QDot4Fn, QDotFn, GEMM_TILE_ROWS, TILE_ROWS,
+    TILE_TOKENS,
 };
 use crate::gemm::{pack_tokens, FloatGemm};
 use crate::i8_gemm::{self, I8RowGemm};
@@ -110,10 +111,10 @@ pub fn matmul_many_raw(x: &[f32], tokens: usize, ws: &[WeightRows], outs: &mut [
     let acts_for = |scheme| &quantized.iter().find(|(s, _)| *s == scheme).expect("quantized").1;
     // A batch times float weights runs as a GEMM over activations packed once, here.
     let order = FLOAT_ORDER.with(|o| o.get().0);
+    // Batch order: a GEMM, or for 1..=3 tokens the GEMM-order tiles (the same sums).
     let gemm_order = match order {
-        FloatOrder::ByCount => tokens > TILE_TOKENS,
+        FloatOrder::ByCount | FloatOrder::Batch => tokens > TILE_TOKENS,
         FloatOrder::Decode => false,
-        FloatOrder::Batch => true,
     };
     let batch_gemm = gemm_order && ws.iter().any(|w| act_scheme(*w).is_none());
     let packed = batch_gemm.then(|| pack_tokens(x, tokens, ws[0].cols));
@@ -121,8 +122,7 @@ pub fn matmul_many_raw(x: &[f32], tokens: usize, ws: &[WeightRows], outs: &mut [
         .iter()
         .zip(outs.iter_mut())
         .map(|(&w, out)| {
-            let by_rows = order == FloatOrder::Decode;
-            Product::new(w, x, packed.as_deref(), by_rows, tokens, out.as_mut_ptr(), &acts_for)
+            Product::new(w, x, packed.as_deref(), order, tokens, out.as_mut_ptr(), &acts_for)
         })
         .collect();
 
@@ -170,7 +170,7 @@ enum Kernel<'a> {
     I8Gemm(I8RowGemm<'a>),
     /// Float rows: decode in register tiles of rows x tokens, a batch as a GEMM over the
     /// packed activations.
-    Float(DotTileFn, &'a [f32], Option<&'a [f32]>),
+    Float(DotTileFn, &'a [f32], Option<&'a [f32]>, usize),
     /// Float rows, one row dot per (row, token) whatever the count ([`FloatOrder::Decode`]):
     /// each row is read from memory once and stays in L1 for the other tokens.
     FloatRows(DotFn, Option<DotTokensFn>, &'a [f32]),
@@ -181,7 +181,7 @@ impl<'a> Product<'a> {
         w: WeightRows<'a>,
         x: &'a [f32],
         packed: Option<&'a [f32]>,
-        by_rows: bool,
+        order: FloatOrder,
         tokens: usize,
         out: *mut f32,
         acts_for: &impl Fn(ActScheme) -> &'a Q8Acts,
@@ -201,10 +201,13 @@ impl<'a> Product<'a> {
                 let qdot = path.row_kernels(w.format).qdot.expect("integer kernel");
                 Kernel::Integer(qdot, acts_for(scheme))
             }
-            None if by_rows => {
+            None if order == FloatOrder::Decode => {
                 Kernel::FloatRows(path.row_kernels(w.format).dot, path.dot_tokens(w.format), x)
             }
-            None => Kernel::Float(path.dot_tiles(w.format), x, packed),
+            None if order == FloatOrder::Batch && packed.is_none() => {
+                Kernel::Float(path.gemm_tiles(w.format), x, None, GEMM_TILE_ROWS)
+            }
+            None => Kernel::Float(path.dot_tiles(w.format), x, packed, TILE_ROWS),
         };
         Self { w, tokens, out: SharedOut(out), kernel }
     }
@@ -231,8 +234,8 @@ impl<'a> Product<'a> {
     /// activations fit in L2 (`ACT_BLOCK_BYTES`); within a block each row (or group) is read
     /// once per 8 tokens (the group kernels take them 8 at a time on AVX-512, 4 elsewhere).
     fn run(&self, units: std::ops::Range<usize>) {
-        if let Kernel::Float(tile, x, packed) = self.kernel {
-            return self.run_float(tile, x, packed, units);
+        if let Kernel::Float(tile, x, packed, tile_rows) = self.kernel {
+            return self.run_float(tile, x, packed, tile_rows, units);
         }
         if let Kernel::FloatRows(dot, many, x) = self.kernel {
             let (n, cols) = (self.w.rows, self.w.cols);
@@ -365,6 +368,7 @@ impl Product<'_> {
         tile: DotTileFn,
         x: &[f32],
         packed: Option<&[f32]>,
+        tile_rows: usize,
         rows: std::ops::Range<usize>,
     ) {
         let (n, tokens) = (self.w.rows, self.tokens);
@@ -377,10 +381,10 @@ impl Product<'_> {
             });
         }
         let stride = self.w.bytes.len() / n.max(1);
-        let mut vals = [0.0f32; TILE_ROWS * TILE_TOKENS];
-        for r0 in rows.clone().step_by(TILE_ROWS) {
-            let r_count = (rows.end - r0).min(TILE_ROWS);
-            let mut w: [&[u8]; TILE_ROWS] = [&[]; TILE_ROWS];
+        let mut vals = [0.0f32; GEMM_TILE_ROWS * TILE_TOKENS];
+        for r0 in rows.clone().step_by(tile_rows) {
+            let r_count = (rows.end - r0).min(tile_rows);
+            let mut w: [&[u8]; GEMM_TILE_ROWS] = [&[]; GEMM_TILE_ROWS];
             for (i, r) in (r0..r0 + r_count).enumerate() {
                 w[i] = &self.w.bytes[r * stride..(r + 1) * stride];
             }

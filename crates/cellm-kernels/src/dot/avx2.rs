@@ -356,6 +356,87 @@ pub fn dot_tokens_kernel(format: TensorFormat) -> DotTokensFn {
     }
 }
 
+/// GEMM-order tiles ([`super::kinds::GEMM_TILE_ROWS`]): `out[r * tokens + t]` for up to 16
+/// stored rows and 1..=3 tokens, each one fused multiply-add chain over the columns in order
+/// from zero, as the float GEMM's register tiles sum (`gemm`), bit for bit. Rows go in lanes:
+/// eight columns of eight rows are loaded, widened and transposed in registers, and each
+/// column meets every token's broadcast activation.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemm_tile<L: Lanes>(rows: &[&[u8]], x: &[f32], out: &mut [f32]) {
+    assert!((1..=16).contains(&rows.len()), "gemm_tile takes 1..=16 rows");
+    // Slots past the tile's rows repeat row 0; their lanes are never stored.
+    let w: [&[L::Elem]; 16] =
+        std::array::from_fn(|r| cast(rows[if r < rows.len() { r } else { 0 }]));
+    let n = w[0].len();
+    let tokens = x.len() / n.max(1);
+    assert!(
+        w[..rows.len()].iter().all(|r| r.len() == n) && x.len() == tokens * n,
+        "gemm_tile: rows and activations differ in length"
+    );
+    assert!(out.len() == rows.len() * tokens, "gemm_tile: output size");
+    match tokens {
+        1 => seq_tile::<L, 1>(&w, rows.len(), x, n, out),
+        2 => seq_tile::<L, 2>(&w, rows.len(), x, n, out),
+        3 => seq_tile::<L, 3>(&w, rows.len(), x, n, out),
+        t => panic!("gemm_tile takes 1..=3 tokens, got {t}"),
+    }
+}
+
+// The tail loop indexes sixteen rows and the activations by one column.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn seq_tile<L: Lanes, const T: usize>(
+    w: &[&[L::Elem]; 16],
+    count: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    let blocks = count.div_ceil(8);
+    let full = n / 8 * 8;
+    let xp = x.as_ptr();
+    let mut acc = [[_mm256_setzero_ps(); T]; 2];
+    for c in (0..full).step_by(8) {
+        for (b, acc) in acc.iter_mut().enumerate().take(blocks) {
+            let v: [__m256; 8] = std::array::from_fn(|i| L::load8(w[8 * b + i].as_ptr().add(c)));
+            for (j, col) in transpose8(v).iter().enumerate() {
+                for (t, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(*col, _mm256_set1_ps(*xp.add(t * n + c + j)), *a);
+                }
+            }
+        }
+    }
+    for c in full..n {
+        for (b, acc) in acc.iter_mut().enumerate().take(blocks) {
+            let e: [f32; 8] = std::array::from_fn(|i| widen(w[8 * b + i][c]));
+            let col = _mm256_loadu_ps(e.as_ptr());
+            for (t, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(col, _mm256_set1_ps(*xp.add(t * n + c)), *a);
+            }
+        }
+    }
+    for (b, acc) in acc.iter().enumerate().take(blocks) {
+        for (t, a) in acc.iter().enumerate() {
+            let mut lanes = [0.0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), *a);
+            for (i, v) in lanes.iter().enumerate().take(count - 8 * b) {
+                out[(8 * b + i) * T + t] = *v;
+            }
+        }
+    }
+}
+
+pub fn gemm_tiles(format: TensorFormat) -> DotTileFn {
+    assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
+    // SAFETY (all three): AVX2, FMA and F16C were just checked; `gemm_tile` checks lengths.
+    match format {
+        TensorFormat::F32 => |rows, x, out| unsafe { gemm_tile::<F32>(rows, x, out) },
+        TensorFormat::F16 => |rows, x, out| unsafe { gemm_tile::<F16>(rows, x, out) },
+        TensorFormat::BF16 => |rows, x, out| unsafe { gemm_tile::<Bf16>(rows, x, out) },
+        other => unreachable!("{other:?} is a block format"),
+    }
+}
+
 pub fn dot_tiles(format: TensorFormat) -> DotTileFn {
     assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
     // SAFETY (all three): AVX2, FMA and F16C were just checked; `dot_tile` checks lengths.

@@ -24,6 +24,9 @@ pub type DotTileFn = fn(&[&[u8]], &[f32], &mut [f32]);
 /// `out[t] = dot(row, x[t])` for every token row of `x` (`out.len()` of them), each the same
 /// bits as the path's row dot alone, the row loaded once for several tokens.
 pub type DotTokensFn = fn(&[u8], &[f32], &mut [f32]);
+/// Rows of the largest GEMM-order tile (`PathKernels::gemm_tiles`): a [`DotTileFn`] whose
+/// sums are the float GEMM's, bit for bit, for a prompt of 1..=3 tokens.
+pub const GEMM_TILE_ROWS: usize = 16;
 /// Rows and tokens of the largest [`DotTileFn`] tile.
 pub const TILE_ROWS: usize = 4;
 pub const TILE_TOKENS: usize = 3;

@@ -37,7 +37,8 @@ mod x8_neon;
 pub(crate) use floats::encode;
 pub use kinds::{
     head_passes, AxpyFn, AxpyHeadsFn, CachedRows, DecodeFn, DotFn, DotHeadsFn, DotTileFn,
-    DotTokensFn, HeadKernels, PanelFn, QDot4Fn, QDotFn, RowKernels, TILE_ROWS, TILE_TOKENS,
+    DotTokensFn, HeadKernels, PanelFn, QDot4Fn, QDotFn, RowKernels, GEMM_TILE_ROWS, TILE_ROWS,
+    TILE_TOKENS,
 };
 pub use paths::PathKernels;
 
@@ -169,6 +170,49 @@ mod tests {
                                         "{isa:?} {format:?} n={n} {r_count}x{t_count}"
                                     );
                                 }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The GEMM-order tiles give the float GEMM's sums bit for bit on every path: a token's
+    /// products are the same bits with 1..=3 tokens as in a batch of 7, for row counts that
+    /// fill and do not fill a tile's two blocks of 8, and lengths with and without a tail of
+    /// columns (and two of the GEMM's column blocks).
+    #[test]
+    fn gemm_tiles_equal_the_gemm_bitwise() {
+        use crate::gemm::FloatGemm;
+        use crate::rows::WeightRows;
+        for isa in Isa::available() {
+            for format in [TensorFormat::F32, TensorFormat::F16, TensorFormat::BF16] {
+                let tile = PathKernels::of(isa).gemm_tiles(format);
+                for (rows, n) in [(GEMM_TILE_ROWS, 64), (11, 29), (5, 300), (3, 8)] {
+                    let bytes = encode(format, &pseudo_random(rows * n, n as u32));
+                    let words = aligned(&bytes);
+                    let stored = as_bytes(&words, bytes.len());
+                    let stride = stored.len() / rows;
+                    let w = WeightRows { format, bytes: stored, rows, cols: n };
+                    let batch = 7;
+                    let x = pseudo_random(batch * n, 5);
+                    let gemm = FloatGemm::new(w, isa);
+                    let mut want = vec![0.0f32; batch * rows];
+                    gemm.run(&gemm.pack(&x, batch), batch, 0..rows, |t, r0, vals| {
+                        want[t * rows + r0..][..vals.len()].copy_from_slice(vals)
+                    });
+                    let row_bytes: Vec<&[u8]> = stored.chunks_exact(stride).collect();
+                    for tokens in 1..=TILE_TOKENS {
+                        let mut got = vec![0.0f32; rows * tokens];
+                        tile(&row_bytes, &x[..tokens * n], &mut got);
+                        for r in 0..rows {
+                            for t in 0..tokens {
+                                assert_eq!(
+                                    got[r * tokens + t].to_bits(),
+                                    want[t * rows + r].to_bits(),
+                                    "{isa:?} {format:?} rows={rows} n={n} tokens={tokens} r={r}"
+                                );
                             }
                         }
                     }

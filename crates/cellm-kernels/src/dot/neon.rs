@@ -17,6 +17,7 @@ float_row_kernels!(assert!(
 head_kernels_by_rows!();
 
 dot_tiles_by_rows!();
+gemm_tiles_in_order!(true);
 
 /// Eight f16 bits as two vectors of four f32 (`fcvtl`, `fcvtl2`).
 #[inline(always)]

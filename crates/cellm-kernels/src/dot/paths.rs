@@ -29,6 +29,8 @@ pub struct PathKernels {
     dot_tiles: fn(TensorFormat) -> DotTileFn,
     /// None where a row dot per token is all there is (scalar, NEON).
     dot_tokens: Option<fn(TensorFormat) -> DotTokensFn>,
+    /// The GEMM's order for a prompt of 1..=3 tokens.
+    gemm_tiles: fn(TensorFormat) -> DotTileFn,
     /// None where `gemm` widens row by row (scalar, NEON).
     panel_widener: Option<fn(TensorFormat) -> PanelFn>,
     tile: TileFn,
@@ -42,6 +44,7 @@ static SCALAR: PathKernels = PathKernels {
     heads: scalar::head_kernels,
     dot_tiles: scalar::dot_tiles,
     dot_tokens: None,
+    gemm_tiles: scalar::gemm_tiles,
     panel_widener: None,
     tile: panel::tile_scalar,
 };
@@ -58,6 +61,7 @@ const fn avx2_family<const P: u8>(tile: TileFn) -> PathKernels {
         heads: if P == bytes::AVX512_VNNI { avx2::head_kernels_512 } else { avx2::head_kernels },
         dot_tiles: avx2::dot_tiles,
         dot_tokens: Some(avx2::dot_tokens_kernel),
+        gemm_tiles: avx2::gemm_tiles,
         panel_widener: Some(avx2::panel_widener),
         tile,
     }
@@ -87,6 +91,7 @@ const fn neon_family<const P: u8>() -> PathKernels {
         heads: neon::head_kernels,
         dot_tiles: neon::dot_tiles,
         dot_tokens: None,
+        gemm_tiles: neon::gemm_tiles,
         panel_widener: None,
         tile: panel::neon::tile,
     }
@@ -153,6 +158,11 @@ impl PathKernels {
     /// The float matmul's tile kernel of a float format.
     pub fn dot_tiles(&self, format: TensorFormat) -> DotTileFn {
         (self.dot_tiles)(format)
+    }
+
+    /// The GEMM-order tile kernel of a float format (1..=3 tokens, bitwise the GEMM's sums).
+    pub fn gemm_tiles(&self, format: TensorFormat) -> DotTileFn {
+        (self.gemm_tiles)(format)
     }
 
     /// The several-token row dot of a float format, where the path has one.

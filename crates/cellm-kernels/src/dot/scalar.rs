@@ -10,6 +10,7 @@ float_row_kernels!();
 head_kernels_by_rows!();
 
 dot_tiles_by_rows!();
+gemm_tiles_in_order!(false);
 
 /// Eight independent partial sums, so rounding follows the same pairing as the SIMD paths
 /// more closely than one running sum would.

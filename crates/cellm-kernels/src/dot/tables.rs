@@ -50,6 +50,50 @@ macro_rules! dot_tiles_by_rows {
     };
 }
 
+/// `pub fn gemm_tiles` (the float GEMM's order for 1..=3 tokens, [`super::kinds::GEMM_TILE_ROWS`]
+/// rows), for a module with `kernels(format)`: rows decoded to f32 a chunk of columns at a
+/// time, then one multiply-add chain per (row, token) over the columns in order; `$fused`
+/// says whether the path's GEMM tile fuses them (NEON's `fmla`) or rounds the product first
+/// (the scalar tile).
+macro_rules! gemm_tiles_in_order {
+    ($fused:expr) => {
+        pub fn gemm_tiles(format: TensorFormat) -> super::kinds::DotTileFn {
+            use super::floats::{float_index, FLOAT_BYTES, FLOAT_FORMATS};
+            use super::kinds::{GEMM_TILE_ROWS, TILE_TOKENS};
+            fn tile<const F: usize>(rows: &[&[u8]], x: &[f32], out: &mut [f32]) {
+                const CHUNK: usize = 64;
+                let decode = kernels(FLOAT_FORMATS[F]).decode;
+                let elem = FLOAT_BYTES[F];
+                let n = rows.first().map_or(0, |r| r.len() / elem);
+                let tokens = x.len() / n.max(1);
+                assert!(rows.len() <= GEMM_TILE_ROWS && tokens <= TILE_TOKENS, "gemm_tile");
+                assert!(out.len() == rows.len() * tokens, "gemm_tile: output size");
+                let mut wide = [[0.0f32; CHUNK]; GEMM_TILE_ROWS];
+                let mut acc = [[0.0f32; GEMM_TILE_ROWS]; TILE_TOKENS];
+                for c0 in (0..n).step_by(CHUNK) {
+                    let kc = (n - c0).min(CHUNK);
+                    for (w, row) in wide.iter_mut().zip(rows) {
+                        decode(&row[c0 * elem..(c0 + kc) * elem], &mut w[..kc]);
+                    }
+                    for c in 0..kc {
+                        for (t, acc) in acc.iter_mut().enumerate().take(tokens) {
+                            let xv = x[t * n + c0 + c];
+                            for (a, w) in acc.iter_mut().zip(&wide).take(rows.len()) {
+                                *a = if $fused { w[c].mul_add(xv, *a) } else { *a + w[c] * xv };
+                            }
+                        }
+                    }
+                }
+                for (r, o) in out.chunks_exact_mut(tokens.max(1)).enumerate() {
+                    o.iter_mut().enumerate().for_each(|(t, o)| *o = acc[t][r]);
+                }
+            }
+            let tiles: [super::kinds::DotTileFn; 3] = [tile::<0>, tile::<1>, tile::<2>];
+            tiles[float_index(format)]
+        }
+    };
+}
+
 /// `pub fn head_kernels` as one row kernel call per (head, row), for a module with
 /// `kernels(format)`: the scalar reference, and NEON.
 macro_rules! head_kernels_by_rows {
