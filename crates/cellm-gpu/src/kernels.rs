@@ -345,45 +345,84 @@ pub const GEMM_TILE: u32 = 64;
 /// `KernelId::source`'s `tokens` for the cooperative-matrix GEMM build.
 pub const COOP_BUILD: u32 = u32::MAX;
 
-/// The cooperative-matrix GEMM's tile: its 8 subgroups as `SGR` x `SGC` along rows and tokens,
-/// each computing `WR` x `WC` tiles of 16 x 16.
+/// The cooperative-matrix GEMM's tile: its 8 or 4 subgroups as `SGR` x `SGC` along rows and
+/// tokens, each computing `WR` x `WC` tiles of 16 x 16, `bk` (32 or 64) columns a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CoopTile {
     pub sgr: u32,
     pub sgc: u32,
     pub wr: u32,
     pub wc: u32,
+    pub bk: u32,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// A tile `CoopTile::get` returns instead of its own (tests that build every shape).
+    pub(crate) static TILE_FOR_TEST: std::cell::Cell<Option<CoopTile>> =
+        const { std::cell::Cell::new(None) };
 }
 
 impl CoopTile {
     /// The tile of the GLU's kernel (`glu`) or the plain matvec's: 128 rows by 128 tokens,
-    /// subgroups 2 x 4 of 4 x 2 tiles. `CELLM_GPU_COOP_TILE=sgr,sgc,wr,wc` picks another for
-    /// both, `CELLM_GPU_COOP_TILE_MV` for the plain one alone (for measuring; rows a multiple
-    /// of 64, tokens of 32, at most 48 KiB of shared memory).
+    /// subgroups 2 x 4 of 4 x 2 tiles, 32 columns a step for the GLU (its three f16 tiles of
+    /// 64 columns would take 54 KiB) and 64 for the plain matvec (on the H200, pp512 1.12x-1.14x
+    /// the step of 32 on Llama-3.2-1B/3B F16 and Q4_K_M; 4 subgroups of 4 x 4 tiles were
+    /// 0.83x-0.91x, docs/benchmarks.md). Plain matvecs whose columns are not a multiple of 64
+    /// run the f32 GEMM (`gemm_for`). `CELLM_GPU_COOP_TILE=sgr,sgc,wr,wc` picks another for
+    /// both, `CELLM_GPU_COOP_TILE_MV` for the plain one alone (for measuring; an optional
+    /// fifth number is the step, 32 or 64; any non-digits separate them; 8 or 4 subgroups,
+    /// at most 48 KiB of shared memory, each invocation loading whole chunks).
     pub fn get(glu: bool) -> Self {
-        let default = CoopTile { sgr: 2, sgc: 4, wr: 4, wc: 2 };
+        #[cfg(test)]
+        if let Some(t) = TILE_FOR_TEST.with(|t| t.get()) {
+            return t;
+        }
+        let default = CoopTile { sgr: 2, sgc: 4, wr: 4, wc: 2, bk: if glu { 32 } else { 64 } };
         let var = |name: &str| std::env::var(name).ok();
         let chosen = if glu { None } else { var("CELLM_GPU_COOP_TILE_MV") };
         let Some(v) = chosen.or_else(|| var("CELLM_GPU_COOP_TILE")) else { return default };
-        let n: Vec<u32> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-        match n[..] {
-            [sgr, sgc, wr, wc]
-                if sgr * sgc == 8
-                    && (sgr * wr * 16).is_multiple_of(64)
-                    && (sgc * wc * 16).is_multiple_of(32)
-                    && (CoopTile { sgr, sgc, wr, wc }).shared_bytes(glu) <= 48 << 10 =>
-            {
-                CoopTile { sgr, sgc, wr, wc }
-            }
-            _ => default,
+        let n: Vec<u32> =
+            v.split(|c: char| !c.is_ascii_digit()).filter_map(|x| x.parse().ok()).collect();
+        let tile = match n[..] {
+            [sgr, sgc, wr, wc] => CoopTile { sgr, sgc, wr, wc, bk: 32 },
+            [sgr, sgc, wr, wc, bk] => CoopTile { sgr, sgc, wr, wc, bk },
+            _ => return default,
+        };
+        if tile.valid(glu) {
+            tile
+        } else {
+            default
         }
     }
 
+    /// Whether the kernel can take this tile: 8 or 4 subgroups, a step of 32 or 64, every
+    /// invocation loading the same whole number of weight and x chunks, 48 KiB of shared
+    /// memory at most.
+    pub fn valid(self, glu: bool) -> bool {
+        let wg = self.invocations();
+        (self.sgr * self.sgc == 8 || self.sgr * self.sgc == 4)
+            && self.wr > 0
+            && self.wc > 0
+            && (self.bk == 32 || self.bk == 64)
+            && (self.rows() * self.bk / 8).is_multiple_of(wg)
+            && (self.tokens() * self.bk / 4).is_multiple_of(wg)
+            && self.shared_bytes(glu) <= 48 << 10
+    }
+
+    /// Invocations of a workgroup (32 a subgroup).
+    pub fn invocations(self) -> u32 {
+        self.sgr * self.sgc * 32
+    }
+
     /// Bytes of shared memory the kernel takes (f16 tiles of W, of the GLU's second matrix
-    /// where `glu`, and of x; the stage; the partial sums of x^2).
+    /// where `glu`, and of x; the stage; the sums of x^2).
     pub fn shared_bytes(self, glu: bool) -> u32 {
-        let row = 80;
-        self.rows() * row * (1 + u32::from(glu)) + self.tokens() * row + 8192 + self.tokens() * 32
+        let row = (self.bk / 4 + 2) * 8;
+        self.rows() * row * (1 + u32::from(glu))
+            + self.tokens() * row
+            + self.sgr * self.sgc * 1024
+            + self.tokens() * 4
     }
 
     /// Rows of a workgroup's tile.
@@ -450,9 +489,11 @@ fn coop_source(tile: CoopTile) -> String {
         .replace("$SGC", &tile.sgc.to_string())
         .replace("$WR", &tile.wr.to_string())
         .replace("$WC", &tile.wc.to_string())
-        .replace("$TA", &(bm * 10).to_string())
-        .replace("$TX", &(bn * 10).to_string())
-        .replace("$SQ", &(bn * 8).to_string())
+        .replace("$BK", &tile.bk.to_string())
+        .replace("$WG", &tile.invocations().to_string())
+        .replace("$TA", &(bm * (tile.bk / 4 + 2)).to_string())
+        .replace("$TX", &(bn * (tile.bk / 4 + 2)).to_string())
+        .replace("$ST", &(tile.sgr * tile.sgc * 256).to_string())
         .replace("//@ZERO\n", &block(4, &zero))
         .replace("//@MMA\n", &block(12, &mma))
         .replace("//@STORE\n", &block(4, &store))
@@ -490,7 +531,7 @@ impl Kernel {
     /// The GEMM build, where a launch over `tokens` tokens of `cols` columns and
     /// `row_groups` groups of `ROWS_PER_GROUP` rows should use it, with its grid: the
     /// cooperative-matrix one (token tiles along x) where the device has it and the columns
-    /// are a multiple of its step (32), else the f32 one (row tiles along x).
+    /// are a multiple of its step (32 or 64), else the f32 one (row tiles along x).
     pub fn gemm_for(
         &self,
         tokens: u32,
@@ -502,7 +543,7 @@ impl Kernel {
         }
         let per = ROWS_PER_GROUP as u32;
         match &self.coop {
-            Some((coop, tile)) if cols.is_multiple_of(32) => Some((
+            Some((coop, tile)) if cols.is_multiple_of(tile.bk) => Some((
                 coop,
                 (tokens.div_ceil(tile.tokens()), row_groups.div_ceil(tile.rows() / per), 1),
             )),
@@ -527,7 +568,7 @@ impl Kernels {
     /// Kernels for `gpu`, with subgroup reductions where it has them, and the
     /// cooperative-matrix GEMM where it has that.
     pub fn new(gpu: &crate::device::Gpu) -> Self {
-        // The default tiles take 42 KiB: where a device offers less (none with cooperative
+        // The default tiles take 38.5 (GLU) and 44.5 KiB: where a device offers less (none with cooperative
         // matrices is known to), the f32 GEMM runs.
         let fits = [true, false].into_iter().all(|glu| {
             CoopTile::get(glu).shared_bytes(glu) <= gpu.limits.max_compute_workgroup_storage_size

@@ -328,13 +328,27 @@ fn every_kernel_translates_to_metal() {
 /// lavapipe has no cooperative matrices, so on CI it is built here but not run).
 #[test]
 fn coop_gemm_translates_to_spirv() {
+    use crate::kernels::{CoopTile, TILE_FOR_TEST};
     use naga::back::spv;
     use naga::valid::{Capabilities, ValidationFlags, Validator};
     let gemms = KernelId::all().into_iter().filter(|id| id.per_token_count());
     // And the cooperative prefill attention of every head dim it takes.
     let attn = [16, 32, 64, 80, 96, 128].map(KernelId::AttnPrefillCoop);
-    for id in gemms.chain(attn) {
+    // The default tiles, then the others `CELLM_GPU_COOP_TILE_MV` may pick (plain GEMMs).
+    let tile = |sgr, sgc, wr, wc, bk| Some(CoopTile { sgr, sgc, wr, wc, bk });
+    let others =
+        [tile(2, 4, 4, 2, 32), tile(2, 2, 4, 4, 32), tile(2, 2, 4, 4, 64), tile(2, 2, 4, 2, 64)];
+    let plain = KernelId::all().into_iter().filter(|id| id.per_token_count());
+    let plain = plain.filter(|id| !matches!(id, KernelId::Glu(_)));
+    let cases = gemms.chain(attn).map(|id| (id, None));
+    let cases = cases.chain(others.into_iter().flat_map(|t| plain.clone().map(move |id| (id, t))));
+    for (id, t) in cases {
+        if let Some(t) = t {
+            assert!(t.valid(false), "{t:?}");
+        }
+        TILE_FOR_TEST.with(|c| c.set(t));
         let src = id.source(true, crate::kernels::COOP_BUILD);
+        TILE_FOR_TEST.with(|c| c.set(None));
         let module = naga::front::wgsl::parse_str(&src)
             .unwrap_or_else(|e| panic!("{id:?}: {}", e.emit_to_string(&src)));
         let caps = Capabilities::SHADER_FLOAT16_IN_FLOAT32

@@ -1,37 +1,45 @@
 // The prefill GEMM on cooperative matrices (tensor cores), where the adapter has 16x16x16
-// f16 x f16 -> f32 (device.rs): a workgroup of 256 invocations (8 subgroups of 32) computes
-// BM rows by BN tokens, BK = 32 columns a step. Each step the workgroup dequantizes its BM x
-// 32 weights (w8, 8 columns a load; and the GLU's second matrix) and loads its BN x 32 x
+// f16 x f16 -> f32 (device.rs): a workgroup of WG invocations (WG / 32 subgroups of 32, 8 or
+// 4) computes BM rows by BN tokens, BK (32 or 64) columns a step. Each step the workgroup
+// dequantizes its BM x BK weights (w8, 8 columns a load; and the GLU's second matrix) and
+// loads its BN x BK x
 // (times the norm's gamma, its square summed for the token's rms), rounds both to f16 into
 // shared memory (the next step's loads are issued before this step's multiplies, into
 // registers), and each subgroup multiplies its WR x WC tiles of 16 x 16 into f32
 // accumulators. The epilogue stages each accumulator through shared memory (one tile of
 // 16 x 16 a subgroup at a time) and applies linear.wgsl's epilogue and store.
-// `$BM`, `$BN`, `$SGC` (subgroups along the tokens), `$WR`, `$WC` and the `//@` lines are
-// filled in by kernels.rs.
+// `$BM`, `$BN`, `$BK`, `$WG`, `$SGC` (subgroups along the tokens), `$WR`, `$WC` and the `//@`
+// lines are filled in by kernels.rs.
 const BM: u32 = $BMu;
 const BN: u32 = $BNu;
-const BK: u32 = 32u;
-// vec4<f16> per row of a shared tile: BK / 4 and 2 of padding (rows 80 bytes apart, 16-byte
-// aligned). Cooperative loads take the stride in these units, and a row's elements as the
+const BK: u32 = $BKu;
+const WG: u32 = $WGu;
+// vec4<f16> per row of a shared tile: BK / 4 and 2 of padding (rows 80 or 144 bytes apart,
+// 16-byte aligned). Cooperative loads take the stride in these units, and a row's elements as the
 // vectors' components in order (as llama.cpp's Vulkan GEMM loads from f16vec2 arrays).
-const LD: u32 = 10u;
+const LD: u32 = BK / 4u + 2u;
 const SGC: u32 = $SGCu;
 const WR: u32 = $WRu;
 const WC: u32 = $WCu;
-const WU: u32 = BM / 64u;  // 8-column chunks of weights each invocation loads a step
-const XU: u32 = BN / 32u;  // vec4s of x each invocation loads a step
+const C8: u32 = BK / 8u;  // 8-column chunks of a weight row a step
+const C4: u32 = BK / 4u;  // vec4s of an x row a step
+const WU: u32 = BM * C8 / WG;  // 8-column chunks of weights each invocation loads a step
+const XU: u32 = BN * C4 / WG;  // vec4s of x each invocation loads a step
 var<workgroup> ta: array<vec4<f16>, $TA>;  // [BM][LD]
 //# glu
 var<workgroup> tb: array<vec4<f16>, $TA>;
 //# end
 var<workgroup> tx: array<vec4<f16>, $TX>;  // [BN][LD]
-var<workgroup> stage: array<f32, 2048>;  // a 16 x 16 tile per subgroup, column-major
-var<workgroup> sqp: array<f32, $SQ>;     // [BN][8] partial sums of x^2
+var<workgroup> stage: array<f32, $ST>;  // a 16 x 16 tile per subgroup, column-major
+var<workgroup> sqp: array<f32, BN>;     // each token's sum of x^2
 
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32,
-        @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {
+@compute @workgroup_size($WG)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(subgroup_id) sg: u32,
+        @builtin(subgroup_invocation_id) lane: u32) {
+    // The invocation's index, from its subgroup and lane (so that the C4 invocations that
+    // load one x row are C4 neighbouring lanes of one subgroup: the sums of x^2 reduce by
+    // shuffles).
+    let li = sg * 32u + lane;
     var n = n_tokens();
     if ((p.flags & HEAD) != 0u) {
         n = n_logit_rows();
@@ -58,14 +66,14 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     var xc4: array<u32, XU>;
     var ssq: array<f32, XU>;
     for (var j = 0u; j < WU; j++) {
-        let u = li + 256u * j;
-        wrow[j] = min(r0 + u / 4u, p.rows - 1u);
-        wc8[j] = u % 4u;
+        let u = li + WG * j;
+        wrow[j] = min(r0 + u / C8, p.rows - 1u);
+        wc8[j] = u % C8;
     }
     for (var j = 0u; j < XU; j++) {
-        let u = li + 256u * j;
-        xrow[j] = x_row(min(t0 + u / 8u, n - 1u)) * (p.x_stride / 4u);
-        xc4[j] = u % 8u;
+        let u = li + WG * j;
+        xrow[j] = x_row(min(t0 + u / C4, n - 1u)) * (p.x_stride / 4u);
+        xc4[j] = u % C4;
         ssq[j] = 0.0;
     }
     // Each step's loads go to registers during the previous step's multiplies.
@@ -85,8 +93,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     }
     for (var k0 = 0u; k0 < p.cols; k0 += BK) {
         for (var j = 0u; j < WU; j++) {
-            let u = li + 256u * j;
-            let at = (u / 4u) * LD + wc8[j] * 2u;
+            let u = li + WG * j;
+            let at = (u / C8) * LD + wc8[j] * 2u;
             ta[at] = vec4<f16>(wv[j][0]);
             ta[at + 1u] = vec4<f16>(wv[j][1]);
             //# glu
@@ -95,7 +103,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             //# end
         }
         for (var j = 0u; j < XU; j++) {
-            let u = li + 256u * j;
+            let u = li + WG * j;
             var v = xv[j];
             ssq[j] += dot(v, v);
             if (norm) {
@@ -103,7 +111,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             }
             // f16's range: a larger input saturates instead of turning into inf.
             v = clamp(v, vec4<f32>(-65504.0), vec4<f32>(65504.0));
-            tx[(u / 8u) * LD + xc4[j]] = vec4<f16>(v);
+            tx[(u / C4) * LD + xc4[j]] = vec4<f16>(v);
         }
         workgroupBarrier();
         let kn = k0 + BK;
@@ -123,8 +131,15 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         workgroupBarrier();
     }
+    // Each token's sum over its row's C4 lanes (neighbours, C4 a power of two).
     for (var j = 0u; j < XU; j++) {
-        sqp[li + 256u * j] = ssq[j];
+        var s = ssq[j];
+        for (var o = 1u; o < C4; o <<= 1u) {
+            s += subgroupShuffleXor(s, o);
+        }
+        if (xc4[j] == 0u) {
+            sqp[(li + WG * j) / C4] = s;
+        }
     }
     workgroupBarrier();
 //@STORE
@@ -132,11 +147,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
 
 // The rms sum of token `tl` of the workgroup's tile.
 fn token_ss(tl: u32) -> f32 {
-    var s = 0.0;
-    for (var c = 0u; c < 8u; c++) {
-        s += sqp[tl * 8u + c];
-    }
-    return s;
+    return sqp[tl];
 }
 
 //# glu
