@@ -14,7 +14,8 @@ pub enum KvEncoding {
     /// int8 with an f16 scale per position and kv head (`kv_rows`), after a fixed Hadamard
     /// rotation per head (`rotation`).
     Int8,
-    /// 4-bit groups of 32 with an f16 scale each, after the same rotation. Keys are stored
+    /// 4-bit groups of 16 with a scale byte each, on levels spaced for Gaussian values
+    /// (`kv_rows`), after the same rotation. Keys are stored
     /// against a header per page and kv head ([`KeyHeader`]: a reference key and a scale per
     /// channel), which the rotation and the groups then see without the keys' large
     /// per-channel offsets and swings.
@@ -28,7 +29,7 @@ pub enum KvEncoding {
 /// position), which would otherwise set every group's scale once the rotation spreads them.
 /// So a page stores each key `k` (unrotated, as the model gives it) as
 /// `R ((k - ref) / s)` in 4 bits, where
-/// - `ref` is the page's first key, stored as an int4 row (unrotated),
+/// - `ref` is the page's first key, stored as a q4_0 row (unrotated; `kv_rows`),
 /// - `s` is a power of two per channel (4 bits each: `s = 2^-e`, `e` at most
 ///   [`KeyHeader::MAX_EXP`]): how far the previous page's keys strayed from `ref` in that
 ///   channel, relative to the widest channel (1 for the first page of a session, which has
@@ -52,7 +53,7 @@ impl KeyHeader {
     /// Bytes of a header: the reference, and the scales where keys are `scaled` (int4; an
     /// int8 cache keeps the reference alone, all scales 1).
     pub(crate) fn bytes(hd: usize, scaled: bool) -> usize {
-        kv_rows::i4_row_bytes(hd) + if scaled { hd.div_ceil(2) } else { 0 }
+        kv_rows::q4_0_row_bytes(hd) + if scaled { hd.div_ceil(2) } else { 0 }
     }
 
     /// Writes the header of a page whose first key is `k0`, given the previous page's keys
@@ -76,10 +77,10 @@ impl KeyHeader {
         header: &mut [u8],
     ) -> (Vec<f32>, Vec<f32>) {
         let hd = k0.len();
-        let (codes, exps) = header.split_at_mut(kv_rows::i4_row_bytes(hd));
-        kv_rows::encode_i4(k0, codes);
+        let (codes, exps) = header.split_at_mut(kv_rows::q4_0_row_bytes(hd));
+        kv_rows::encode_q4_0(k0, codes);
         let mut reference = vec![0.0; hd];
-        (KvCodes::selected().i4)(codes, &mut reference);
+        kv_rows::decode_q4_0(codes, &mut reference);
         // Per channel, the inverse of its amplification (up to a common factor).
         let mut spread = vec![0.0f32; hd];
         for row in prev.chunks_exact(hd) {
@@ -136,8 +137,8 @@ impl KeyHeader {
 
     /// [`Self::decode`] into buffers of the head size (attention's per-page loop).
     pub(crate) fn decode_into(header: &[u8], reference: &mut [f32], scales: &mut [f32]) {
-        let (codes, exps) = header.split_at(kv_rows::i4_row_bytes(reference.len()));
-        (KvCodes::selected().i4)(codes, reference);
+        let (codes, exps) = header.split_at(kv_rows::q4_0_row_bytes(reference.len()));
+        kv_rows::decode_q4_0(codes, reference);
         Self::scales_into(exps, scales);
     }
 
@@ -386,8 +387,8 @@ mod tests {
     /// position, the rest of spread ~1. What attention sees of a key's error is how much
     /// `q . (stored - k)` varies across keys (a shift common to all keys leaves the softmax
     /// alone), for a query that reads the small channels. With the page header it must be
-    /// several times smaller than with plain rotated 4-bit rows (measured: 0.15 of the
-    /// scores' own spread against 1.37 over all pages; 0.10 against 1.37 past the first
+    /// several times smaller than with plain rotated 4-bit rows (measured: 0.18 of the
+    /// scores' own spread against 1.37 over all pages; 0.087 against 1.35 past the first
     /// page, whose keys get per-channel scales), and under 0.2 past the first page.
     #[test]
     fn key_headers_tame_offset_and_turning_channels() {
@@ -429,7 +430,7 @@ mod tests {
         assert!(headed_later < 0.2, "later pages: {headed_later} of the scores' spread");
         // With the query at every position telling the header which channels it reads
         // (none of the three large ones), the scales favour those channels, on the first
-        // page too (measured: 0.094 of the scores' spread over all pages, against 0.15).
+        // page too (measured: 0.080 of the scores' spread over all pages, against 0.18).
         let queries: Vec<f32> = (0..n).flat_map(|_| q.iter().copied()).collect();
         let aware = error_of(&stored_keys(KvEncoding::Int4, hd, (1, ps), &queries, &k));
         assert!(aware < 0.75 * headed, "query-aware scales {aware}, by the keys alone {headed}");
