@@ -65,15 +65,17 @@ def test_logits_stay_near_the_reference(converted, name, encoding):
 
 def test_bytes_per_token(converted):
     """Per kv head and position: f16 2 bytes a value; int8 one byte a value and an f16 scale;
-    int4 half a byte a value and a scale byte per 16 (qwen3: head size 32), plus per page and
-    kv head a key header (an int4 row and half a byte a channel)."""
+    int4 half a byte a value and a scale byte per 16 (qwen3: head size 32). Per page and kv
+    head a key header: a q4_0 reference key (an f16 scale per 32 and half a byte a channel),
+    and for int4 half a byte a channel of scales."""
     path = converted("qwen3", "f32")
     page = {e: LLM(path, kv_encoding=e, threads=1).kv_stats()[2] for e in ("f16", "int8", "int4")}
     hd, page_size = 32, 16
-    assert page["int8"] * (2 * hd) == page["f16"] * (hd + 2)
-    row_part = page["f16"] * (hd // 2 + 2) // (2 * hd)
     kv_heads = page["f16"] // (2 * page_size * 2 * hd)
-    assert page["int4"] == row_part + kv_heads * ((hd // 2 + hd // 16) + hd // 2)
+    reference = hd // 2 + 2 * (hd // 32)
+    assert page["int8"] == page["f16"] * (hd + 2) // (2 * hd) + kv_heads * reference
+    row_part = page["f16"] * (hd // 2 + 2) // (2 * hd)
+    assert page["int4"] == row_part + kv_heads * (reference + hd // 2)
 
 
 def test_unknown_encoding_names_the_choices(converted):

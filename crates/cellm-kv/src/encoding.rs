@@ -12,7 +12,8 @@ pub enum KvEncoding {
     F16,
     F32,
     /// int8 with an f16 scale per position and kv head (`kv_rows`), after a fixed Hadamard
-    /// rotation per head (`rotation`).
+    /// rotation per head (`rotation`); keys stored against the page's reference key (a
+    /// [`KeyHeader`] without per-channel scales).
     Int8,
     /// 4-bit groups of 16 with a scale byte each, on levels spaced for Gaussian values
     /// (`kv_rows`), after the same rotation. Keys are stored
@@ -221,17 +222,24 @@ impl KvEncoding {
 
     /// Whether pages keep a key header per kv head and store keys relative to it (see
     /// [`KeyHeader`]).
-    /// Int4 only. An int8 cache with a reference alone (no scales: 0.524x of f16) was
-    /// measured too: perplexity against f16 +0.05% / +0.29% / +0.28% on SmolLM2 / Qwen2.5 /
-    /// Gemma 3, against +0.32% / +0.04% / -0.04% without; not taken.
+    /// Int8 keeps the reference alone (no scales: 0.524x of f16 with 64-dimension heads):
+    /// perplexity at 2k against f16 -0.11% / +0.06% / +0.19% on SmolLM2 / Qwen2.5 / Gemma 3,
+    /// against +0.24% / +0.03% / +0.01% without (an earlier engine had measured +0.05% /
+    /// +0.29% / +0.28% with it).
     pub(crate) fn key_header(self) -> bool {
-        matches!(self, Self::Int4)
+        matches!(self, Self::Int8 | Self::Int4)
+    }
+
+    /// Whether a key header holds per-channel scales besides its reference (int4; int8's
+    /// are all 1, so its queries turn the same way on every page).
+    pub(crate) fn key_scales(self) -> bool {
+        self == Self::Int4
     }
 
     /// Bytes of one kv head's key header in a page (0 without one).
     pub fn header_bytes(self, head_dim: usize) -> usize {
         if self.key_header() {
-            KeyHeader::bytes(head_dim, self == Self::Int4)
+            KeyHeader::bytes(head_dim, self.key_scales())
         } else {
             0
         }

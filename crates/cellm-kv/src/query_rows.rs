@@ -170,6 +170,13 @@ impl RowTasks<'_> {
         // (Empty, so not allocated, for encodings without headers.)
         let keyed = |n: usize| if hdr > 0 { n } else { 0 };
         let mut turned = vec![0.0f32; keyed(n_heads * hd)];
+        // Without per-channel scales (int8) every page turns the queries alike: once here.
+        let scaled = pool.config().encoding.key_scales();
+        if hdr > 0 && !scaled {
+            let r = rotation.as_ref().expect("a rotating encoding");
+            turned.copy_from_slice(&query.q[..n_heads * hd]);
+            turned.chunks_exact_mut(hd).for_each(|t| r.rotate(t));
+        }
         let mut offsets = vec![0.0f32; keyed(n_heads)];
         let (mut reference, mut scales) = (vec![0.0f32; keyed(hd)], vec![0.0f32; keyed(hd)]);
         let (max, denom) = (&mut part.max, &mut part.denom);
@@ -225,8 +232,10 @@ impl RowTasks<'_> {
                     .zip(&mut offsets[hs.clone()])
                 {
                     *c = qh.iter().zip(&reference).map(|(a, b)| a * b).sum();
-                    t.iter_mut().zip(qh).zip(&scales).for_each(|((t, q), s)| *t = q * s);
-                    r.rotate(t);
+                    if scaled {
+                        t.iter_mut().zip(qh).zip(&scales).for_each(|((t, q), s)| *t = q * s);
+                        r.rotate(t);
+                    }
                 }
                 (kern.dot)(rows, turned, scores);
                 for (h, c) in scores.chunks_exact_mut(count).zip(&offsets[hs.clone()]) {
