@@ -350,14 +350,7 @@ impl Engine {
         if cancel() {
             return Err(Error::Interrupted);
         }
-        for (i, &(id, tokens)) in batch.iter().enumerate() {
-            let seq = &mut self.sessions.get_mut(&id).expect("validated").kv;
-            let new_len = seq.len() + tokens.len();
-            if let Err(e) = self.pool.reserve(seq, new_len) {
-                self.unreserve(&batch[..i]);
-                return Err(e);
-            }
-        }
+        self.reserve(batch)?;
         let tokens: Vec<u32> = batch.iter().flat_map(|(_, t)| t.iter().copied()).collect();
         // Each session's pages (read) and state (written) in batch order.
         let mut members: Vec<(usize, &SeqKv, &mut SeqState)> = self
@@ -442,14 +435,7 @@ impl Engine {
         mode: LogitsMode,
         cancel: &(dyn Fn() -> bool + Sync),
     ) -> Result<(Vec<f32>, usize)> {
-        for (i, &(id, tokens)) in batch.iter().enumerate() {
-            let seq = &mut self.sessions.get_mut(&id).expect("validated").kv;
-            let new_len = seq.len() + tokens.len();
-            if let Err(e) = self.pool.reserve(seq, new_len) {
-                self.unreserve(&batch[..i]);
-                return Err(e);
-            }
-        }
+        self.reserve(batch)?;
         let pick = |ix: &[usize]| ix.iter().map(|&i| batch[i]).collect::<Vec<_>>();
         let (first, second) = (pick(parts[0]), pick(parts[1]));
         let a = match self.step_given(&first, &[], mode, cancel) {
@@ -472,6 +458,20 @@ impl Engine {
             }
         }
         Ok((chunks.concat(), a.1 + b.1))
+    }
+
+    /// Reserves the pages each batch session's new tokens need: all of them, or none (an
+    /// error gives back what the sessions before it got).
+    fn reserve(&mut self, batch: &[(SessionId, &[u32])]) -> Result<()> {
+        for (i, &(id, tokens)) in batch.iter().enumerate() {
+            let seq = &mut self.sessions.get_mut(&id).expect("validated").kv;
+            let new_len = seq.len() + tokens.len();
+            if let Err(e) = self.pool.reserve(seq, new_len) {
+                self.unreserve(&batch[..i]);
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 
     /// Gives back the pages reserved past each batch session's length.
