@@ -46,6 +46,9 @@ impl Tile {
     }
 }
 
+/// `window_start` and `table_of`, for both kernels.
+const SHARED: &str = include_str!("shaders/prefill_shared.wgsl");
+
 /// The kernel's WGSL for heads of `head_dim` (after the step and KV accessors): the
 /// decode kernel's `Params` (both launch with the same parameters), then the kernel.
 pub fn source(head_dim: u32, attention: &str, kernel: &str) -> String {
@@ -54,7 +57,7 @@ pub fn source(head_dim: u32, attention: &str, kernel: &str) -> String {
     let len = attention[start..].find("\n}\n").expect("Params ends") + 3;
     format!(
         "const HD: u32 = {head_dim}u;\nconst LPR: u32 = {}u;\nconst BQ: u32 = {BQ}u;\n\
-         const BK: u32 = {}u;\n{}{kernel}",
+         const BK: u32 = {}u;\n{}{SHARED}{kernel}",
         tile.lanes,
         tile.keys,
         &attention[start..start + len]
@@ -148,7 +151,7 @@ pub fn coop_source(head_dim: u32, attention: &str, kernel: &str) -> String {
         .replace("//@PV\n", &block(12, pv))
         .replace("//@STORE\n", &block(4, store));
     format!(
-        "const HD: u32 = {head_dim}u;\nconst NSG: u32 = {}u;\n{}{body}",
+        "const HD: u32 = {head_dim}u;\nconst NSG: u32 = {}u;\n{}{SHARED}{body}",
         coop_subgroups(),
         &attention[start..start + len]
     )

@@ -25,18 +25,6 @@ var<workgroup> kvs: array<vec4<f32>, BK * HP>;
 var<workgroup> ps: array<f32, BQ * BK>;
 var<workgroup> red: array<f32, WG>;
 
-// The first position a token at `pos` attends to.
-fn window_start(pos: u32) -> u32 {
-    if (p.window != 0u && pos + 1u > p.window) {
-        return pos + 1u - p.window;
-    }
-    return 0u;
-}
-
-fn table_of(t: u32) -> u32 {
-    return st[8u + 4u * t + 2u];
-}
-
 // Keys (plane 0) or values (plane 1) of positions [start, start + BK) of token `t`'s session
 // into `kvs`, zeros from `hi` on (masked, but never NaN times 0).
 fn load_tile(t: u32, kvh: u32, plane: u32, start: u32, hi: u32, li: u32) {

@@ -40,17 +40,6 @@ struct Seg {
 }
 var<workgroup> seg: Seg;
 
-fn window_start(pos: u32) -> u32 {
-    if (p.window != 0u && pos + 1u > p.window) {
-        return pos + 1u - p.window;
-    }
-    return 0u;
-}
-
-fn table_of(t: u32) -> u32 {
-    return st[8u + 4u * t + 2u];
-}
-
 // Keys (plane 0) or values (plane 1) of positions [start, start + BK) of token `t`'s session
 // into `kt` or `vt` as f16, zeros from `hi` on.
 fn kv4(t: u32, kvh: u32, plane: u32, q: u32, d4: u32) -> vec4<f16> {
