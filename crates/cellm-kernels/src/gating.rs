@@ -80,6 +80,30 @@ pub fn exp_in_place(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v = v.exp());
 }
 
+/// The largest value of `x` (-inf for none): a softmax's shift.
+pub fn max_of(x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::selected().has_avx2() {
+        // SAFETY: the AVX2 path is selected only on CPUs that have AVX2 and FMA.
+        return unsafe { avx2::max_of(x) };
+    }
+    x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+}
+
+/// `x = e^(x - shift)` elementwise and their sum: a softmax's weights and denominator in one
+/// pass (the sum in eight interleaved lanes on AVX2, a fixed order for a given length).
+pub fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::selected().has_avx2() {
+        // SAFETY: the AVX2 path is selected only on CPUs that have AVX2 and FMA.
+        return unsafe { avx2::exp_shifted_sum(x, shift) };
+    }
+    x.iter_mut().fold(0.0, |sum, v| {
+        *v = (*v - shift).exp();
+        sum + *v
+    })
+}
+
 /// `e^x` per lane in AVX-512, for the kernels that exponentiate 16 lanes at a time (softmax,
 /// gelu-tanh): `x = n ln2 + r` with |r| <= ln2/2, the AVX2 `exp`'s degree-7 polynomial for
 /// `e^r`, then `scalef` by `2^n`. x is clamped to [-87.3, 88.37]: the result stays finite and
@@ -158,6 +182,38 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn max_of(x: &[f32]) -> f32 {
+        let n = x.len() / 8 * 8;
+        let mut top = _mm256_set1_ps(f32::NEG_INFINITY);
+        for i in (0..n).step_by(8) {
+            top = _mm256_max_ps(top, _mm256_loadu_ps(x.as_ptr().add(i)));
+        }
+        let mut lanes = [0.0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), top);
+        lanes.iter().chain(&x[n..]).fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
+        let n = x.len() / 8 * 8;
+        let (s, mut sum) = (_mm256_set1_ps(shift), _mm256_setzero_ps());
+        for i in (0..n).step_by(8) {
+            let p = x.as_mut_ptr().add(i);
+            let e = exp(_mm256_sub_ps(_mm256_loadu_ps(p), s));
+            _mm256_storeu_ps(p, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        let mut lanes = [0.0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
+        let mut total: f32 = lanes.iter().sum();
+        for v in &mut x[n..] {
+            *v = (*v - shift).exp();
+            total += *v;
+        }
+        total
+    }
+
+    #[target_feature(enable = "avx2,fma")]
     pub unsafe fn apply(gate: Gate, g: &mut [f32], up: Option<&[f32]>) {
         let n = g.len() / 8 * 8;
         let one = _mm256_set1_ps(1.0);
@@ -221,6 +277,31 @@ mod tests {
                 // Results near or below the smallest normal may flush to zero.
                 let tol = 4.0 * f32::EPSILON * want + 2.0 * f32::MIN_POSITIVE;
                 assert!((g - want).abs() <= tol, "{path:?} e^{v}: {g}");
+            }
+        }
+        isa::set_override(*Isa::available().last().unwrap()).unwrap();
+    }
+
+    /// The softmax helpers on every path: the maximum exactly, the weights within exp's
+    /// tolerance, and their sum within that plus the rounding of 1000 additions.
+    #[test]
+    fn softmax_helpers_match_the_scalar_reference() {
+        let _serial = crate::isa::test_lock();
+        for len in [0, 1, 7, 8, 13, 1000] {
+            let x: Vec<f32> = (0..len).map(|i| ((i * 7919) % 211) as f32 / 9.0 - 20.0).collect();
+            let want_max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let want: Vec<f32> = x.iter().map(|v| (v - want_max).exp()).collect();
+            let want_sum: f32 = want.iter().sum();
+            for path in Isa::available() {
+                isa::set_override(path).unwrap();
+                assert_eq!(max_of(&x), want_max, "{path:?} {len}");
+                let mut got = x.clone();
+                let sum = exp_shifted_sum(&mut got, want_max);
+                for (w, g) in want.iter().zip(&got) {
+                    assert!((w - g).abs() <= 4.0 * f32::EPSILON * w + 1e-37, "{path:?}: {w} {g}");
+                }
+                let tol = (4.0 + len as f32) * f32::EPSILON * want_sum;
+                assert!((sum - want_sum).abs() <= tol, "{path:?} {len}: {sum} vs {want_sum}");
             }
         }
         isa::set_override(*Isa::available().last().unwrap()).unwrap();

@@ -1,9 +1,10 @@
 //! Times decode attention alone: one new token attending to a cached context, every layer.
 //!
 //! `cargo run --release -p cellm-kv --example decode_attention -- CONTEXT LAYERS THREADS
-//! [PAGE_SIZE] [--hot] [--encoding f16|f32|int8|int4]` fills a SmolLM2-shaped cache (9 query
-//! heads, 3 kv heads of 64; f16 unless told) and prints the best of 20 steps, with the cache
-//! bytes a step reads per second. Between
+//! [PAGE_SIZE] [--hot] [--encoding f16|f32|int8|int4] [--sessions N]` fills a SmolLM2-shaped
+//! cache (9 query heads, 3 kv heads of 64; f16 unless told) for N sessions (1 unless told),
+//! each CONTEXT tokens long, and prints the best of 20 steps that decode one token of every
+//! session, with the cache bytes a step reads per second. Between
 //! steps it streams 80 MiB, as a model's weights would, so the cache comes from memory;
 //! `--hot` skips that and times the arithmetic on a cache that fits the caches.
 
@@ -21,6 +22,15 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let hot = args.iter().any(|a| a == "--hot");
     let at = args.iter().position(|a| a == "--encoding");
+    let at_sessions = args.iter().position(|a| a == "--sessions");
+    let sessions = match at_sessions.map(|i| args.get(i + 1).map(|n| n.parse::<usize>())) {
+        None => 1,
+        Some(Some(Ok(n))) if n > 0 => n,
+        _ => {
+            eprintln!("error: --sessions needs a count of at least 1");
+            return ExitCode::from(2);
+        }
+    };
     let encoding = match at.map(|i| args.get(i + 1).map(|n| KvEncoding::parse(n))) {
         None => KvEncoding::F16,
         Some(Some(Ok(e))) => e,
@@ -36,7 +46,10 @@ fn main() -> ExitCode {
     let counts: Result<Vec<usize>, _> = args
         .iter()
         .enumerate()
-        .filter(|&(i, a)| a != "--hot" && at.is_none_or(|e| i != e && i != e + 1))
+        .filter(|&(i, a)| {
+            let flag = |at: Option<usize>| at.is_some_and(|e| i == e || i == e + 1);
+            a != "--hot" && !flag(at) && !flag(at_sessions)
+        })
         .map(|(_, a)| a.parse::<usize>())
         .collect();
     let (context, layers, threads, page_size) = match counts.as_deref() {
@@ -45,7 +58,7 @@ fn main() -> ExitCode {
         _ => {
             eprintln!(
                 "usage: decode_attention CONTEXT LAYERS THREADS [PAGE_SIZE] [--hot] \
-                 [--encoding NAME]"
+                 [--encoding NAME] [--sessions N]"
             );
             return ExitCode::from(2);
         }
@@ -54,11 +67,11 @@ fn main() -> ExitCode {
         eprintln!("error: every count must be at least 1");
         return ExitCode::from(2);
     }
-    let ms = time_steps(context, layers, threads, page_size, hot, encoding);
-    let bytes = (context * layers * KV_HEADS * encoding.head_bytes(HEAD_DIM) * 2) as f64;
+    let ms = time_steps(context, layers, (threads, sessions), page_size, hot, encoding);
+    let bytes = (sessions * context * layers * KV_HEADS * encoding.head_bytes(HEAD_DIM) * 2) as f64;
     println!(
-        "context {context}, {layers} layers, {threads} threads, pages of {page_size}, \
-         {encoding:?}{}: {ms:.3} ms a step, {:.1} GB/s of cache",
+        "context {context}, {layers} layers, {threads} threads, {sessions} sessions, pages of \
+         {page_size}, {encoding:?}{}: {ms:.3} ms a step, {:.1} GB/s of cache",
         if hot { ", hot" } else { "" },
         bytes / ms / 1e6
     );
@@ -69,7 +82,7 @@ fn main() -> ExitCode {
 fn time_steps(
     context: usize,
     layers: usize,
-    threads: usize,
+    (threads, sessions): (usize, usize),
     page_size: usize,
     hot: bool,
     encoding: KvEncoding,
@@ -79,24 +92,26 @@ fn time_steps(
         kv_heads: KV_HEADS,
         head_dim: HEAD_DIM,
         page_size,
-        max_pages: (context + 1).div_ceil(page_size) * layers,
+        max_pages: (context + 1).div_ceil(page_size) * layers * sessions,
         encoding,
         windows: Vec::new(),
         values_in_keys: false,
     });
-    let mut seq = pool.new_seq();
-    pool.reserve(&mut seq, context).expect("pages for the context");
     let row = |seed: usize| -> Vec<f32> {
         (0..KV_HEADS * HEAD_DIM).map(|i| ((i * 7 + seed) % 13) as f32 * 0.1 - 0.6).collect()
     };
-    for pos in 0..context {
-        for layer in 0..layers {
-            pool.write(&seq, (layer, HEAD_DIM), pos, &[], &row(pos), &row(pos + 5));
+    let mut seqs: Vec<_> = (0..sessions).map(|_| pool.new_seq()).collect();
+    for (s, seq) in seqs.iter_mut().enumerate() {
+        pool.reserve(seq, context).expect("pages for the context");
+        for pos in 0..context {
+            for layer in 0..layers {
+                pool.write(seq, (layer, HEAD_DIM), pos, &[], &row(pos + s), &row(pos + s + 5));
+            }
         }
+        pool.commit(seq, context);
     }
-    pool.commit(&mut seq, context);
-    let q: Vec<f32> = (0..HEADS * HEAD_DIM).map(|i| (i % 7) as f32 * 0.05).collect();
-    let (k, v) = (row(1), row(2));
+    let q: Vec<f32> = (0..sessions * HEADS * HEAD_DIM).map(|i| (i % 7) as f32 * 0.05).collect();
+    let (k, v) = (row(1).repeat(sessions), row(2).repeat(sessions));
     let shape = AttentionShape {
         n_heads: HEADS,
         n_kv_heads: KV_HEADS,
@@ -105,7 +120,7 @@ fn time_steps(
         window: None,
         softcap: None,
     };
-    let mut out = vec![0.0f32; HEADS * HEAD_DIM];
+    let mut out = vec![0.0f32; sessions * HEADS * HEAD_DIM];
     let workers = ThreadPool::new(threads).expect("thread pool");
     let other = vec![1u64; 80 << 17]; // 80 MiB
     let mut best = f64::MAX;
@@ -114,18 +129,24 @@ fn time_steps(
             workers.install(|| stream_read(&other));
         }
         // The step's own row needs a slot, as the engine reserves one before each step.
-        pool.reserve(&mut seq, context + 1).expect("a page for the new row");
+        for seq in &mut seqs {
+            pool.reserve(seq, context + 1).expect("a page for the new row");
+        }
         let start = Instant::now();
         workers.install(|| {
             for layer in 0..layers {
-                let spans = [SeqSpan { kv: &seq, start: context, len: 1, row0: 0 }];
+                let spans: Vec<SeqSpan> = (seqs.iter().enumerate())
+                    .map(|(row0, kv)| SeqSpan { kv, start: context, len: 1, row0 })
+                    .collect();
                 let call =
                     AttentionCall { layer, spans: &spans, q: &q, k: &k, v: &v, shape: &shape };
                 call.run(&mut pool, &mut out);
             }
         });
         best = best.min(start.elapsed().as_secs_f64());
-        pool.truncate(&mut seq, context);
+        for seq in &mut seqs {
+            pool.truncate(seq, context);
+        }
     }
     best * 1e3
 }
