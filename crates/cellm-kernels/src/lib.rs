@@ -9,6 +9,7 @@ pub mod dot;
 pub mod gating;
 pub mod gelu;
 pub mod gemm;
+pub mod hadamard;
 pub mod i8_gemm;
 pub mod isa;
 pub mod kv_rows;

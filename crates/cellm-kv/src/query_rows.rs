@@ -6,6 +6,7 @@
 use cellm_kernels::cache::prefetch_all;
 use cellm_kernels::dot::{CachedRows, HeadKernels};
 use cellm_kernels::gating::{exp_shifted_sum, max_of};
+use cellm_kernels::ops::dot8;
 use cellm_kernels::pool::{current_threads, parallel_for, SharedOut};
 
 use crate::call::{AttentionCall, AttentionShape};
@@ -295,7 +296,7 @@ impl RowTasks<'_> {
             for ((t, qh), c) in
                 turned.chunks_exact_mut(hd).zip(q.chunks_exact(hd)).zip(&mut offsets[hs.clone()])
             {
-                *c = qh.iter().zip(reference.iter()).map(|(a, b)| a * b).sum();
+                *c = dot8(qh, reference);
                 if *key_scales {
                     t.iter_mut().zip(qh).zip(scales.iter()).for_each(|((t, q), s)| *t = q * s);
                     r.rotate(t);

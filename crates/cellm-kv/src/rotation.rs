@@ -5,6 +5,8 @@
 //! rotation spreads a head's few large dimensions over the whole block, so the scales of
 //! int8 rows and int4 groups see flatter values and waste fewer levels.
 
+use cellm_kernels::hadamard::hadamard;
+
 /// The most dimensions one Hadamard block spans.
 const MAX_BLOCK: usize = 256;
 
@@ -48,20 +50,6 @@ impl Rotation {
             head.chunks_exact_mut(self.block).for_each(hadamard);
             head.iter_mut().zip(&self.signs).for_each(|(v, s)| *v *= s);
         }
-    }
-}
-
-/// The unnormalised fast Walsh-Hadamard transform of `x` (a power of two long), in place.
-fn hadamard(x: &mut [f32]) {
-    let mut h = 1;
-    while h < x.len() {
-        for pair in x.chunks_exact_mut(2 * h) {
-            let (a, b) = pair.split_at_mut(h);
-            for (p, q) in a.iter_mut().zip(b) {
-                (*p, *q) = (*p + *q, *p - *q);
-            }
-        }
-        h *= 2;
     }
 }
 
