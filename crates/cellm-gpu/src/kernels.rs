@@ -161,6 +161,20 @@ impl KernelId {
     /// `source_wg`, with f16 weights read 16 bytes a load (`f16v4` in formats.wgsl) where
     /// `f16v4`.
     pub fn source_opts(self, subgroups: bool, tokens: u32, wg: u32, f16v4: bool) -> String {
+        self.source_shape(subgroups, tokens, wg, f16v4, OneShape::DEFAULT)
+    }
+
+    /// `source_opts`, with the one-token build (`tokens` 1) of `one.rows` rows a workgroup
+    /// and its reduction as `one.scalar` says (`one.threads` is `wg`'s business; the rope
+    /// builds keep 4 rows).
+    pub fn source_shape(
+        self,
+        subgroups: bool,
+        tokens: u32,
+        wg: u32,
+        f16v4: bool,
+        one: OneShape,
+    ) -> String {
         let fmt = |l: Layout| if f16v4 && l == Layout::F16 { "f16v4" } else { l.wgsl_name() };
         let coop = tokens == COOP_BUILD && self.per_token_count();
         let gemm = (tokens == GEMM_BUILD || coop) && self.per_token_count();
@@ -215,7 +229,9 @@ impl KernelId {
         if self.per_token_count() {
             src.push_str(LINEAR);
         }
-        let body = body.replace("$WG", &wg.to_string());
+        let rpw = if tokens == 1 && !rope { one.rows } else { 4 };
+        let scalar = tokens == 1 && one.scalar && subgroups;
+        let body = body.replace("$WG", &wg.to_string()).replace("$RPW", &rpw.to_string());
         // The one-token build takes the formats' own `d8` where every format of the launch
         // has one; otherwise, and with CELLM_GPU_MATVEC_PLAIN=1 (for A/B), it dequantizes 8
         // columns (`w8`) and takes two dots, as the batched one does (on the H200 the f16
@@ -232,6 +248,8 @@ impl KernelId {
             "plain" => !rope,
             "two" => second.is_some(),
             "one" => second.is_none(),
+            "vred" => !scalar,
+            "sred" => scalar,
             "sg" => subgroups,
             "nosg" => !subgroups,
             _ => false,
@@ -305,6 +323,66 @@ pub fn f16_vec4() -> bool {
 
 /// Threads of a matvec workgroup (`WG` in `shaders/matvec.wgsl`).
 pub const MATVEC_WG: u32 = 64;
+
+/// The shape of the one-token matvec build of the plain and GLU kernels (not the q|k|v
+/// rope builds, which keep 4 rows and 64 threads): output rows a workgroup (1, 2 or 4; the
+/// grid still counts groups of 4 rows and takes 4 / rows workgroups a group along z),
+/// threads a workgroup (32 to 256, a power of two), and whether the subgroup reduction
+/// takes only the first lane of the slots in use (`scalar`) instead of every slot as a
+/// `vec4`. `CELLM_GPU_MATVEC_ONE=rows,threads[,scalar]` (any separator; scalar 0 or 1)
+/// picks one, for measuring. Where the device has no subgroups the shape is the default
+/// unless its shared-memory tree fits 16 KiB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OneShape {
+    pub rows: u32,
+    pub threads: u32,
+    pub scalar: bool,
+}
+
+impl OneShape {
+    /// The shape before this knob: 4 rows, 64 threads, every slot reduced as a vec4.
+    pub const DEFAULT: OneShape = OneShape { rows: 4, threads: MATVEC_WG, scalar: false };
+
+    pub fn get() -> Self {
+        let Some(v) = std::env::var("CELLM_GPU_MATVEC_ONE").ok() else { return Self::DEFAULT };
+        let n: Vec<u32> =
+            v.split(|c: char| !c.is_ascii_digit()).filter_map(|x| x.parse().ok()).collect();
+        let shape = match n[..] {
+            [rows, threads] => OneShape { rows, threads, scalar: false },
+            [rows, threads, s] => OneShape { rows, threads, scalar: s != 0 },
+            _ => return Self::DEFAULT,
+        };
+        if shape.valid() {
+            shape
+        } else {
+            Self::DEFAULT
+        }
+    }
+
+    pub fn valid(self) -> bool {
+        matches!(self.rows, 1 | 2 | 4)
+            && (32..=256).contains(&self.threads)
+            && self.threads.is_power_of_two()
+    }
+
+    /// Workgroups a group of 4 rows takes (along the grid's z).
+    pub fn split(self) -> u32 {
+        4 / self.rows
+    }
+
+    /// The shape as built on a device with or without subgroups: without, the default
+    /// where the shared-memory tree (2 * rows + 1 vec4 slots a thread) would pass 16 KiB,
+    /// and never the scalar reduction (a subgroup one).
+    pub fn for_device(self, subgroups: bool) -> Self {
+        if subgroups {
+            self
+        } else if (2 * self.rows + 1) * self.threads * 16 <= 16 << 10 {
+            OneShape { scalar: false, ..self }
+        } else {
+            Self::DEFAULT
+        }
+    }
+}
 
 /// The one-token matvec's wide build: its threads, and which launches take it (at least
 /// `cols` columns and fewer than `rows` rows): more threads along a row where a launch has
@@ -513,6 +591,8 @@ pub struct Kernel {
     pub name: String,
     pub pipeline: wgpu::ComputePipeline,
     pub single: Option<wgpu::ComputePipeline>,
+    /// Workgroups a group of 4 rows takes in the one-token build (`OneShape::split`).
+    pub single_split: u32,
     /// The one-token build with `Wide::get()` threads, and which launches take it (where the
     /// device has subgroups).
     pub wide: Option<(wgpu::ComputePipeline, Wide)>,
@@ -525,13 +605,14 @@ pub struct Kernel {
 }
 
 impl Kernel {
-    /// The pipeline for a launch over `tokens` tokens of `rows` x `cols` (the GEMM is
-    /// `gemm_for`'s).
-    pub fn for_launch(&self, tokens: u32, rows: u32, cols: u32) -> &wgpu::ComputePipeline {
+    /// The pipeline for a launch over `tokens` tokens of
+    /// `rows` x `cols` (the GEMM is `gemm_for`'s), and the factor on its grid's z (the
+    /// one-token build's `single_split`, else 1).
+    pub fn for_launch(&self, tokens: u32, rows: u32, cols: u32) -> (&wgpu::ComputePipeline, u32) {
         match (&self.wide, &self.single, tokens) {
-            (Some((wide, w)), _, 1) if cols >= w.cols && rows < w.rows => wide,
-            (_, Some(one), 1) => one,
-            _ => &self.pipeline,
+            (Some((wide, w)), _, 1) if cols >= w.cols && rows < w.rows => (wide, 1),
+            (_, Some(one), 1) => (one, self.single_split),
+            _ => (&self.pipeline, 1),
         }
     }
 
@@ -568,6 +649,8 @@ pub struct Kernels {
     immediates: bool,
     /// f16 weights 16 bytes a load (`f16_vec4()`; tests set it).
     pub f16v4: bool,
+    /// The one-token build's shape (`OneShape::get()`; tests set it).
+    pub one: OneShape,
     built: HashMap<KernelId, Arc<Kernel>>,
 }
 
@@ -585,6 +668,7 @@ impl Kernels {
             coopmat: gpu.coopmat && fits,
             immediates: gpu.immediates,
             f16v4: f16_vec4(),
+            one: OneShape::get(),
             built: HashMap::new(),
         }
     }
@@ -596,7 +680,7 @@ impl Kernels {
     }
 
     pub fn get(&mut self, device: &wgpu::Device, id: KernelId) -> Arc<Kernel> {
-        let opts = (self.subgroups, self.coopmat, self.immediates, self.f16v4);
+        let opts = (self.subgroups, self.coopmat, self.immediates, self.f16v4, self.one);
         self.built.entry(id).or_insert_with(|| Arc::new(build(device, id, opts))).clone()
     }
 }
@@ -610,7 +694,7 @@ pub const PARAMS_BYTES: u32 = 64;
 fn build(
     device: &wgpu::Device,
     id: KernelId,
-    (subgroups, coopmat, immediates, f16v4): (bool, bool, bool, bool),
+    (subgroups, coopmat, immediates, f16v4, one): (bool, bool, bool, bool, OneShape),
 ) -> Kernel {
     let label = format!("{id:?}");
     let entries: Vec<wgpu::BindGroupLayoutEntry> = id
@@ -641,11 +725,12 @@ fn build(
         bind_group_layouts: &[Some(&layout)],
         immediate_size: if immediates { PARAMS_BYTES } else { 0 },
     });
-    let pipeline_wg = |tokens: u32, wg: u32| {
+    let pipeline_shape = |tokens: u32, wg: u32, shape: OneShape| {
         let desc = wgpu::ShaderModuleDescriptor {
             label: Some(&label),
             source: wgpu::ShaderSource::Wgsl(
-                params_decl(id.source_opts(subgroups, tokens, wg, f16v4), immediates).into(),
+                params_decl(id.source_shape(subgroups, tokens, wg, f16v4, shape), immediates)
+                    .into(),
             ),
         };
         // SAFETY: every index a kernel computes is clamped into its buffer by the kernel
@@ -665,8 +750,12 @@ fn build(
             cache: None,
         })
     };
+    let pipeline_wg = |tokens: u32, wg: u32| pipeline_shape(tokens, wg, OneShape::DEFAULT);
     let pipeline = |tokens: u32| pipeline_wg(tokens, MATVEC_WG);
-    let single = id.per_token_count().then(|| pipeline(1));
+    // The rope builds keep the default shape (their rows come in rotated pairs of 4).
+    let rope = matches!(id, KernelId::MatvecRope(_) | KernelId::MatvecRope2(..));
+    let one = if rope { OneShape::DEFAULT } else { one.for_device(subgroups) };
+    let single = id.per_token_count().then(|| pipeline_shape(1, one.threads, one));
     let w = Wide::get();
     let wide = (id.per_token_count() && subgroups && w.threads != MATVEC_WG)
         .then(|| (pipeline_wg(1, w.threads), w));
@@ -674,7 +763,18 @@ fn build(
     let glu = matches!(id, KernelId::Glu(_));
     let coop = (coopmat && id.has_gemm()).then(|| (pipeline(COOP_BUILD), CoopTile::get(glu)));
     let name = label.split('(').next().unwrap_or_default().to_string();
-    Kernel { name, pipeline: pipeline(4), single, wide, gemm, coop, layout, immediates }
+    let single_split = one.split();
+    Kernel {
+        name,
+        pipeline: pipeline(4),
+        single,
+        single_split,
+        wide,
+        gemm,
+        coop,
+        layout,
+        immediates,
+    }
 }
 
 /// `src` with its parameters as immediates where `immediates`.

@@ -897,7 +897,7 @@ impl Runner {
                         continue;
                     }
                 }
-                let ((x, y, z), count) = match op.grid {
+                let ((x, y, mut z), count) = match op.grid {
                     Grid::Rows { groups, groups_x } => {
                         ((groups_x, groups.div_ceil(groups_x), t.div_ceil(4)), t)
                     }
@@ -916,7 +916,11 @@ impl Runner {
                     pass.write_timestamp(&s.set, s.names.len() as u32);
                     s.names.push(op.kernel.name.clone());
                 }
-                pass.set_pipeline(op.kernel.for_launch(count, op.params[0], op.params[1]));
+                let (pipeline, split) = op.kernel.for_launch(count, op.params[0], op.params[1]);
+                if matches!(op.grid, Grid::Rows { .. } | Grid::HeadRows { .. }) {
+                    z *= split;
+                }
+                pass.set_pipeline(pipeline);
                 pass.set_bind_group(0, group, &[]);
                 if op.kernel.immediates {
                     pass.set_immediates(0, as_bytes(&op.params));

@@ -9,7 +9,7 @@ use cellm_kernels::{decode_row_raw, WeightRows};
 use half::f16;
 
 use crate::device::{Gpu, GpuKind};
-use crate::kernels::{KernelId, Kernels};
+use crate::kernels::{KernelId, Kernels, OneShape};
 use crate::model::{matvec_params, MatvecArgs};
 use crate::repack::Layout;
 use crate::weights::{as_bytes, Uploader};
@@ -93,7 +93,9 @@ fn interleave(x8: TensorFormat, base: TensorFormat, data: &[u8], rows: usize) ->
 
 /// `W x` for `tokens` rows of x on the GPU, through the matvec kernel over every part of
 /// the uploaded matrix (a binding cap of `cap` bytes splits it); one token through the wide
-/// build where `wide` (and the device has it).
+/// build where `wide` (and the device has it), else through the one-token build of shape
+/// `one`.
+#[allow(clippy::too_many_arguments)]
 fn gpu_matvec(
     gpu: &Gpu,
     w: WeightRows,
@@ -102,11 +104,13 @@ fn gpu_matvec(
     cap: u64,
     wide: bool,
     f16v4: bool,
+    one: OneShape,
 ) -> (Vec<f32>, usize) {
     let mut up = Uploader::new(gpu, cap);
     let m = up.matrix_rows(&[("w", w)]).expect("upload");
     let mut kernels = Kernels::new(gpu);
     kernels.f16v4 = f16v4;
+    kernels.one = one;
     let kernel = kernels.get(&gpu.device, KernelId::Matvec(m.layout));
     let dev = &gpu.device;
     let storage = |label: &str, words: &[u32], extra: wgpu::BufferUsages| {
@@ -188,12 +192,20 @@ fn gpu_matvec(
                     pass.dispatch_workgroups(x, y, z);
                 }
                 None => {
-                    match (&kernel.wide, wide && t == 1) {
-                        (Some((p, _)), true) => pass.set_pipeline(p),
-                        _ => pass.set_pipeline(kernel.for_launch(t, 0, 0)),
-                    }
+                    let split = match (&kernel.wide, wide && t == 1) {
+                        (Some((p, _)), true) => {
+                            pass.set_pipeline(p);
+                            1
+                        }
+                        _ => {
+                            let (p, split) = kernel.for_launch(t, 0, 0);
+                            pass.set_pipeline(p);
+                            split
+                        }
+                    };
                     imm(&mut pass);
-                    pass.dispatch_workgroups(groups_x, groups.div_ceil(groups_x), t.div_ceil(4));
+                    let y = groups.div_ceil(groups_x);
+                    pass.dispatch_workgroups(groups_x, y, t.div_ceil(4) * split);
                 }
             }
         }
@@ -207,6 +219,14 @@ fn gpu_matvec(
     let out = y.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     (out, m.parts.len())
 }
+
+/// One-token shapes besides the default that the tests run (`OneShape`).
+const ONE_SHAPES: [OneShape; 4] = [
+    OneShape { rows: 2, threads: 128, scalar: true },
+    OneShape { rows: 1, threads: 32, scalar: true },
+    OneShape { rows: 1, threads: 256, scalar: false },
+    OneShape { rows: 4, threads: 64, scalar: true },
+];
 
 /// Every format the GPU runs, plain and interleaved, split into parts and whole, for 1 to 5
 /// tokens: within f32 rounding of a float64 product of the CPU's decoded rows.
@@ -245,11 +265,17 @@ fn matvec_matches_cpu_decoding_in_every_layout() {
                 let wide = if tokens == 1 { &[false, true][..] } else { &[false] };
                 // f16 also 16 bytes a load (`f16v4`), every other format once.
                 let v4s = if base == TensorFormat::F16 { &[false, true][..] } else { &[false] };
+                let def = OneShape::DEFAULT;
                 let runs = [u64::MAX, row_bytes * 5].into_iter().flat_map(|c| {
-                    wide.iter().flat_map(move |&w| v4s.iter().map(move |&v| (c, w, v)))
+                    wide.iter().flat_map(move |&w| v4s.iter().map(move |&v| (c, w, v, def)))
                 });
-                for (cap, wide, v4) in runs {
-                    let (got, parts) = gpu_matvec(&gpu, w, &x, tokens, cap, wide, v4);
+                // One token through the other one-token shapes (whole matrix and parts).
+                let shapes = if tokens == 1 { &ONE_SHAPES[..] } else { &[] };
+                let runs = runs.chain(shapes.iter().flat_map(|&s| {
+                    [(u64::MAX, false, false, s), (row_bytes * 5, false, false, s)]
+                }));
+                for (cap, wide, v4, one) in runs {
+                    let (got, parts) = gpu_matvec(&gpu, w, &x, tokens, cap, wide, v4, one);
                     assert_eq!(parts > 1, cap != u64::MAX, "{format:?}: {parts} parts");
                     let mut decoded = vec![0f32; cols];
                     for r in 0..rows {
@@ -297,9 +323,20 @@ fn every_kernel_translates_to_metal() {
             .map(|sg| [(id, sg, 4, 64, true), (id, sg, 1, 64, true), (id, sg, 0, 64, true)])
     });
     let f16v4 = f16v4.flatten();
-    let variants = variants.map(|(id, sg, t, wg)| (id, sg, t, wg, false)).chain(f16v4);
-    for (id, subgroups, tokens, wg, v4) in variants {
-        let src = id.source_opts(subgroups, tokens, wg, v4);
+    let variants = variants.map(|(id, sg, t, wg)| (id, sg, t, wg, false, OneShape::DEFAULT));
+    let variants =
+        variants.chain(f16v4.map(|(id, sg, t, wg, v)| (id, sg, t, wg, v, OneShape::DEFAULT)));
+    // The one-token build's other shapes.
+    let shapes = KernelId::all().into_iter().filter(|id| id.per_token_count()).flat_map(|id| {
+        ONE_SHAPES.into_iter().flat_map(move |s| {
+            [false, true].map(|sg| {
+                let s = s.for_device(sg);
+                (id, sg, 1, s.threads, false, s)
+            })
+        })
+    });
+    for (id, subgroups, tokens, wg, v4, one) in variants.chain(shapes) {
+        let src = id.source_shape(subgroups, tokens, wg, v4, one);
         let module = naga::front::wgsl::parse_str(&src)
             .unwrap_or_else(|e| panic!("{id:?}: {}", e.emit_to_string(&src)));
         // pack2x16float / unpack2x16float (f16 KV and weights in u32 words) need only this,

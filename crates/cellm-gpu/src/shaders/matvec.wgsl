@@ -16,8 +16,11 @@
 // (scales applied once to the sums of quants times x) and is built for WG = 64 threads and
 // for a wider workgroup (more threads along a row, for launches of long rows and few of them:
 // `Wide` in kernels.rs). Formats without a `d8` of their own take the plain loop.
+// The grid counts groups of 4 rows; a one-token build of RPW = 1 or 2 rows a workgroup
+// (`OneShape` in kernels.rs) takes the group's 4 / RPW slices along the grid's z (which
+// counts token groups otherwise, and is 1 for one token).
 const WG: u32 = $WGu;
-const RPW: u32 = 4u;
+const RPW: u32 = $RPWu;
 // Sums a thread carries per token lane: RPW of W x, RPW of the GLU's second matrix, and
 // sum(x^2).
 const Q: u32 = 2u * RPW + 1u;
@@ -54,12 +57,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         @builtin(num_subgroups) nsg: u32,
 //# end
 ) {
-    let r0 = (wg.x + wg.y * p.groups_x) * RPW;
+    let one = TT == 1u;
+    let r0 = (wg.x + wg.y * p.groups_x) * 4u + select(0u, wg.z * RPW, one);
     var n = n_tokens();
     if ((p.flags & HEAD) != 0u) {
         n = n_logit_rows();
     }
-    let t0 = wg.z * TT;
+    let t0 = select(wg.z * TT, 0u, one);
     if (r0 >= p.rows || t0 >= n) {
         return;
     }
@@ -191,9 +195,22 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     //# sg
     // Every slot as one vec4 reduction: on the H200 this ran 6-12% faster on the Llama F16
     // files than a scalar reduction of the used slots and token lanes only.
+    //# vred
     for (var j = 0u; j < Q; j++) {
         s[j] = subgroupAdd(s[j]);
     }
+    //# end
+    //# sred
+    // One token (`OneShape::scalar`): only the first lane of the slots in use (W x, the
+    // GLU's second matrix, the sum of squares), one scalar reduction each.
+    for (var j = 0u; j < RPW; j++) {
+        s[j].x = subgroupAdd(s[j].x);
+        //# glu
+        s[RPW + j].x = subgroupAdd(s[RPW + j].x);
+        //# end
+    }
+    s[Q - 1u].x = subgroupAdd(s[Q - 1u].x);
+    //# end
     if (sl == 0u) {
         for (var j = 0u; j < Q; j++) {
             red[sid * Q + j] = s[j];

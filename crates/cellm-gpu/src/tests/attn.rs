@@ -226,7 +226,7 @@ impl<'a> Bufs<'a> {
         let mut enc = dev.create_command_encoder(&Default::default());
         {
             let mut pass = enc.begin_compute_pass(&Default::default());
-            pass.set_pipeline(kernel.for_launch(4, 0, 0));
+            pass.set_pipeline(kernel.for_launch(4, 0, 0).0);
             pass.set_bind_group(0, &group, &[]);
             if kernel.immediates {
                 pass.set_immediates(0, as_bytes(&self.params_words));
