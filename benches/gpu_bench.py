@@ -88,7 +88,7 @@ def check_dequantized(path: str, backend: str, work: Path) -> dict[str, Any]:
     finally:
         gguf_convert.plan_quantization = plan
     ids = _ids(64, 20000)
-    rows = []
+    rows, steps = [], []
     for engine in (
         LLM(f32, kv_encoding="f32")._engine,
         LLM(stored, kv_encoding="f32", backend=backend)._engine,
@@ -96,10 +96,23 @@ def check_dequantized(path: str, backend: str, work: Path) -> dict[str, Any]:
         s = engine.create_session()
         rows.append(np.asarray(engine.step([(s, ids)], all_logits=True)))
         engine.free_session(s)
+        # And 16 one-token steps after a 16-token prompt (the one-token matvec builds).
+        s = engine.create_session()
+        engine.step([(s, ids[:16])])
+        steps.append(np.stack([np.asarray(engine.step([(s, [t])]))[-1] for t in ids[16:32]]))
+        engine.free_session(s)
     f32.unlink()
     diff, scale = float(np.abs(rows[0] - rows[1]).max()), float(np.abs(rows[0]).max())
     agree = int((rows[0].argmax(-1) == rows[1].argmax(-1)).sum())
-    return {"max_abs_diff": diff, "rel_diff": diff / scale, "argmax_agree": f"{agree}/64"}
+    d1 = float(np.abs(steps[0] - steps[1]).max()) / float(np.abs(steps[0]).max())
+    a1 = int((steps[0].argmax(-1) == steps[1].argmax(-1)).sum())
+    return {
+        "max_abs_diff": diff,
+        "rel_diff": diff / scale,
+        "argmax_agree": f"{agree}/64",
+        "one_token_rel_diff": d1,
+        "one_token_argmax_agree": f"{a1}/16",
+    }
 
 
 def speed(path: str, backend: str, runs: int, prefill_only: bool = False) -> dict[str, Any]:

@@ -13,7 +13,10 @@ ahead), CELLM_GPU_NO_FUSE (RoPE and the KV store in their own launch), CELLM_GPU
 uniform buffer), CELLM_GPU_NO_SUBGROUPS, CELLM_GPU_PROFILE, CELLM_GPU_MATVEC_WIDE
 (threads,cols,rows of the one-token matvec's wide build, any separator: 64.0.0 for none),
 CELLM_GPU_MATVEC_PLAIN (the one-token matvec dequantizes and takes dots instead of the
-formats' d8), CELLM_GPU_F16_VEC4 (f16 weights 16 bytes a load).
+formats' d8), CELLM_GPU_F16_VEC4 (f16 weights 16 bytes a load), CELLM_GPU_MATVEC_ONE
+(rows,threads[,scalar] of the plain and GLU one-token matvec: 1, 2 or 4 rows a workgroup,
+32-256 threads, 1 for the scalar reduction of the slots in use; any separator: 2.128.1),
+CELLM_GPU_MATVEC_ROPE_WG (threads of the q|k|v rope matvec's one-token build).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ KNOBS = [
     "CELLM_GPU_MATVEC_WIDE",
     "CELLM_GPU_MATVEC_PLAIN",
     "CELLM_GPU_F16_VEC4",
+    "CELLM_GPU_MATVEC_ONE",
+    "CELLM_GPU_MATVEC_ROPE_WG",
 ]
 IDS = [int(i) for i in np.random.default_rng(1).integers(100, 20000, 2048 + 64)]
 

@@ -339,6 +339,13 @@ pub struct OneShape {
     pub scalar: bool,
 }
 
+/// Threads of the q|k|v rope matvec's one-token build (4 rows a workgroup):
+/// `CELLM_GPU_MATVEC_ROPE_WG` (64 to 256, a power of two; for measuring), else 64.
+pub fn rope_threads() -> u32 {
+    let v = std::env::var("CELLM_GPU_MATVEC_ROPE_WG").ok().and_then(|v| v.parse().ok());
+    v.filter(|t: &u32| (64..=256).contains(t) && t.is_power_of_two()).unwrap_or(MATVEC_WG)
+}
+
 impl OneShape {
     /// The shape before this knob: 4 rows, 64 threads, every slot reduced as a vec4.
     pub const DEFAULT: OneShape = OneShape { rows: 4, threads: MATVEC_WG, scalar: false };
@@ -752,9 +759,12 @@ fn build(
     };
     let pipeline_wg = |tokens: u32, wg: u32| pipeline_shape(tokens, wg, OneShape::DEFAULT);
     let pipeline = |tokens: u32| pipeline_wg(tokens, MATVEC_WG);
-    // The rope builds keep the default shape (their rows come in rotated pairs of 4).
+    // The rope builds keep 4 rows (rotated pairs of a head), with `rope_threads()`.
     let rope = matches!(id, KernelId::MatvecRope(_) | KernelId::MatvecRope2(..));
-    let one = if rope { OneShape::DEFAULT } else { one.for_device(subgroups) };
+    let one = match rope {
+        true => OneShape { threads: rope_threads(), ..OneShape::DEFAULT }.for_device(subgroups),
+        false => one.for_device(subgroups),
+    };
     let single = id.per_token_count().then(|| pipeline_shape(1, one.threads, one));
     let w = Wide::get();
     let wide = (id.per_token_count() && subgroups && w.threads != MATVEC_WG)
