@@ -96,10 +96,9 @@ def check_dequantized(path: str, backend: str, work: Path) -> dict[str, Any]:
         s = engine.create_session()
         rows.append(np.asarray(engine.step([(s, ids)], all_logits=True)))
         engine.free_session(s)
-        # And 16 one-token steps after a 16-token prompt (the one-token matvec builds).
+        # And the first 24 tokens one a step (the one-token matvec builds only).
         s = engine.create_session()
-        engine.step([(s, ids[:16])])
-        steps.append(np.stack([np.asarray(engine.step([(s, [t])]))[-1] for t in ids[16:32]]))
+        steps.append(np.stack([np.asarray(engine.step([(s, [t])]))[-1] for t in ids[:24]]))
         engine.free_session(s)
     f32.unlink()
     diff, scale = float(np.abs(rows[0] - rows[1]).max()), float(np.abs(rows[0]).max())
@@ -111,7 +110,7 @@ def check_dequantized(path: str, backend: str, work: Path) -> dict[str, Any]:
         "rel_diff": diff / scale,
         "argmax_agree": f"{agree}/64",
         "one_token_rel_diff": d1,
-        "one_token_argmax_agree": f"{a1}/16",
+        "one_token_argmax_agree": f"{a1}/24",
     }
 
 

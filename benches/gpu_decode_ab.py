@@ -15,7 +15,8 @@ uniform buffer), CELLM_GPU_NO_SUBGROUPS, CELLM_GPU_PROFILE, CELLM_GPU_MATVEC_WID
 CELLM_GPU_MATVEC_PLAIN (the one-token matvec dequantizes and takes dots instead of the
 formats' d8), CELLM_GPU_F16_VEC4 (f16 weights 16 bytes a load), CELLM_GPU_MATVEC_ONE
 (rows,threads[,scalar] of the plain and GLU one-token matvec: 1, 2 or 4 rows a workgroup,
-32-256 threads, 1 for the scalar reduction of the slots in use; any separator: 2.128.1),
+32-256 threads, 1 for the scalar reduction of the slots in use; any separator: 2.128.1 is
+the default, 4.64.0 the shape before),
 CELLM_GPU_MATVEC_ROPE_WG (threads of the q|k|v rope matvec's one-token build).
 """
 

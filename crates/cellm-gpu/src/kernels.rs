@@ -161,7 +161,7 @@ impl KernelId {
     /// `source_wg`, with f16 weights read 16 bytes a load (`f16v4` in formats.wgsl) where
     /// `f16v4`.
     pub fn source_opts(self, subgroups: bool, tokens: u32, wg: u32, f16v4: bool) -> String {
-        self.source_shape(subgroups, tokens, wg, f16v4, OneShape::DEFAULT)
+        self.source_shape(subgroups, tokens, wg, f16v4, OneShape::LEGACY)
     }
 
     /// `source_opts`, with the one-token build (`tokens` 1) of `one.rows` rows a workgroup
@@ -325,13 +325,21 @@ pub fn f16_vec4() -> bool {
 pub const MATVEC_WG: u32 = 64;
 
 /// The shape of the one-token matvec build of the plain and GLU kernels (not the q|k|v
-/// rope builds, which keep 4 rows and 64 threads): output rows a workgroup (1, 2 or 4; the
-/// grid still counts groups of 4 rows and takes 4 / rows workgroups a group along z),
-/// threads a workgroup (32 to 256, a power of two), and whether the subgroup reduction
-/// takes only the first lane of the slots in use (`scalar`) instead of every slot as a
-/// `vec4`. `CELLM_GPU_MATVEC_ONE=rows,threads[,scalar]` (any separator; scalar 0 or 1)
-/// picks one, for measuring. Where the device has no subgroups the shape is the default
-/// unless its shared-memory tree fits 16 KiB.
+/// rope builds, which keep 4 rows): output rows a workgroup (1, 2 or 4; the grid still
+/// counts groups of 4 rows and takes 4 / rows workgroups a group along z), threads a
+/// workgroup (32 to 256, a power of two), and whether the subgroup reduction takes only the
+/// first lane of the slots in use (`scalar`) instead of every slot as a `vec4`.
+/// `CELLM_GPU_MATVEC_ONE=rows,threads[,scalar]` (any separator; scalar 0 or 1) picks
+/// another, for measuring (`4,64,0` is the shape before: `LEGACY`).
+///
+/// The default, 2 rows and 128 threads with the scalar reduction (more workgroups and more
+/// loads in flight for the decode launches, as llama.cpp's Vulkan matvec does on NVIDIA
+/// with 2 rows of k-quants and 128 threads), was the fastest of 10 shapes on the H200
+/// (docs/benchmarks.md, "One-token matvec shape"): tg64@128 against `LEGACY` +10%
+/// (Llama-3.2-1B Q4_K_M), +11% (3B Q4_K_M), +5% (3B F16), +17% (SmolLM2 Q4_1), +5%
+/// (Gemma 3), +10% (1B F16). Devices without subgroups keep `LEGACY` (a 128-thread
+/// shared-memory tree was not measured) unless the knob asks otherwise and the tree fits
+/// 16 KiB.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OneShape {
     pub rows: u32,
@@ -347,8 +355,11 @@ pub fn rope_threads() -> u32 {
 }
 
 impl OneShape {
-    /// The shape before this knob: 4 rows, 64 threads, every slot reduced as a vec4.
-    pub const DEFAULT: OneShape = OneShape { rows: 4, threads: MATVEC_WG, scalar: false };
+    /// The shape before: 4 rows, 64 threads, every slot reduced as a vec4 (also the rope,
+    /// wide and batched builds' rows and reduction).
+    pub const LEGACY: OneShape = OneShape { rows: 4, threads: MATVEC_WG, scalar: false };
+    /// The default (see above).
+    pub const DEFAULT: OneShape = OneShape { rows: 2, threads: 128, scalar: true };
 
     pub fn get() -> Self {
         let Some(v) = std::env::var("CELLM_GPU_MATVEC_ONE").ok() else { return Self::DEFAULT };
@@ -377,16 +388,16 @@ impl OneShape {
         4 / self.rows
     }
 
-    /// The shape as built on a device with or without subgroups: without, the default
-    /// where the shared-memory tree (2 * rows + 1 vec4 slots a thread) would pass 16 KiB,
-    /// and never the scalar reduction (a subgroup one).
+    /// The shape as built on a device with or without subgroups: without, `LEGACY` for the
+    /// default and where the shared-memory tree (2 * rows + 1 vec4 slots a thread) would
+    /// pass 16 KiB, and never the scalar reduction (a subgroup one).
     pub fn for_device(self, subgroups: bool) -> Self {
         if subgroups {
             self
-        } else if (2 * self.rows + 1) * self.threads * 16 <= 16 << 10 {
+        } else if self != Self::DEFAULT && (2 * self.rows + 1) * self.threads * 16 <= 16 << 10 {
             OneShape { scalar: false, ..self }
         } else {
-            Self::DEFAULT
+            Self::LEGACY
         }
     }
 }
@@ -757,12 +768,12 @@ fn build(
             cache: None,
         })
     };
-    let pipeline_wg = |tokens: u32, wg: u32| pipeline_shape(tokens, wg, OneShape::DEFAULT);
+    let pipeline_wg = |tokens: u32, wg: u32| pipeline_shape(tokens, wg, OneShape::LEGACY);
     let pipeline = |tokens: u32| pipeline_wg(tokens, MATVEC_WG);
     // The rope builds keep 4 rows (rotated pairs of a head), with `rope_threads()`.
     let rope = matches!(id, KernelId::MatvecRope(_) | KernelId::MatvecRope2(..));
     let one = match rope {
-        true => OneShape { threads: rope_threads(), ..OneShape::DEFAULT }.for_device(subgroups),
+        true => OneShape { threads: rope_threads(), ..OneShape::LEGACY }.for_device(subgroups),
         false => one.for_device(subgroups),
     };
     let single = id.per_token_count().then(|| pipeline_shape(1, one.threads, one));

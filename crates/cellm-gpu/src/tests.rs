@@ -222,7 +222,7 @@ fn gpu_matvec(
 
 /// One-token shapes besides the default that the tests run (`OneShape`).
 const ONE_SHAPES: [OneShape; 4] = [
-    OneShape { rows: 2, threads: 128, scalar: true },
+    OneShape::LEGACY,
     OneShape { rows: 1, threads: 32, scalar: true },
     OneShape { rows: 1, threads: 256, scalar: false },
     OneShape { rows: 4, threads: 64, scalar: true },
@@ -323,12 +323,12 @@ fn every_kernel_translates_to_metal() {
             .map(|sg| [(id, sg, 4, 64, true), (id, sg, 1, 64, true), (id, sg, 0, 64, true)])
     });
     let f16v4 = f16v4.flatten();
-    let variants = variants.map(|(id, sg, t, wg)| (id, sg, t, wg, false, OneShape::DEFAULT));
+    let variants = variants.map(|(id, sg, t, wg)| (id, sg, t, wg, false, OneShape::LEGACY));
     let variants =
-        variants.chain(f16v4.map(|(id, sg, t, wg, v)| (id, sg, t, wg, v, OneShape::DEFAULT)));
+        variants.chain(f16v4.map(|(id, sg, t, wg, v)| (id, sg, t, wg, v, OneShape::LEGACY)));
     // The one-token build's other shapes.
     let shapes = KernelId::all().into_iter().filter(|id| id.per_token_count()).flat_map(|id| {
-        ONE_SHAPES.into_iter().flat_map(move |s| {
+        ONE_SHAPES.into_iter().chain([OneShape::DEFAULT]).flat_map(move |s| {
             [false, true].map(|sg| {
                 let s = s.for_device(sg);
                 (id, sg, 1, s.threads, false, s)

@@ -13,12 +13,13 @@
 // two-format build reads q|k rows through one format's accessor and v rows through another's
 // (`w8b`; rows a multiple of 8 columns only).
 // The one-token build (TT = 1) takes each 8 columns' dot product from the format's `d8`
-// (scales applied once to the sums of quants times x) and is built for WG = 64 threads and
-// for a wider workgroup (more threads along a row, for launches of long rows and few of them:
-// `Wide` in kernels.rs). Formats without a `d8` of their own take the plain loop.
-// The grid counts groups of 4 rows; a one-token build of RPW = 1 or 2 rows a workgroup
-// (`OneShape` in kernels.rs) takes the group's 4 / RPW slices along the grid's z (which
-// counts token groups otherwise, and is 1 for one token).
+// (scales applied once to the sums of quants times x) and is built in the shape of
+// `OneShape` in kernels.rs (by default 2 rows and 128 threads a workgroup, reduced as scalars;
+// the rope builds 4 rows and 64 threads) and as a wider workgroup of 4 rows (more threads
+// along a row, for launches of long rows and few of them: `Wide` in kernels.rs). Formats
+// without a `d8` of their own take the plain loop. The grid counts groups of 4 rows; a
+// one-token build of RPW = 1 or 2 rows a workgroup takes the group's 4 / RPW slices along
+// the grid's z (which counts token groups otherwise, and is 1 for one token).
 const WG: u32 = $WGu;
 const RPW: u32 = $RPWu;
 // Sums a thread carries per token lane: RPW of W x, RPW of the GLU's second matrix, and
