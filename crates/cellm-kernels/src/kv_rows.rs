@@ -37,9 +37,15 @@ pub const I4_LEVELS: [i8; 16] =
 const I4_BIAS: i32 = 160;
 
 /// The step of scale byte `b` (0 for 0): `2^((b - I4_BIAS) / 8)` as a power of two times
-/// an eighth-octave mantissa, the same bits on every path.
+/// an eighth-octave mantissa, the same bits on every path (a table: the decoders look one
+/// up per 16 values).
 #[inline]
 fn i4_step(b: u8) -> f32 {
+    I4_STEPS[b as usize]
+}
+
+/// [`i4_step`] for every byte, computed at compile time.
+const I4_STEPS: [f32; 256] = {
     /// `2^(r / 8)` for r = 0..8, rounded to f32.
     const MANT: [f32; 8] = [
         1.0,
@@ -51,13 +57,16 @@ fn i4_step(b: u8) -> f32 {
         1.681_792_8,
         1.834_008_1,
     ];
-    if b == 0 {
-        return 0.0;
+    let mut steps = [0.0f32; 256];
+    let mut b = 1;
+    while b < 256 {
+        let e = b as i32 - I4_BIAS;
+        let (whole, frac) = (e.div_euclid(8), e.rem_euclid(8));
+        steps[b] = MANT[frac as usize] * f32::from_bits(((whole + 127) as u32) << 23);
+        b += 1;
     }
-    let e = b as i32 - I4_BIAS;
-    let (whole, frac) = (e.div_euclid(8), e.rem_euclid(8));
-    MANT[frac as usize] * f32::from_bits(((whole + 127) as u32) << 23)
-}
+    steps
+};
 
 /// Bytes of an int8 row of `dim` values.
 pub fn i8_row_bytes(dim: usize) -> usize {
@@ -377,6 +386,17 @@ mod tests {
                 }
             })
             .collect()
+    }
+
+    /// The step table is `2^((b - 160) / 8)` to within an f32 rounding, and 0 for byte 0.
+    #[test]
+    fn int4_steps_are_eighth_octaves() {
+        assert_eq!(i4_step(0), 0.0);
+        for b in 1..=255u8 {
+            let want = 2f64.powf((f64::from(b) - 160.0) / 8.0);
+            let got = f64::from(i4_step(b));
+            assert!((got - want).abs() <= want * 1.2e-7, "byte {b}: {got} vs {want}");
+        }
     }
 
     /// int4 rows decode to the same bits on every path (partial last groups too); each value lands on the level nearest it under its group's
