@@ -185,7 +185,7 @@ fn gpu_matvec(
                     pass.set_immediates(0, as_bytes(&params));
                 }
             };
-            match kernel.gemm_for(t, w.cols as u32, groups) {
+            match kernel.gemm_for(t, w.cols as u32, groups, params[6]) {
                 Some((gemm, (x, y, z))) => {
                     pass.set_pipeline(gemm);
                     imm(&mut pass);
@@ -365,7 +365,7 @@ fn every_kernel_translates_to_metal() {
 /// lavapipe has no cooperative matrices, so on CI it is built here but not run).
 #[test]
 fn coop_gemm_translates_to_spirv() {
-    use crate::kernels::{CoopTile, TILE_FOR_TEST};
+    use crate::kernels::{CoopPipe, CoopTile, PIPE_FOR_TEST, TILE_FOR_TEST};
     use naga::back::spv;
     use naga::valid::{Capabilities, ValidationFlags, Validator};
     let gemms = KernelId::all().into_iter().filter(|id| id.per_token_count());
@@ -377,15 +377,25 @@ fn coop_gemm_translates_to_spirv() {
         [tile(2, 4, 4, 2, 32), tile(2, 2, 4, 4, 32), tile(2, 2, 4, 4, 64), tile(2, 2, 4, 2, 64)];
     let plain = KernelId::all().into_iter().filter(|id| id.per_token_count());
     let plain = plain.filter(|id| !matches!(id, KernelId::Glu(_)));
-    let cases = gemms.chain(attn).map(|id| (id, None));
-    let cases = cases.chain(others.into_iter().flat_map(|t| plain.clone().map(move |id| (id, t))));
-    for (id, t) in cases {
+    // And every GEMM without the register prefetch and with split-K (y as atomics).
+    let pipe = CoopPipe { prefetch: Some(false), split: 4, split_below: 264 };
+    let gemms2 = KernelId::all().into_iter().filter(|id| id.per_token_count());
+    let cases = gemms.chain(attn).map(|id| (id, None, None));
+    let cases = cases.chain(gemms2.map(|id| (id, None, Some(pipe))));
+    let cases =
+        cases.chain(others.into_iter().flat_map(|t| plain.clone().map(move |id| (id, t, None))));
+    for (id, t, p) in cases {
         if let Some(t) = t {
             assert!(t.valid(false), "{t:?}");
         }
         TILE_FOR_TEST.with(|c| c.set(t));
+        PIPE_FOR_TEST.with(|c| c.set(p));
         let src = id.source(true, crate::kernels::COOP_BUILD);
         TILE_FOR_TEST.with(|c| c.set(None));
+        PIPE_FOR_TEST.with(|c| c.set(None));
+        if p.is_some() && id.has_gemm() {
+            assert!(src.contains("atomicCompareExchangeWeak") && !src.contains("let kn"), "{id:?}");
+        }
         let module = naga::front::wgsl::parse_str(&src)
             .unwrap_or_else(|e| panic!("{id:?}: {}", e.emit_to_string(&src)));
         let caps = Capabilities::SHADER_FLOAT16_IN_FLOAT32
