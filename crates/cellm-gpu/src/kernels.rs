@@ -228,13 +228,7 @@ impl KernelId {
             src.push_str(KV);
         }
         if self.per_token_count() {
-            // y as atomics in the cooperative GEMM's build where split-K may take it.
-            let atomic = coop && pipe.split > 1;
-            src.push_str(&sections(LINEAR, &|name| match name {
-                "yatomic" => atomic,
-                "yplain" => !atomic,
-                _ => false,
-            }));
+            src.push_str(LINEAR);
         }
         let rpw = if tokens == 1 && !rope { one.rows } else { 4 };
         let scalar = tokens == 1 && one.scalar && subgroups;
@@ -259,8 +253,6 @@ impl KernelId {
             "sred" => scalar,
             "sg" => subgroups,
             "nosg" => !subgroups,
-            "yatomic" => coop && pipe.split > 1,
-            "yplain" => !(coop && pipe.split > 1),
             "pf" => pipe.prefetch_for(weights),
             "nopf" => !pipe.prefetch_for(weights),
             _ => false,
@@ -553,20 +545,13 @@ impl CoopTile {
 /// How the cooperative-matrix GEMM runs its steps, read at load (see docs/benchmarks.md,
 /// "Prefill GEMM without the register prefetch"): `prefetch`, whether each step's loads are
 /// issued into registers before the previous step's multiplies, or go straight to shared
-/// memory at the step's start (fewer registers: on the H200 pp512 1.11x on Llama-3.2-3B F16
-/// and 1.06x on 1B F16, 1.00x on 3B Q4_K_M, whose decode the prefetch hides). `None`, the
-/// default, prefetches the block formats only; `CELLM_GPU_COOP_PREFETCH=1` / `=0` forces it
-/// on / off for every layout (for measuring). `split`, split-K (`CELLM_GPU_COOP_SPLITK=s`
-/// or `s,below`): launches that only add their sums to y (the residual's o and down
-/// projections: no norm, bias, GLU or soft-cap) whose grid has fewer than `below` workgroups
-/// (default 264) run as up to `s` launches' worth of workgroups along z, each summing its
-/// part of the columns and adding it to y by an atomic compare-exchange (their order, and so
-/// the last bit of y, varies from run to run).
+/// memory at the step's start (fewer registers: on the H200 pp512 1.11x-1.13x on
+/// Llama-3.2-3B F16 and 1.06x-1.07x on 1B F16, 1.00x on 3B Q4_K_M, whose decode the prefetch
+/// hides). `None`, the default, prefetches for the block formats only;
+/// `CELLM_GPU_COOP_PREFETCH=1` / `=0` forces it on / off for every layout (for measuring).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CoopPipe {
     pub prefetch: Option<bool>,
-    pub split: u32,
-    pub split_below: u32,
 }
 
 #[cfg(test)]
@@ -582,34 +567,12 @@ impl CoopPipe {
         if let Some(p) = PIPE_FOR_TEST.with(|p| p.get()) {
             return p;
         }
-        let var = |name: &str| std::env::var(name).ok();
-        let prefetch = var("CELLM_GPU_COOP_PREFETCH").map(|v| v != "0");
-        let n: Vec<u32> = var("CELLM_GPU_COOP_SPLITK")
-            .unwrap_or_default()
-            .split(|c: char| !c.is_ascii_digit())
-            .filter_map(|x| x.parse().ok())
-            .collect();
-        let (split, split_below) = match n[..] {
-            [s] => (s, 264),
-            [s, below, ..] => (s, below),
-            _ => (1, 0),
-        };
-        CoopPipe { prefetch, split: split.clamp(1, 16), split_below }
+        CoopPipe { prefetch: std::env::var("CELLM_GPU_COOP_PREFETCH").ok().map(|v| v != "0") }
     }
 
     /// Whether the build for weights in `layout` prefetches into registers.
     pub fn prefetch_for(self, layout: Option<Layout>) -> bool {
         self.prefetch.unwrap_or(!matches!(layout, Some(Layout::F32 | Layout::F16 | Layout::Bf16)))
-    }
-
-    /// The splits along z for a launch of `groups` workgroups with `flags` over `steps`
-    /// column steps.
-    pub fn splits(self, groups: u32, flags: u32, steps: u32) -> u32 {
-        // RESIDUAL and nothing else of linear.wgsl's flags (NORM, BIAS, SOFTCAP, HEAD, GELU).
-        if self.split <= 1 || flags & 0x3f != 2 || groups >= self.split_below {
-            return 1;
-        }
-        self.split.min(steps).max(1)
     }
 }
 
@@ -690,8 +653,6 @@ pub struct Kernel {
     pub wide: Option<(wgpu::ComputePipeline, Wide)>,
     pub gemm: Option<wgpu::ComputePipeline>,
     pub coop: Option<(wgpu::ComputePipeline, CoopTile)>,
-    /// The cooperative GEMM's split-K (`CoopPipe`).
-    pub pipe: CoopPipe,
     pub layout: wgpu::BindGroupLayout,
     /// Whether the parameters are immediates (`set_immediates` before each launch) rather
     /// than binding 0.
@@ -711,27 +672,24 @@ impl Kernel {
     }
 
     /// The GEMM build, where a launch over `tokens` tokens of `cols` columns and
-    /// `row_groups` groups of `ROWS_PER_GROUP` rows with linear.wgsl's `flags` should use it,
-    /// with its grid: the cooperative-matrix one (token tiles along x, column splits along z)
-    /// where the device has it and the columns are a multiple of its step (32 or 64), else
-    /// the f32 one (row tiles along x).
+    /// `row_groups` groups of `ROWS_PER_GROUP` rows should use it, with its grid: the
+    /// cooperative-matrix one (token tiles along x) where the device has it and the columns
+    /// are a multiple of its step (32 or 64), else the f32 one (row tiles along x).
     pub fn gemm_for(
         &self,
         tokens: u32,
         cols: u32,
         row_groups: u32,
-        flags: u32,
     ) -> Option<(&wgpu::ComputePipeline, (u32, u32, u32))> {
         if tokens < GEMM_MIN_TOKENS {
             return None;
         }
         let per = ROWS_PER_GROUP as u32;
         match &self.coop {
-            Some((coop, tile)) if cols.is_multiple_of(tile.bk) => {
-                let (x, y) =
-                    (tokens.div_ceil(tile.tokens()), row_groups.div_ceil(tile.rows() / per));
-                Some((coop, (x, y, self.pipe.splits(x * y, flags, cols / tile.bk))))
-            }
+            Some((coop, tile)) if cols.is_multiple_of(tile.bk) => Some((
+                coop,
+                (tokens.div_ceil(tile.tokens()), row_groups.div_ceil(tile.rows() / per), 1),
+            )),
             _ => self.gemm.as_ref().map(|g| {
                 (g, (row_groups.div_ceil(GEMM_TILE / per), tokens.div_ceil(GEMM_TILE), 1))
             }),
@@ -864,7 +822,6 @@ fn build(
     let coop = (coopmat && id.has_gemm()).then(|| (pipeline(COOP_BUILD), CoopTile::get(glu)));
     let name = label.split('(').next().unwrap_or_default().to_string();
     let single_split = one.split();
-    let pipe = CoopPipe::get();
     Kernel {
         name,
         pipeline: pipeline(4),
@@ -873,7 +830,6 @@ fn build(
         wide,
         gemm,
         coop,
-        pipe,
         layout,
         immediates,
     }

@@ -882,8 +882,7 @@ impl Runner {
                 // from GEMM_MIN_TOKENS on.
                 if let Grid::Rows { groups, .. } | Grid::HeadRows { groups, .. } = op.grid {
                     let count = if matches!(op.grid, Grid::Rows { .. }) { t } else { r };
-                    if let Some((gemm, (x, y, z))) =
-                        op.kernel.gemm_for(count, op.params[1], groups, op.params[6])
+                    if let Some((gemm, (x, y, z))) = op.kernel.gemm_for(count, op.params[1], groups)
                     {
                         if let Some(s) = &mut stamps {
                             pass.write_timestamp(&s.set, s.names.len() as u32);

@@ -185,7 +185,7 @@ fn gpu_matvec(
                     pass.set_immediates(0, as_bytes(&params));
                 }
             };
-            match kernel.gemm_for(t, w.cols as u32, groups, params[6]) {
+            match kernel.gemm_for(t, w.cols as u32, groups) {
                 Some((gemm, (x, y, z))) => {
                     pass.set_pipeline(gemm);
                     imm(&mut pass);
@@ -377,11 +377,12 @@ fn coop_gemm_translates_to_spirv() {
         [tile(2, 4, 4, 2, 32), tile(2, 2, 4, 4, 32), tile(2, 2, 4, 4, 64), tile(2, 2, 4, 2, 64)];
     let plain = KernelId::all().into_iter().filter(|id| id.per_token_count());
     let plain = plain.filter(|id| !matches!(id, KernelId::Glu(_)));
-    // And every GEMM without the register prefetch and with split-K (y as atomics).
-    let pipe = CoopPipe { prefetch: Some(false), split: 4, split_below: 264 };
+    // And every GEMM with and without the register prefetch, whatever its layout.
+    let pipes = [Some(false), Some(true)].map(|prefetch| CoopPipe { prefetch });
     let gemms2 = KernelId::all().into_iter().filter(|id| id.per_token_count());
     let cases = gemms.chain(attn).map(|id| (id, None, None));
-    let cases = cases.chain(gemms2.map(|id| (id, None, Some(pipe))));
+    let cases =
+        cases.chain(gemms2.flat_map(move |id| pipes.into_iter().map(move |p| (id, None, Some(p)))));
     let cases =
         cases.chain(others.into_iter().flat_map(|t| plain.clone().map(move |id| (id, t, None))));
     for (id, t, p) in cases {
@@ -393,8 +394,8 @@ fn coop_gemm_translates_to_spirv() {
         let src = id.source(true, crate::kernels::COOP_BUILD);
         TILE_FOR_TEST.with(|c| c.set(None));
         PIPE_FOR_TEST.with(|c| c.set(None));
-        if p.is_some() && id.has_gemm() {
-            assert!(src.contains("atomicCompareExchangeWeak") && !src.contains("let kn"), "{id:?}");
+        if let Some(p) = p.filter(|_| id.has_gemm()) {
+            assert_eq!(src.contains("let kn"), p.prefetch == Some(true), "{id:?}");
         }
         let module = naga::front::wgsl::parse_str(&src)
             .unwrap_or_else(|e| panic!("{id:?}: {}", e.emit_to_string(&src)));

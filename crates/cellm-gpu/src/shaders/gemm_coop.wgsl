@@ -4,9 +4,9 @@
 // dequantizes its BM x BK weights (w8, 8 columns a load; and the GLU's second matrix) and
 // loads its BN x BK x
 // (times the norm's gamma, its square summed for the token's rms), rounds both to f16 into
-// shared memory (the next step's loads are issued before this step's multiplies, into
-// registers), and each subgroup multiplies its WR x WC tiles of 16 x 16 into f32
-// accumulators. The epilogue stages each accumulator through shared memory (one tile of
+// shared memory (for the block formats the next step's loads are issued before this step's
+// multiplies, into registers; float weights load at the step's start), and each subgroup
+// multiplies its WR x WC tiles of 16 x 16 into f32 accumulators. The epilogue stages each accumulator through shared memory (one tile of
 // 16 x 16 a subgroup at a time) and applies linear.wgsl's epilogue and store.
 // `$BM`, `$BN`, `$BK`, `$WG`, `$SGC` (subgroups along the tokens), `$WR`, `$WC` and the `//@`
 // lines are filled in by kernels.rs.
@@ -35,8 +35,7 @@ var<workgroup> sqp: array<f32, BN>;     // each token's sum of x^2
 
 @compute @workgroup_size($WG)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(subgroup_id) sg: u32,
-        @builtin(subgroup_invocation_id) lane: u32,
-        @builtin(num_workgroups) nwg: vec3<u32>) {
+        @builtin(subgroup_invocation_id) lane: u32) {
     // The invocation's index, from its subgroup and lane (so that the C4 invocations that
     // load one x row are C4 neighbouring lanes of one subgroup: the sums of x^2 reduce by
     // shuffles).
@@ -77,15 +76,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(subgroup_id) sg: u32,
         xc4[j] = u % C4;
         ssq[j] = 0.0;
     }
-    // The columns this workgroup sums: all of them, or with split-K (grid z above 1: launches
-    // without the norm, GLU or soft-cap, whose sums only add up; kernels.rs) its own part of
-    // the steps, whose sum it adds to y atomically.
-    let steps = p.cols / BK;
-    let per = (steps + nwg.z - 1u) / nwg.z;
-    let kb = min(wg.z * per, steps) * BK;
-    let ke = min(wg.z * per + per, steps) * BK;
     // Each step's loads go to registers during the previous step's multiplies (`pf`), or
-    // straight to shared memory at the step's start (`nopf`: fewer registers).
+    // straight to shared memory at the step's start (`nopf`: fewer registers; kernels.rs's
+    // `CoopPipe`).
     var wv: array<array<vec4<f32>, 2>, WU>;
     //# glu
     var wbv: array<array<vec4<f32>, 2>, WU>;
@@ -93,16 +86,16 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(subgroup_id) sg: u32,
     var xv: array<vec4<f32>, XU>;
     //# pf
     for (var j = 0u; j < WU; j++) {
-        wv[j] = w8(wrow[j], kb / 8u + wc8[j]);
+        wv[j] = w8(wrow[j], wc8[j]);
         //# glu
-        wbv[j] = w8b(wrow[j], kb / 8u + wc8[j]);
+        wbv[j] = w8b(wrow[j], wc8[j]);
         //# end
     }
     for (var j = 0u; j < XU; j++) {
-        xv[j] = x[xrow[j] + kb / 4u + xc4[j]];
+        xv[j] = x[xrow[j] + xc4[j]];
     }
     //# end
-    for (var k0 = kb; k0 < ke; k0 += BK) {
+    for (var k0 = 0u; k0 < p.cols; k0 += BK) {
         //# nopf
         for (var j = 0u; j < WU; j++) {
             wv[j] = w8(wrow[j], k0 / 8u + wc8[j]);
@@ -138,7 +131,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(subgroup_id) sg: u32,
         workgroupBarrier();
         //# pf
         let kn = k0 + BK;
-        if (kn < ke) {
+        if (kn < p.cols) {
             for (var j = 0u; j < WU; j++) {
                 wv[j] = w8(wrow[j], kn / 8u + wc8[j]);
                 //# glu
@@ -190,11 +183,6 @@ fn gate(base: u32, lane: u32, rb: u32, tb: u32) -> array<f32, 8> {
 // Stores this lane's 8 values of the tile staged at `base` (rows rb.., tokens t0 + tb..),
 // times the gate's where the GLU has one.
 fn emit(base: u32, lane: u32, rb: u32, t0: u32, tb: u32, n: u32, g: array<f32, 8>) {
-    //# yatomic
-    var at: array<u32, 8>;
-    var val: array<f32, 8>;
-    var live: array<bool, 8>;
-    //# end
     for (var e = 0u; e < 8u; e++) {
         let i = lane + 32u * e;
         let tl = tb + i / 16u;
@@ -206,51 +194,6 @@ fn emit(base: u32, lane: u32, rb: u32, t0: u32, tb: u32, n: u32, g: array<f32, 8
         //# glu
         v = g[e] * v;
         //# end
-        //# yplain
         store(t0 + tl, r, v);
-        //# end
-        //# yatomic
-        at[e] = out_at(t0 + tl, r);
-        val[e] = out_value(v);
-        live[e] = true;
-        //# end
-    }
-    //# yatomic
-    add_all(at, val, live);
-    //# end
-}
-
-//# yatomic
-// Adds (RESIDUAL) or stores the lane's `live` values at `at` in y, the adds as compare-exchange
-// loops over all 8 at once (each round's 8 atomics in flight together, not one after another).
-fn add_all(at: array<u32, 8>, val: array<f32, 8>, live0: array<bool, 8>) {
-    var live = live0;
-    var old: array<u32, 8>;
-    let res = (p.flags & RESIDUAL) != 0u;
-    for (var e = 0u; e < 8u; e++) {
-        if (live[e]) {
-            if (res) {
-                old[e] = atomicLoad(&y[at[e]]);
-            } else {
-                atomicStore(&y[at[e]], bitcast<u32>(val[e]));
-                live[e] = false;
-            }
-        }
-    }
-    loop {
-        var any = false;
-        for (var e = 0u; e < 8u; e++) {
-            if (live[e]) {
-                let sum = bitcast<u32>(bitcast<f32>(old[e]) + val[e]);
-                let r = atomicCompareExchangeWeak(&y[at[e]], old[e], sum);
-                live[e] = !r.exchanged;
-                old[e] = r.old_value;
-                any = any || live[e];
-            }
-        }
-        if (!any) {
-            break;
-        }
     }
 }
-//# end

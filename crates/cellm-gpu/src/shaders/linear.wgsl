@@ -31,14 +31,7 @@ const ROPE: u32 = 64u;
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
-//# yplain
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
-//# end
-//# yatomic
-// (The cooperative GEMM's build with split-K: every output goes through an atomic, the
-// residual's as a compare-exchange loop, since its parts add into y in any order.)
-@group(0) @binding(2) var<storage, read_write> y: array<atomic<u32>>;
-//# end
 @group(0) @binding(3) var<storage, read> gamma: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> bias: array<f32>;
 
@@ -69,43 +62,16 @@ fn epilogue(v: f32, ss: f32, r: u32) -> f32 {
     return o;
 }
 
-// An output scaled, and soft-capped where asked.
-fn out_value(v0: f32) -> f32 {
+// Output row r of token t: scaled, soft-capped where asked, then stored or added (RESIDUAL).
+fn store(t: u32, r: u32, v0: f32) {
     var v = v0 * p.scale;
     if ((p.flags & SOFTCAP) != 0u) {
         v = p.softcap * tanh(clamp(v / p.softcap, -15.0, 15.0));
     }
-    return v;
-}
-
-// Where output row r of token t goes in y.
-fn out_at(t: u32, r: u32) -> u32 {
-    return t * p.y_stride + p.y_col + p.row0 + r;
-}
-
-// Output row r of token t: `out_value`, then stored or added (RESIDUAL).
-fn store(t: u32, r: u32, v0: f32) {
-    let v = out_value(v0);
-    let at = out_at(t, r);
-    //# yplain
+    let at = t * p.y_stride + p.y_col + p.row0 + r;
     if ((p.flags & RESIDUAL) != 0u) {
         y[at] += v;
     } else {
         y[at] = v;
     }
-    //# end
-    //# yatomic
-    if ((p.flags & RESIDUAL) != 0u) {
-        var old = atomicLoad(&y[at]);
-        loop {
-            let r = atomicCompareExchangeWeak(&y[at], old, bitcast<u32>(bitcast<f32>(old) + v));
-            if (r.exchanged) {
-                break;
-            }
-            old = r.old_value;
-        }
-    } else {
-        atomicStore(&y[at], bitcast<u32>(v));
-    }
-    //# end
 }
