@@ -1,6 +1,8 @@
 //! Shared blocks every family is built from: linear layers, RMSNorm and LayerNorm, RoPE, the gated MLP,
 //! grouped-query attention and the language-model head. Tensors come through [`Weights`].
 
+use std::sync::{Arc, Mutex};
+
 use cellm_format::{Error, Result, Tensor};
 use cellm_kernels::gating::Gate;
 use cellm_kernels::gelu::gelu_in_place;
@@ -155,11 +157,27 @@ impl Embedding {
 pub struct Rope {
     pub inv_freq: Vec<f32>,
     pub attention_factor: f32,
+    /// The angles of the positions last asked for, shared by the clones (every layer holds
+    /// one, and every layer of a step asks for the same positions): the f64 `cos` and `sin`
+    /// per layer were 1% of a decode step.
+    angles: Arc<Mutex<Angles>>,
+}
+
+/// `cos_sin[t * half + i]`: frequency `i`'s (cos, sin) at `positions[t]`, times the
+/// attention factor.
+#[derive(Default)]
+struct Angles {
+    positions: Vec<usize>,
+    cos_sin: Vec<(f32, f32)>,
 }
 
 impl From<&RopeConfig> for Rope {
     fn from(c: &RopeConfig) -> Self {
-        Self { inv_freq: c.inv_freq.clone(), attention_factor: c.attention_factor }
+        Self {
+            inv_freq: c.inv_freq.clone(),
+            attention_factor: c.attention_factor,
+            angles: Arc::default(),
+        }
     }
 }
 
@@ -170,24 +188,30 @@ impl Rope {
     }
 
     /// [`Self::apply`] to each of `xs` (queries and keys), each position's angles computed
-    /// once for all of them.
+    /// once for all of them (and for every layer while the positions stay the same).
     pub fn apply_all(&self, xs: &mut [&mut [f32]], positions: &[usize], head_dim: usize) {
         let half = self.inv_freq.len();
-        let mut cos_sin = vec![(0.0f32, 0.0f32); half];
-        for (t, &pos) in positions.iter().enumerate() {
-            for (cs, &f) in cos_sin.iter_mut().zip(&self.inv_freq) {
-                // The angle is rounded to f32 first, as the reference computes it.
-                let angle = f64::from(pos as f32 * f);
-                *cs = (
-                    (angle.cos() as f32) * self.attention_factor,
-                    (angle.sin() as f32) * self.attention_factor,
-                );
+        let mut angles = self.angles.lock().unwrap_or_else(|e| e.into_inner());
+        if angles.positions != positions {
+            angles.cos_sin.clear();
+            for &pos in positions {
+                angles.cos_sin.extend(self.inv_freq.iter().map(|&f| {
+                    // The angle is rounded to f32 first, as the reference computes it.
+                    let angle = f64::from(pos as f32 * f);
+                    (
+                        (angle.cos() as f32) * self.attention_factor,
+                        (angle.sin() as f32) * self.attention_factor,
+                    )
+                }));
             }
+            angles.positions = positions.to_vec();
+        }
+        for (t, cos_sin) in angles.cos_sin.chunks_exact(half.max(1)).enumerate() {
             for x in xs.iter_mut() {
                 let per_token = x.len() / positions.len();
                 for head in x[t * per_token..(t + 1) * per_token].chunks_exact_mut(head_dim) {
                     let (a, b) = head[..2 * half].split_at_mut(half);
-                    for ((x1, x2), &(c, s)) in a.iter_mut().zip(b.iter_mut()).zip(&cos_sin) {
+                    for ((x1, x2), &(c, s)) in a.iter_mut().zip(b.iter_mut()).zip(cos_sin) {
                         let (u, v) = (*x1, *x2);
                         *x1 = u * c - v * s;
                         *x2 = v * c + u * s;
