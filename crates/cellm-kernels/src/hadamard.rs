@@ -4,8 +4,8 @@
 //! a sixth of an int4 decode step's attention.
 //!
 //! Every path computes each butterfly as `(p + q, p - q)` exactly as the scalar one does
-//! (the AVX2 one as `fma(v, +-1, partner)`, whose product is exact), so all paths give the
-//! same bits.
+//! (AVX2 and NEON inside a vector as `fma(v, +-1, partner)`, whose product is exact), so all
+//! paths give the same bits.
 
 /// `x <- H x` with `H` the Sylvester-ordered Hadamard matrix of `x.len()` (a power of two).
 pub fn hadamard(x: &mut [f32]) {
@@ -15,6 +15,12 @@ pub fn hadamard(x: &mut [f32]) {
         // SAFETY: the AVX2 path is selected only on CPUs that have AVX2 and FMA; the length
         // is a multiple of 8.
         return unsafe { avx2::hadamard(x) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if x.len() >= 4 && crate::isa::selected().has_neon() {
+        // SAFETY: the NEON paths are selected only on CPUs that have NEON; the length is a
+        // multiple of 4.
+        return unsafe { neon::hadamard(x) };
     }
     hadamard_scalar(x);
 }
@@ -60,6 +66,38 @@ mod avx2 {
                     let (a, b) = (_mm256_loadu_ps(p.add(i)), _mm256_loadu_ps(p.add(i + h)));
                     _mm256_storeu_ps(p.add(i), _mm256_add_ps(a, b));
                     _mm256_storeu_ps(p.add(i + h), _mm256_sub_ps(a, b));
+                }
+            }
+            h *= 2;
+        }
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use std::arch::aarch64::*;
+
+    /// Strides 1 and 2 inside each 4-lane vector (the partner brought over by `rev64` and
+    /// `ext`), then the wider strides between vectors.
+    #[target_feature(enable = "neon")]
+    pub unsafe fn hadamard(x: &mut [f32]) {
+        let n = x.len();
+        let p = x.as_mut_ptr();
+        let s1 = vld1q_f32([1.0f32, -1.0, 1.0, -1.0].as_ptr());
+        let s2 = vld1q_f32([1.0f32, 1.0, -1.0, -1.0].as_ptr());
+        for i in (0..n).step_by(4) {
+            let mut v = vld1q_f32(p.add(i));
+            v = vfmaq_f32(vrev64q_f32(v), v, s1);
+            v = vfmaq_f32(vextq_f32::<2>(v, v), v, s2);
+            vst1q_f32(p.add(i), v);
+        }
+        let mut h = 4;
+        while h < n {
+            for base in (0..n).step_by(2 * h) {
+                for i in (base..base + h).step_by(4) {
+                    let (a, b) = (vld1q_f32(p.add(i)), vld1q_f32(p.add(i + h)));
+                    vst1q_f32(p.add(i), vaddq_f32(a, b));
+                    vst1q_f32(p.add(i + h), vsubq_f32(a, b));
                 }
             }
             h *= 2;
