@@ -216,7 +216,7 @@ impl RowTasks<'_> {
                 }
                 at += count;
                 let next = stream(b, i, true);
-                self.add_values(query, page, next, weights, &mut keys.widened, out);
+                self.add_values(query, page, next, weights, &mut keys, out);
             }
         }
         BLOCK_SCRATCH.with(|b| b.set(buf));
@@ -316,7 +316,7 @@ impl RowTasks<'_> {
         page: usize,
         next: Option<(usize, bool)>,
         weights: &[f32],
-        widened: &mut [f32],
+        keys: &mut KeyScratch,
         out: &mut [f32],
     ) {
         let hd = self.shape.head_dim;
@@ -324,8 +324,7 @@ impl RowTasks<'_> {
         let count = slots.len();
         let (_, vrows) = self.pool.page_rows(query.seq, query.layer, page);
         let head_bytes = self.pool.config().encoding.head_bytes(hd);
-        let group = self.shape.n_heads / self.shape.n_kv_heads;
-        let groups = HeadGroups { heads: query.heads.clone(), group };
+        let (groups, widened) = (&keys.groups, &mut keys.widened);
         for kv in groups.kv_heads() {
             let hs = groups.sharing(kv);
             self.ahead(query, next, kv);
@@ -339,7 +338,7 @@ impl RowTasks<'_> {
     }
 }
 
-/// What a task's key scores need beyond the page: the kv heads its query heads read, and,
+/// What a task's pages need beyond the page itself: the kv heads its query heads read, and,
 /// where the encoding keeps key headers, the queries turned for a page's kv head
 /// (`R (s * q)` per query head) and `q . ref`; plus one kv head's page widened to f32 for
 /// compressed encodings (it stays in L1).
