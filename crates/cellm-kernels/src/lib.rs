@@ -22,7 +22,7 @@ pub mod rows;
 
 pub use isa::Isa;
 pub use matmul::{
-    decode_row, decode_row_raw, for_logit_rows, matmul, matmul_many, matmul_many_raw, matmul_raw,
-    with_float_order, FloatOrder,
+    decode_row, decode_row_raw, for_logit_rows, matmul, matmul_combined, matmul_many,
+    matmul_many_raw, matmul_raw, with_float_order, FloatOrder,
 };
 pub use rows::WeightRows;

@@ -27,6 +27,12 @@ const ACT_BLOCK_BYTES: usize = 256 << 10;
 /// Below this many multiply-adds a call runs on the calling thread: fork-join costs more.
 const PARALLEL_MIN_WORK: usize = 1 << 15;
 
+/// Pieces per thread and product of a decode-sized step ([`Product::pieces`]).
+const PIECES_PER_THREAD: usize = 16;
+
+/// Multiply-adds a piece holds at least: about a microsecond at 8 tokens.
+const MIN_PIECE_WORK: usize = 1 << 18;
+
 /// How float-weight products choose their kernel, and so the order in which each output's
 /// products are summed. By count (the default), one token takes one row dot at a time (four
 /// accumulators), 2-3 tokens a register tile and more a GEMM, each summing in its own order,
@@ -93,6 +99,104 @@ pub fn matmul_raw(x: &[f32], tokens: usize, w: WeightRows, out: &mut [f32]) {
 
 /// [`matmul_many`] on raw stored rows.
 pub fn matmul_many_raw(x: &[f32], tokens: usize, ws: &[WeightRows], outs: &mut [&mut [f32]]) {
+    with_products(x, tokens, ws, outs, |products| {
+        let threads = pool::current_threads();
+        if runs_serially(ws, tokens, threads) {
+            products.iter().for_each(|p| p.run(0..p.units()));
+            return;
+        }
+        // Pieces of every product, in order: a thread's share runs through neighbouring
+        // rows of one product, then the next.
+        let pieces: Vec<(usize, std::ops::Range<usize>)> = products
+            .iter()
+            .enumerate()
+            .flat_map(|(i, p)| p.pieces(threads).map(move |r| (i, r)))
+            .collect();
+        pool::parallel_ranges(pieces.len(), |r| {
+            pieces[r].iter().for_each(|(i, units)| products[*i].run(units.clone()))
+        });
+    });
+}
+
+/// `combine(rows, a, b)` of [`matmul_combined`]: one token's outputs of `rows` of both
+/// products, to rewrite in place.
+pub type CombineRows<'a> = dyn Fn(std::ops::Range<usize>, &mut [f32], &mut [f32]) + Sync + 'a;
+
+/// Two products of the same input whose outputs are combined row by row (the MLP's
+/// `act(gate) * up`): each task runs its rows of both products and then calls
+/// `combine(rows, a, b)` once per token with that token's outputs of those rows (to
+/// rewrite in place), while they are still in its cache. The elementwise pass then runs on
+/// every thread instead of on the caller alone after the product. Weights of different
+/// formats or heights take [`matmul_many`] and one combine per token over all rows.
+pub fn matmul_combined(
+    x: &[f32],
+    tokens: usize,
+    [a, b]: [&Tensor; 2],
+    outs: [&mut [f32]; 2],
+    combine: &CombineRows<'_>,
+) {
+    matmul_combined_raw(x, tokens, [WeightRows::of(a), WeightRows::of(b)], outs, combine);
+}
+
+/// [`matmul_combined`] on raw stored rows.
+pub fn matmul_combined_raw(
+    x: &[f32],
+    tokens: usize,
+    ws: [WeightRows; 2],
+    [out_a, out_b]: [&mut [f32]; 2],
+    combine: &CombineRows<'_>,
+) {
+    let n = ws[0].rows;
+    let (ptr_a, ptr_b) = (SharedOut(out_a.as_mut_ptr()), SharedOut(out_b.as_mut_ptr()));
+    let combine_rows = |rows: std::ops::Range<usize>| {
+        for t in 0..tokens {
+            // SAFETY: the caller of `combine_rows` owns `rows` of both outputs (tokens x n,
+            // as `matmul_many_raw` checked), and no product writes them any more.
+            let (ya, yb) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(ptr_a.at(t * n + rows.start), rows.len()),
+                    std::slice::from_raw_parts_mut(ptr_b.at(t * n + rows.start), rows.len()),
+                )
+            };
+            combine(rows.clone(), ya, yb);
+        }
+    };
+    if ws[0].format != ws[1].format || ws[1].rows != n {
+        matmul_many_raw(x, tokens, &ws, &mut [out_a, out_b]);
+        return combine_rows(0..n);
+    }
+    with_products(x, tokens, &ws, &mut [out_a, out_b], |products| {
+        let [pa, pb] = products else { unreachable!("two products") };
+        let rows_per_unit = n / pa.units();
+        let run = |units: std::ops::Range<usize>| {
+            pa.run(units.clone());
+            pb.run(units.clone());
+            combine_rows(units.start * rows_per_unit..units.end * rows_per_unit);
+        };
+        let threads = pool::current_threads();
+        if runs_serially(&ws, tokens, threads) {
+            return run(0..pa.units());
+        }
+        let pieces: Vec<std::ops::Range<usize>> = pa.pieces(threads).collect();
+        pool::parallel_ranges(pieces.len(), |r| pieces[r].iter().for_each(|u| run(u.clone())));
+    });
+}
+
+/// Whether products of `ws` over `tokens` tokens are too small to pay for a fork-join.
+fn runs_serially(ws: &[WeightRows], tokens: usize, threads: usize) -> bool {
+    let work: usize = ws.iter().map(|w| w.rows * w.cols * tokens).sum();
+    work < PARALLEL_MIN_WORK || threads == 1
+}
+
+/// Checks the shapes, quantizes (or packs) `x` once for every weight that needs it, and
+/// hands `f` each weight's product, ready to run over any of its rows.
+fn with_products<R>(
+    x: &[f32],
+    tokens: usize,
+    ws: &[WeightRows],
+    outs: &mut [&mut [f32]],
+    f: impl FnOnce(&[Product]) -> R,
+) -> R {
     assert_eq!(ws.len(), outs.len(), "matmul: one output per weight");
     for (w, out) in ws.iter().zip(outs.iter()) {
         assert_eq!(w.format.nbytes(&[w.rows, w.cols]), Some(w.bytes.len()), "matmul: weight size");
@@ -125,22 +229,7 @@ pub fn matmul_many_raw(x: &[f32], tokens: usize, ws: &[WeightRows], outs: &mut [
             Product::new(w, x, packed.as_deref(), order, tokens, out.as_mut_ptr(), &acts_for)
         })
         .collect();
-
-    let work: usize = ws.iter().map(|w| w.rows * w.cols * tokens).sum();
-    let threads = pool::current_threads();
-    if work < PARALLEL_MIN_WORK || threads == 1 {
-        products.iter().for_each(|p| p.run(0..p.units()));
-        return;
-    }
-    // A few blocks per thread and product evens out uneven progress; blocks of whole cache
-    // lines of output (8 rows, or 2 groups of 8) keep tasks' writes apart.
-    let mut tasks = Vec::new();
-    for (i, p) in products.iter().enumerate() {
-        let units = p.units();
-        let per = units.div_ceil(threads * 4).next_multiple_of(p.units_per_line());
-        tasks.extend((0..units).step_by(per).map(|s| (i, s..(s + per).min(units))));
-    }
-    pool::parallel_for(tasks.len(), |t| products[tasks[t].0].run(tasks[t].1.clone()));
+    f(&products)
 }
 
 /// The activation scheme a weight's integer kernel needs, or None for float kernels.
@@ -226,8 +315,27 @@ impl<'a> Product<'a> {
             Kernel::Groups(..) => 2,
             // Whole panels: a task's last panel is not padded.
             Kernel::I8Gemm(..) => i8_gemm::PANEL_ROWS,
+            // Whole GEMM tiles.
+            Kernel::Float(_, _, Some(_), _) => FloatGemm::new(self.w, isa::selected()).tile_rows(),
             _ => 8,
         }
+    }
+
+    /// The pieces [`pool::parallel_ranges`] hands out: a thread's share is worked through
+    /// one at a time, so pieces only need to be short enough for the threads to finish
+    /// close together, and long enough that taking one (an atomic) costs nothing next to
+    /// it. Each is whole cache lines of output (8 rows, or 2 groups of 8).
+    fn pieces(&self, threads: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+        let units = self.units();
+        let work_per_unit = (self.w.rows / units.max(1)) * self.w.cols * self.tokens;
+        // A batch's piece is a GEMM pass over all its activations, long anyway: fewer
+        // pieces read them fewer times.
+        let per_thread = if self.tokens > 2 * x8::MAX_TOKENS { 4 } else { PIECES_PER_THREAD };
+        let per = units
+            .div_ceil(threads * per_thread)
+            .max(MIN_PIECE_WORK.div_ceil(work_per_unit.max(1)))
+            .next_multiple_of(self.units_per_line());
+        (0..units).step_by(per).map(move |s| s..(s + per).min(units))
     }
 
     /// `out[t, r]` for every token and the rows of `units`. Tokens run in blocks whose int8
@@ -501,6 +609,62 @@ mod tests {
         };
         for col in bytes.chunks_exact_mut(column) {
             (0..scales).for_each(|f| col[2 * f + 1] = 0x20);
+        }
+    }
+
+    /// Two products combined row by row as each task finishes them give what the two
+    /// products and one combine over every row give, bit for bit: interleaved and float
+    /// weights (fused) and two formats (the fallback), one token, a group kernel's 8 and
+    /// more, serial and pooled; every output is combined exactly once (`a = 2a + b` twice
+    /// would differ).
+    #[test]
+    fn combined_products_equal_products_then_combine() {
+        let _serial = crate::isa::test_lock();
+        let (rows, cols) = (48, 256);
+        let blocks = |format: TensorFormat| -> Vec<u8> {
+            let n = format.nbytes(&[rows, cols]).unwrap();
+            let mut b: Vec<u8> = (0..n).map(|i| ((i * 2654435761usize) >> 7) as u8).collect();
+            scales_finite(format, &mut b);
+            b
+        };
+        let vals: Vec<f32> = (0..rows * cols).map(|i| ((i * 7) % 13) as f32 * 0.01).collect();
+        let (f16, q8, q4x8) = (
+            crate::dot::encode(TensorFormat::F16, &vals),
+            blocks(TensorFormat::Q8_0),
+            blocks(TensorFormat::Q4_0X8),
+        );
+        let w = |format, bytes: &'static [u8]| WeightRows { format, bytes, rows, cols };
+        let (f16, q8, q4x8) = (f16.leak(), q8.leak(), q4x8.leak());
+        let pairs = [
+            [w(TensorFormat::Q4_0X8, q4x8), w(TensorFormat::Q4_0X8, q4x8)],
+            [w(TensorFormat::F16, f16), w(TensorFormat::F16, f16)],
+            [w(TensorFormat::Q8_0, q8), w(TensorFormat::Q4_0X8, q4x8)],
+        ];
+        let combine = |_: std::ops::Range<usize>, a: &mut [f32], b: &mut [f32]| {
+            a.iter_mut().zip(b.iter()).for_each(|(a, b)| *a = 2.0 * *a + b)
+        };
+        let pool = ThreadPool::new(2).unwrap();
+        for ws in pairs {
+            for tokens in [1, 8, 13] {
+                let x: Vec<f32> =
+                    (0..tokens * cols).map(|i| ((i * 31) % 17) as f32 * 0.1 - 0.8).collect();
+                let mut want = [vec![0.0; tokens * rows], vec![0.0; tokens * rows]];
+                let [wa, wb] = &mut want;
+                matmul_many_raw(&x, tokens, &ws, &mut [wa, wb]);
+                combine(0..rows, wa, wb);
+                for pooled in [false, true] {
+                    let mut got = [vec![0.0; tokens * rows], vec![0.0; tokens * rows]];
+                    let [ga, gb] = &mut got;
+                    let (x, combine) = (&x, &combine);
+                    let mut run = || matmul_combined_raw(x, tokens, ws, [ga, gb], combine);
+                    if pooled {
+                        pool.install(&mut run);
+                    } else {
+                        run();
+                    }
+                    assert_eq!(got[0], want[0], "{:?} {tokens} {pooled}", ws[0].format);
+                }
+            }
         }
     }
 

@@ -60,8 +60,14 @@ pub(crate) fn attend(
         }
     }
     // Task -> (unit, chunk within the unit).
-    let tasks: Vec<(usize, usize)> =
+    let mut tasks: Vec<(usize, usize)> =
         units.iter().enumerate().flat_map(|(u, &(_, n))| (0..n).map(move |c| (u, c))).collect();
+    let chunk_pages = |&(unit, chunk): &(usize, usize)| {
+        let (lo, hi, per, _) = split(row_of[unit / passes].2);
+        (lo + (chunk + 1) * per).min(hi) - (lo + chunk * per).min(hi)
+    };
+    // Longest chunks first, so the short ones even out the threads' finish.
+    tasks.sort_by_key(|t| std::cmp::Reverse(chunk_pages(t)));
     let width = n_heads * hd;
     let pass_width = per_pass.min(n_heads) * hd;
     // The chunks' records and sums live in this thread's scratch, reused from call to call:

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use cellm_format::{Error, Result, Tensor};
 use cellm_kernels::gating::Gate;
 use cellm_kernels::gelu::gelu_in_place;
-use cellm_kernels::{decode_row, matmul, matmul_many, ops, WeightRows};
+use cellm_kernels::{decode_row, matmul, matmul_combined, matmul_many, ops, WeightRows};
 use cellm_kv::{AttentionShape, PagePool};
 
 use crate::weights::{Storage, Weights};
@@ -36,6 +36,10 @@ impl Linear {
         self.weight.shape[0]
     }
 
+    pub fn bias_f32(&self) -> Option<&[f32]> {
+        self.bias.as_ref().map(|b| b.as_f32().expect("checked at load"))
+    }
+
     pub fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
         let [y] = Self::forward_many([self], x, tokens);
         y
@@ -52,8 +56,8 @@ impl Linear {
         let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
         matmul_many(x, tokens, &linears.map(|l| &l.weight), &mut outs);
         for (l, y) in linears.iter().zip(&mut ys) {
-            if let Some(b) = &l.bias {
-                ops::add_bias(y, b.as_f32().expect("checked at load"));
+            if let Some(b) = l.bias_f32() {
+                ops::add_bias(y, b);
             }
         }
         ys
@@ -285,8 +289,20 @@ impl GatedMlp {
     }
 
     pub fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
-        let [mut g, up] = Linear::forward_many([&self.gate, &self.up], x, tokens);
-        self.act.gate(&mut g, &up);
+        let inter = self.gate.out_features();
+        let (mut g, mut up) = (vec![0.0; tokens * inter], vec![0.0; tokens * inter]);
+        let (gate_bias, up_bias) = (self.gate.bias_f32(), self.up.bias_f32());
+        // Each task gates its own rows of every token as soon as it has them.
+        let gate_rows = |rows: std::ops::Range<usize>, g: &mut [f32], up: &mut [f32]| {
+            for (y, bias) in [(&mut *g, gate_bias), (&mut *up, up_bias)] {
+                if let Some(b) = bias {
+                    y.iter_mut().zip(&b[rows.clone()]).for_each(|(y, b)| *y += b);
+                }
+            }
+            self.act.gate(g, up);
+        };
+        let weights = [&self.gate.weight, &self.up.weight];
+        matmul_combined(x, tokens, weights, [&mut g, &mut up], &gate_rows);
         self.down.forward(&g, tokens)
     }
 }
