@@ -22,7 +22,8 @@ pub mod rows;
 
 pub use isa::Isa;
 pub use matmul::{
-    decode_row, decode_row_raw, for_logit_rows, matmul, matmul_combined, matmul_many,
-    matmul_many_raw, matmul_raw, with_float_order, FloatOrder,
+    decode_row, decode_row_raw, for_logit_rows, matmul, matmul_combined, matmul_combined_raw,
+    matmul_many, matmul_many_new, matmul_many_raw, matmul_new, matmul_raw, with_float_order,
+    FloatOrder,
 };
 pub use rows::WeightRows;

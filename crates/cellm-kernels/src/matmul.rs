@@ -99,6 +99,46 @@ pub fn matmul_raw(x: &[f32], tokens: usize, w: WeightRows, out: &mut [f32]) {
 
 /// [`matmul_many`] on raw stored rows.
 pub fn matmul_many_raw(x: &[f32], tokens: usize, ws: &[WeightRows], outs: &mut [&mut [f32]]) {
+    let outs: Vec<Out> = outs.iter_mut().map(|o| (o.as_mut_ptr(), o.len())).collect();
+    run_products(x, tokens, ws, &outs);
+}
+
+/// [`matmul_many`] into new vectors, which are not zeroed first: the products write every
+/// output (each kernel every token of the rows it is given, and the pieces cover every
+/// row), so the caller would only wait on a memset (a step's logits are megabytes).
+pub fn matmul_many_new(x: &[f32], tokens: usize, ws: &[&Tensor]) -> Vec<Vec<f32>> {
+    let rows: Vec<WeightRows> = ws.iter().map(|w| WeightRows::of(w)).collect();
+    let mut ys: Vec<Vec<f32>> = rows.iter().map(|w| Vec::with_capacity(tokens * w.rows)).collect();
+    into_spare(x, tokens, &rows, &mut ys);
+    ys
+}
+
+/// [`matmul`] into a new vector ([`matmul_many_new`]).
+pub fn matmul_new(x: &[f32], tokens: usize, w: &Tensor) -> Vec<f32> {
+    matmul_many_new(x, tokens, &[w]).pop().expect("one output")
+}
+
+/// The products of `ws` written into the spare capacity of the empty vectors `ys`, which
+/// then hold them.
+fn into_spare(x: &[f32], tokens: usize, ws: &[WeightRows], ys: &mut [Vec<f32>]) {
+    for (y, w) in ys.iter().zip(ws) {
+        assert!(y.is_empty() && y.capacity() >= tokens * w.rows, "matmul: output room");
+    }
+    let outs: Vec<Out> =
+        ys.iter_mut().zip(ws).map(|(y, w)| (y.as_mut_ptr(), tokens * w.rows)).collect();
+    run_products(x, tokens, ws, &outs);
+    for (y, w) in ys.iter_mut().zip(ws) {
+        // SAFETY: `run_products` returned, so every one of the `tokens * rows` outputs in
+        // the capacity (checked above) has been written (see `matmul_many_new`).
+        unsafe { y.set_len(tokens * w.rows) };
+    }
+}
+
+/// An output: where a product writes its `tokens x rows` values, and how many floats that is.
+type Out = (*mut f32, usize);
+
+/// Runs the products of `ws` into `outs`, on the pool where large enough.
+fn run_products(x: &[f32], tokens: usize, ws: &[WeightRows], outs: &[Out]) {
     with_products(x, tokens, ws, outs, |products| {
         let threads = pool::current_threads();
         if runs_serially(ws, tokens, threads) {
@@ -132,13 +172,20 @@ pub fn matmul_combined(
     x: &[f32],
     tokens: usize,
     [a, b]: [&Tensor; 2],
-    outs: [&mut [f32]; 2],
     combine: &CombineRows<'_>,
-) {
-    matmul_combined_raw(x, tokens, [WeightRows::of(a), WeightRows::of(b)], outs, combine);
+) -> [Vec<f32>; 2] {
+    let ws = [WeightRows::of(a), WeightRows::of(b)];
+    let mut ys = ws.map(|w| Vec::with_capacity(tokens * w.rows));
+    let outs = [0, 1].map(|i| (ys[i].as_mut_ptr(), tokens * ws[i].rows));
+    combined_into(x, tokens, ws, outs, combine);
+    for (y, w) in ys.iter_mut().zip(ws) {
+        // SAFETY: as in `into_spare`: every output in the capacity has been written.
+        unsafe { y.set_len(tokens * w.rows) };
+    }
+    ys
 }
 
-/// [`matmul_combined`] on raw stored rows.
+/// [`matmul_combined`] on raw stored rows, into `outs`.
 pub fn matmul_combined_raw(
     x: &[f32],
     tokens: usize,
@@ -146,12 +193,23 @@ pub fn matmul_combined_raw(
     [out_a, out_b]: [&mut [f32]; 2],
     combine: &CombineRows<'_>,
 ) {
+    let outs = [(out_a.as_mut_ptr(), out_a.len()), (out_b.as_mut_ptr(), out_b.len())];
+    combined_into(x, tokens, ws, outs, combine);
+}
+
+fn combined_into(
+    x: &[f32],
+    tokens: usize,
+    ws: [WeightRows; 2],
+    outs: [Out; 2],
+    combine: &CombineRows<'_>,
+) {
     let n = ws[0].rows;
-    let (ptr_a, ptr_b) = (SharedOut(out_a.as_mut_ptr()), SharedOut(out_b.as_mut_ptr()));
+    let (ptr_a, ptr_b) = (SharedOut(outs[0].0), SharedOut(outs[1].0));
     let combine_rows = |rows: std::ops::Range<usize>| {
         for t in 0..tokens {
             // SAFETY: the caller of `combine_rows` owns `rows` of both outputs (tokens x n,
-            // as `matmul_many_raw` checked), and no product writes them any more.
+            // as `with_products` checks), and no product writes them any more.
             let (ya, yb) = unsafe {
                 (
                     std::slice::from_raw_parts_mut(ptr_a.at(t * n + rows.start), rows.len()),
@@ -162,10 +220,10 @@ pub fn matmul_combined_raw(
         }
     };
     if ws[0].format != ws[1].format || ws[1].rows != n {
-        matmul_many_raw(x, tokens, &ws, &mut [out_a, out_b]);
+        run_products(x, tokens, &ws, &outs);
         return combine_rows(0..n);
     }
-    with_products(x, tokens, &ws, &mut [out_a, out_b], |products| {
+    with_products(x, tokens, &ws, &outs, |products| {
         let [pa, pb] = products else { unreachable!("two products") };
         let rows_per_unit = n / pa.units();
         let run = |units: std::ops::Range<usize>| {
@@ -194,14 +252,14 @@ fn with_products<R>(
     x: &[f32],
     tokens: usize,
     ws: &[WeightRows],
-    outs: &mut [&mut [f32]],
+    outs: &[Out],
     f: impl FnOnce(&[Product]) -> R,
 ) -> R {
     assert_eq!(ws.len(), outs.len(), "matmul: one output per weight");
     for (w, out) in ws.iter().zip(outs.iter()) {
         assert_eq!(w.format.nbytes(&[w.rows, w.cols]), Some(w.bytes.len()), "matmul: weight size");
         assert_eq!(x.len(), tokens * w.cols, "matmul: activations do not match the weight");
-        assert_eq!(out.len(), tokens * w.rows, "matmul: output does not match the weight");
+        assert_eq!(out.1, tokens * w.rows, "matmul: output does not match the weight");
     }
     // The activations in each int8 scheme some weight needs, quantized once.
     let mut quantized: Vec<(ActScheme, Q8Acts)> = Vec::new();
@@ -224,10 +282,8 @@ fn with_products<R>(
     let packed = batch_gemm.then(|| pack_tokens(x, tokens, ws[0].cols));
     let products: Vec<Product> = ws
         .iter()
-        .zip(outs.iter_mut())
-        .map(|(&w, out)| {
-            Product::new(w, x, packed.as_deref(), order, tokens, out.as_mut_ptr(), &acts_for)
-        })
+        .zip(outs)
+        .map(|(&w, out)| Product::new(w, x, packed.as_deref(), order, tokens, out.0, &acts_for))
         .collect();
     f(&products)
 }
@@ -609,6 +665,51 @@ mod tests {
         };
         for col in bytes.chunks_exact_mut(column) {
             (0..scales).for_each(|f| col[2 * f + 1] = 0x20);
+        }
+    }
+
+    /// Outputs made in a new vector's spare capacity are every one written: capacity
+    /// filled with NaN first, then the product must equal the one into a zeroed slice, bit
+    /// for bit, for float (row dots and GEMM), row-integer, interleaved and K-block weights
+    /// (the blocked int8 GEMM from 16 tokens), serial and pooled.
+    #[test]
+    fn new_outputs_are_fully_written() {
+        let _serial = crate::isa::test_lock();
+        let (rows, cols) = (64, 256);
+        let vals: Vec<f32> = (0..rows * cols).map(|i| ((i * 7) % 13) as f32 * 0.01).collect();
+        let blocks = |format: TensorFormat| -> Vec<u8> {
+            let n = format.nbytes(&[rows, cols]).unwrap();
+            let mut b: Vec<u8> = (0..n).map(|i| ((i * 2654435761usize) >> 7) as u8).collect();
+            scales_finite(format, &mut b);
+            b
+        };
+        let stored = [
+            (TensorFormat::F16, crate::dot::encode(TensorFormat::F16, &vals)),
+            (TensorFormat::Q8_0, blocks(TensorFormat::Q8_0)),
+            (TensorFormat::Q4_0X8, blocks(TensorFormat::Q4_0X8)),
+            (TensorFormat::Q4K, blocks(TensorFormat::Q4K)),
+        ];
+        let pool = ThreadPool::new(2).unwrap();
+        for (format, bytes) in &stored {
+            let w = WeightRows { format: *format, bytes, rows, cols };
+            for tokens in [1, 3, 8, 40] {
+                let x: Vec<f32> =
+                    (0..tokens * cols).map(|i| ((i * 31) % 17) as f32 * 0.1 - 0.8).collect();
+                let mut want = vec![0.0; tokens * rows];
+                matmul_raw(&x, tokens, w, &mut want);
+                for pooled in [false, true] {
+                    let mut y: Vec<f32> = Vec::with_capacity(tokens * rows);
+                    // SAFETY: the capacity holds tokens * rows floats; all-ones bits are NaN.
+                    unsafe { std::ptr::write_bytes(y.as_mut_ptr(), 0xFF, tokens * rows) };
+                    let mut ys = [y];
+                    match pooled {
+                        true => pool.install(|| into_spare(&x, tokens, &[w], &mut ys)),
+                        false => into_spare(&x, tokens, &[w], &mut ys),
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&ys[0]), bits(&want), "{format:?} {tokens} {pooled}");
+                }
+            }
         }
     }
 

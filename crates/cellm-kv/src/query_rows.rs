@@ -81,10 +81,10 @@ pub(crate) fn attend(
     let (parts, accs) = (SharedOut(partial.as_mut_ptr()), SharedOut(acc.as_mut_ptr()));
     // Each row's queries times the scale, once for all its chunks instead of in every
     // score.
-    let scaled: Vec<f32> = row_of
-        .iter()
-        .flat_map(|&(r, _, _)| call.q[r * width..(r + 1) * width].iter().map(|x| x * shape.scale))
-        .collect();
+    let mut scaled = Vec::with_capacity(rows * width);
+    for &(r, _, _) in &row_of {
+        scaled.extend(call.q[r * width..(r + 1) * width].iter().map(|x| x * shape.scale));
+    }
     let reader = pool.config().encoding.reader();
     let kern = match reader {
         PageReader::Float(k) => k,

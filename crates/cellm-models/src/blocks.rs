@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use cellm_format::{Error, Result, Tensor};
 use cellm_kernels::gating::Gate;
 use cellm_kernels::gelu::gelu_in_place;
-use cellm_kernels::{decode_row, matmul, matmul_combined, matmul_many, ops, WeightRows};
+use cellm_kernels::{decode_row, matmul_combined, matmul_many_new, matmul_new, ops, WeightRows};
 use cellm_kv::{AttentionShape, PagePool};
 
 use crate::weights::{Storage, Weights};
@@ -52,9 +52,8 @@ impl Linear {
         x: &[f32],
         tokens: usize,
     ) -> [Vec<f32>; N] {
-        let mut ys = linears.map(|l| vec![0.0; tokens * l.out_features()]);
-        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
-        matmul_many(x, tokens, &linears.map(|l| &l.weight), &mut outs);
+        let ys = matmul_many_new(x, tokens, &linears.map(|l| &l.weight));
+        let mut ys: [Vec<f32>; N] = ys.try_into().expect("one output per linear");
         for (l, y) in linears.iter().zip(&mut ys) {
             if let Some(b) = l.bias_f32() {
                 ops::add_bias(y, b);
@@ -119,9 +118,7 @@ impl RmsNorm {
     }
 
     pub fn applied(&self, x: &[f32]) -> Vec<f32> {
-        let mut y = x.to_vec();
-        self.apply(&mut y);
-        y
+        ops::rms_normed(x, self.weight.as_f32().expect("checked at load"), self.eps)
     }
 }
 
@@ -289,8 +286,6 @@ impl GatedMlp {
     }
 
     pub fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
-        let inter = self.gate.out_features();
-        let (mut g, mut up) = (vec![0.0; tokens * inter], vec![0.0; tokens * inter]);
         let (gate_bias, up_bias) = (self.gate.bias_f32(), self.up.bias_f32());
         // Each task gates its own rows of every token as soon as it has them.
         let gate_rows = |rows: std::ops::Range<usize>, g: &mut [f32], up: &mut [f32]| {
@@ -302,7 +297,7 @@ impl GatedMlp {
             self.act.gate(g, up);
         };
         let weights = [&self.gate.weight, &self.up.weight];
-        matmul_combined(x, tokens, weights, [&mut g, &mut up], &gate_rows);
+        let [g, _] = matmul_combined(x, tokens, weights, &gate_rows);
         self.down.forward(&g, tokens)
     }
 }
@@ -450,8 +445,7 @@ impl LmHead {
     /// Logits (`rows x vocab`) of the hidden rows `x`, which it normalises in place.
     pub fn forward(&self, x: &mut [f32], rows: usize) -> Vec<f32> {
         self.norm.apply(x);
-        let mut logits = vec![0.0; rows * self.weight.shape[0]];
-        matmul(x, rows, &self.weight, &mut logits);
+        let mut logits = matmul_new(x, rows, &self.weight);
         ops::scale(&mut logits, self.scale);
         if let Some(cap) = self.softcap {
             logits.iter_mut().for_each(|l| *l = cap * (*l / cap).tanh());
