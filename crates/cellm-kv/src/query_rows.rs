@@ -7,6 +7,8 @@ use cellm_kernels::cache::prefetch_all;
 use cellm_kernels::dot::{CachedRows, HeadKernels};
 use cellm_kernels::gating::{exp_shifted_sum, max_of};
 use cellm_kernels::ops::dot8;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use cellm_kernels::pool::{current_threads, parallel_for, SharedOut};
 
 use crate::call::{AttentionCall, AttentionShape};
@@ -60,14 +62,15 @@ pub(crate) fn attend(
         }
     }
     // Task -> (unit, chunk within the unit).
-    let mut tasks: Vec<(usize, usize)> =
-        units.iter().enumerate().flat_map(|(u, &(_, n))| (0..n).map(move |c| (u, c))).collect();
-    let chunk_pages = |&(unit, chunk): &(usize, usize)| {
-        let (lo, hi, per, _) = split(row_of[unit / passes].2);
-        (lo + (chunk + 1) * per).min(hi) - (lo + chunk * per).min(hi)
-    };
     // Longest chunks first, so the short ones even out the threads' finish.
-    tasks.sort_by_key(|t| std::cmp::Reverse(chunk_pages(t)));
+    let mut sized: Vec<(usize, (usize, usize))> = Vec::with_capacity(total);
+    for (u, &(_, n)) in units.iter().enumerate() {
+        let (lo, hi, per, _) = split(row_of[u / passes].2);
+        let pages = |c: usize| (lo + (c + 1) * per).min(hi) - (lo + c * per).min(hi);
+        sized.extend((0..n).map(|c| (pages(c), (u, c))));
+    }
+    sized.sort_by_key(|&(pages, _)| std::cmp::Reverse(pages));
+    let tasks: Vec<(usize, usize)> = sized.into_iter().map(|(_, t)| t).collect();
     let width = n_heads * hd;
     let pass_width = per_pass.min(n_heads) * hd;
     // The chunks' records and sums live in this thread's scratch, reused from call to call:
@@ -91,15 +94,22 @@ pub(crate) fn attend(
         PageReader::Widened { f32, .. } => f32,
     };
     let tasks_of = RowTasks { pool, shape, reader, kern };
+    // A unit's chunks count themselves done; the last one merges the unit (in chunk order,
+    // whichever thread that is), so the merges run on every thread, not after the loop on
+    // the caller's.
+    let done: Vec<AtomicUsize> = (0..units.len()).map(|_| AtomicUsize::new(0)).collect();
+    assert!(row_of.iter().all(|&(r, _, _)| (r + 1) * width <= out.len()), "attention: out rows");
+    let outs = SharedOut(out.as_mut_ptr());
     parallel_for(tasks.len(), |task| {
         let (unit, chunk) = tasks[task];
         let (row, heads) = (unit / passes, pass_heads(unit % passes));
-        let (_, si, pos) = row_of[row];
+        let (r, si, pos) = row_of[row];
         let first = shape.first_visible(pos);
         let (lo, hi, per, _) = split(pos);
         let pages_of_chunk = (lo + chunk * per).min(hi)..(lo + (chunk + 1) * per).min(hi);
         let o_len = heads.len() * hd;
-        let slot = units[unit].0 + chunk;
+        let (at, count) = units[unit];
+        let slot = at + chunk;
         // SAFETY: chunk `slot` belongs to this task alone: it writes that partial record
         // and accumulator slice only.
         let (part, o) = unsafe {
@@ -109,22 +119,33 @@ pub(crate) fn attend(
             )
         };
         let q = &scaled[row * width + heads.start * hd..row * width + heads.end * hd];
-        let query = Query { seq: call.spans[si].kv, layer: call.layer, q, heads, first, pos };
+        let query = Query {
+            seq: call.spans[si].kv,
+            layer: call.layer,
+            q,
+            heads: heads.clone(),
+            first,
+            pos,
+        };
         tasks_of.attend_pages(&query, pages_of_chunk, part, o);
-    });
-    for (row, &(r, _, _)) in row_of.iter().enumerate() {
-        for pass in 0..passes {
-            let heads = pass_heads(pass);
-            let (at, count) = units[row * passes + pass];
-            merge(
-                &partial[at..at + count],
-                &acc[at * pass_width..(at + count) * pass_width],
-                pass_width,
-                hd,
-                &mut out[r * width + heads.start * hd..r * width + heads.end * hd],
-            );
+        if done[unit].fetch_add(1, Ordering::AcqRel) + 1 < count {
+            return;
         }
-    }
+        // SAFETY: every chunk of the unit has finished (the count's acquire orders their
+        // writes before these reads) and no task writes them again; the unit's heads of row
+        // `r` in `out` are its alone.
+        let (unit_parts, unit_accs, unit_out) = unsafe {
+            (
+                std::slice::from_raw_parts(parts.at(at).cast_const(), count),
+                std::slice::from_raw_parts(
+                    accs.at(at * pass_width).cast_const(),
+                    count * pass_width,
+                ),
+                std::slice::from_raw_parts_mut(outs.at(r * width + heads.start * hd), o_len),
+            )
+        };
+        merge(unit_parts, unit_accs, pass_width, hd, unit_out);
+    });
     SCRATCH.with(|s| s.set((partial, acc)));
 }
 
