@@ -240,10 +240,23 @@ impl KernelId {
         let own_d8 = |l: Layout| sections(FORMATS, &|name| name == fmt(l)).contains(OWN_D8);
         let all_d8 = weights.is_some_and(own_d8) && second.is_none_or(own_d8);
         let plain = !all_d8 || std::env::var_os("CELLM_GPU_MATVEC_PLAIN").is_some();
+        // 16 columns a step (`d16`) where every format of the launch has one, with the same
+        // distance between its halves.
+        let half = |l: Layout| d16_half(fmt(l));
+        let h16 = weights.and_then(half).filter(|&h| second.is_none_or(|b| half(b) == Some(h)));
+        let h16 = h16.filter(|_| tokens == 1 && !plain && one.d16 && !gemm);
+        if self.per_token_count() && !gemm {
+            src.push_str(&format!(
+                "const D16: bool = {};\nconst H16: u32 = {}u;\n",
+                h16.is_some(),
+                h16.unwrap_or(8)
+            ));
+        }
         src.push_str(&sections(&body, &|name| match name {
             "glu" => glu,
             "noglu" => !glu,
             "dot" => tokens == 1 && !plain,
+            "d16" => h16.is_some(),
             "nodot" => tokens != 1 || plain,
             "rope" => rope,
             "plain" => !rope,
@@ -348,6 +361,11 @@ pub struct OneShape {
     pub rows: u32,
     pub threads: u32,
     pub scalar: bool,
+    /// Whether formats with a `d16` (q4_k, q4_1, q6_k: formats.wgsl) take 16 columns a thread
+    /// and step from one pair of words (both nibbles of each byte) instead of 8 (`d8`), in
+    /// every one-token build (the rope and wide ones too). `CELLM_GPU_MATVEC_D16=0` / `=1`
+    /// turns it off / on (for measuring).
+    pub d16: bool,
 }
 
 /// Threads of the q|k|v rope matvec's one-token build (4 rows a workgroup):
@@ -360,24 +378,37 @@ pub fn rope_threads() -> u32 {
 impl OneShape {
     /// The shape before: 4 rows, 64 threads, every slot reduced as a vec4 (also the rope,
     /// wide and batched builds' rows and reduction).
-    pub const LEGACY: OneShape = OneShape { rows: 4, threads: MATVEC_WG, scalar: false };
+    pub const LEGACY: OneShape =
+        OneShape { rows: 4, threads: MATVEC_WG, scalar: false, d16: D16_DEFAULT };
     /// The default (see above).
-    pub const DEFAULT: OneShape = OneShape { rows: 2, threads: 128, scalar: true };
+    pub const DEFAULT: OneShape =
+        OneShape { rows: 2, threads: 128, scalar: true, d16: D16_DEFAULT };
 
     pub fn get() -> Self {
-        let Some(v) = std::env::var("CELLM_GPU_MATVEC_ONE").ok() else { return Self::DEFAULT };
+        let d16 = match std::env::var("CELLM_GPU_MATVEC_D16").ok() {
+            Some(v) => v != "0",
+            None => D16_DEFAULT,
+        };
+        let Some(v) = std::env::var("CELLM_GPU_MATVEC_ONE").ok() else {
+            return OneShape { d16, ..Self::DEFAULT };
+        };
         let n: Vec<u32> =
             v.split(|c: char| !c.is_ascii_digit()).filter_map(|x| x.parse().ok()).collect();
         let shape = match n[..] {
-            [rows, threads] => OneShape { rows, threads, scalar: false },
-            [rows, threads, s] => OneShape { rows, threads, scalar: s != 0 },
-            _ => return Self::DEFAULT,
+            [rows, threads] => OneShape { rows, threads, scalar: false, d16 },
+            [rows, threads, s] => OneShape { rows, threads, scalar: s != 0, d16 },
+            _ => return OneShape { d16, ..Self::DEFAULT },
         };
         if shape.valid() {
             shape
         } else {
-            Self::DEFAULT
+            OneShape { d16, ..Self::DEFAULT }
         }
+    }
+
+    /// The rows, threads and reduction of `self` are the default's (whatever `d16`).
+    fn default_shape(self) -> bool {
+        OneShape { d16: D16_DEFAULT, ..self } == Self::DEFAULT
     }
 
     pub fn valid(self) -> bool {
@@ -397,10 +428,10 @@ impl OneShape {
     pub fn for_device(self, subgroups: bool) -> Self {
         if subgroups {
             self
-        } else if self != Self::DEFAULT && (2 * self.rows + 1) * self.threads * 16 <= 16 << 10 {
+        } else if !self.default_shape() && (2 * self.rows + 1) * self.threads * 16 <= 16 << 10 {
             OneShape { scalar: false, ..self }
         } else {
-            Self::LEGACY
+            OneShape { d16: self.d16, ..Self::LEGACY }
         }
     }
 }
@@ -434,6 +465,20 @@ impl Wide {
             }
             _ => default,
         }
+    }
+}
+
+/// Whether the one-token builds take `d16` where the formats have it (`OneShape::d16`).
+pub const D16_DEFAULT: bool = false;
+
+/// Columns between the two halves of a format's `d16` (the 8 columns in the low nibbles of
+/// a pair of words and the 8 in their high nibbles; formats.wgsl), where it has one.
+fn d16_half(format: &str) -> Option<u32> {
+    match format {
+        "q4_k" => Some(32),
+        "q4_1" => Some(16),
+        "q6_k" => Some(8),
+        _ => None,
     }
 }
 
@@ -805,12 +850,15 @@ fn build(
             cache: None,
         })
     };
-    let pipeline_wg = |tokens: u32, wg: u32| pipeline_shape(tokens, wg, OneShape::LEGACY);
+    let pipeline_wg = |tokens: u32, wg: u32| {
+        pipeline_shape(tokens, wg, OneShape { d16: one.d16, ..OneShape::LEGACY })
+    };
     let pipeline = |tokens: u32| pipeline_wg(tokens, MATVEC_WG);
     // The rope builds keep 4 rows (rotated pairs of a head), with `rope_threads()`.
     let rope = matches!(id, KernelId::MatvecRope(_) | KernelId::MatvecRope2(..));
     let one = match rope {
-        true => OneShape { threads: rope_threads(), ..OneShape::LEGACY }.for_device(subgroups),
+        true => OneShape { threads: rope_threads(), d16: one.d16, ..OneShape::LEGACY }
+            .for_device(subgroups),
         false => one.for_device(subgroups),
     };
     let single = id.per_token_count().then(|| pipeline_shape(1, one.threads, one));

@@ -9,7 +9,7 @@ use cellm_kernels::{decode_row_raw, WeightRows};
 use half::f16;
 
 use crate::device::{Gpu, GpuKind};
-use crate::kernels::{KernelId, Kernels, OneShape};
+use crate::kernels::{KernelId, Kernels, OneShape, D16_DEFAULT};
 use crate::model::{matvec_params, MatvecArgs};
 use crate::repack::Layout;
 use crate::weights::{as_bytes, Uploader};
@@ -221,11 +221,14 @@ fn gpu_matvec(
 }
 
 /// One-token shapes besides the default that the tests run (`OneShape`).
-const ONE_SHAPES: [OneShape; 4] = [
+/// (Each with and without `d16` somewhere.)
+const ONE_SHAPES: [OneShape; 6] = [
     OneShape::LEGACY,
-    OneShape { rows: 1, threads: 32, scalar: true },
-    OneShape { rows: 1, threads: 256, scalar: false },
-    OneShape { rows: 4, threads: 64, scalar: true },
+    OneShape { rows: 1, threads: 32, scalar: true, d16: true },
+    OneShape { rows: 1, threads: 256, scalar: false, d16: false },
+    OneShape { rows: 4, threads: 64, scalar: true, d16: true },
+    OneShape { d16: !D16_DEFAULT, ..OneShape::DEFAULT },
+    OneShape { d16: !D16_DEFAULT, ..OneShape::LEGACY },
 ];
 
 /// Every format the GPU runs, plain and interleaved, split into parts and whole, for 1 to 5

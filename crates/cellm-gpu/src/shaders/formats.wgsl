@@ -125,6 +125,21 @@ fn d8$(r: u32, i: u32, x0: vec4<f32>, x1: vec4<f32>, xs: f32) -> f32 {
     let dm = unpack2x16float(ws$[b]);
     return dm.x * (dot(q0, x0) + dot(q1, x1)) + dm.y * xs;
 }
+// Unit u of a row (matvec.wgsl's D16 loop; H16 = 16): words 2(u % 2), +1 of block u / 2,
+// whose low nibbles are columns 8(u % 2).. of the block and high nibbles 16 columns on.
+fn d16$(r: u32, u: u32, xa0: vec4<f32>, xa1: vec4<f32>, xb0: vec4<f32>, xb1: vec4<f32>,
+        sum_a: f32, sum_b: f32) -> f32 {
+    let b = r * (p.cols / 32u) + u / 2u;
+    let at = b * 4u + (u % 2u) * 2u;
+    let w0 = wq$[at];
+    let w1 = wq$[at + 1u];
+    let lo = dot(vec4<f32>(unpack4xU8(w0 & 0x0f0f0f0fu)), xa0)
+        + dot(vec4<f32>(unpack4xU8(w1 & 0x0f0f0f0fu)), xa1);
+    let hi = dot(vec4<f32>(unpack4xU8((w0 >> 4u) & 0x0f0f0f0fu)), xb0)
+        + dot(vec4<f32>(unpack4xU8((w1 >> 4u) & 0x0f0f0f0fu)), xb1);
+    let dm = unpack2x16float(ws$[b]);
+    return dm.x * (lo + hi) + dm.y * (sum_a + sum_b);
+}
 //# end
 
 //# q5_0
@@ -199,6 +214,28 @@ fn d8$(r: u32, i: u32, x0: vec4<f32>, x1: vec4<f32>, xs: f32) -> f32 {
     let m = f32((ws$[sb * 5u + 3u + sub / 4u] >> (8u * (sub % 4u))) & 255u);
     return (dm.x * sc) * (dot(q0, x0) + dot(q1, x1)) - (dm.y * m) * xs;
 }
+// Unit u of a row (matvec.wgsl's D16 loop; H16 = 32): words 2(u % 16), +1 of super-block
+// u / 16, whose low nibbles are 8 columns of sub-block 2g (g = (u % 16) / 4) and high
+// nibbles the same 8 of sub-block 2g + 1 (scales and mins: bytes 2g, 2g + 1 of one word).
+fn d16$(r: u32, u: u32, xa0: vec4<f32>, xa1: vec4<f32>, xb0: vec4<f32>, xb1: vec4<f32>,
+        sum_a: f32, sum_b: f32) -> f32 {
+    let sb = r * (p.cols / 256u) + u / 16u;
+    let at = sb * 32u + (u % 16u) * 2u;
+    let w0 = wq$[at];
+    let w1 = wq$[at + 1u];
+    let lo = dot(vec4<f32>(unpack4xU8(w0 & 0x0f0f0f0fu)), xa0)
+        + dot(vec4<f32>(unpack4xU8(w1 & 0x0f0f0f0fu)), xa1);
+    let hi = dot(vec4<f32>(unpack4xU8((w0 >> 4u) & 0x0f0f0f0fu)), xb0)
+        + dot(vec4<f32>(unpack4xU8((w1 >> 4u) & 0x0f0f0f0fu)), xb1);
+    let dm = unpack2x16float(ws$[sb * 5u]);
+    let sub = ((u % 16u) / 4u) * 2u;
+    let sh = 8u * (sub % 4u);
+    let scw = ws$[sb * 5u + 1u + sub / 4u] >> sh;
+    let mw = ws$[sb * 5u + 3u + sub / 4u] >> sh;
+    let sc = vec2<f32>(f32(scw & 255u), f32((scw >> 8u) & 255u));
+    let m = vec2<f32>(f32(mw & 255u), f32((mw >> 8u) & 255u));
+    return dm.x * (sc.x * lo + sc.y * hi) - dm.y * (m.x * sum_a + m.y * sum_b);
+}
 //# end
 
 //# q6_k
@@ -256,5 +293,27 @@ fn d8$(r: u32, i: u32, x0: vec4<f32>, x1: vec4<f32>, xs: f32) -> f32 {
     let xe = vec4<f32>(x0.x, x0.z, x1.x, x1.z);
     let xo = vec4<f32>(x0.y, x0.w, x1.y, x1.w);
     return d * (dot(qe, xe) + dot(qo, xo) - 32.0 * xs);
+}
+// The dot product of 8 columns with x (x0, x1) from their low 4 bits `lo` (element order)
+// and high 2 bits `hi` (bits 2k: element k), without the block's scale and offset.
+fn q6_dot8$(lo: u32, hi: u32, x0: vec4<f32>, x1: vec4<f32>) -> f32 {
+    let qe = vec4<f32>(unpack4xU8((lo & 0x0f0f0f0fu) | q6_spread$(hi & 0x3333u)));
+    let qo = vec4<f32>(unpack4xU8(((lo >> 4u) & 0x0f0f0f0fu) | q6_spread$((hi >> 2u) & 0x3333u)));
+    return dot(qe, vec4<f32>(x0.x, x0.z, x1.x, x1.z)) + dot(qo, vec4<f32>(x0.y, x0.w, x1.y, x1.w));
+}
+// Unit u of a row (matvec.wgsl's D16 loop; H16 = 8): the 16 columns of scale u % 16 of
+// super-block u / 16, from two words of low bits and one of high bits.
+fn d16$(r: u32, u: u32, xa0: vec4<f32>, xa1: vec4<f32>, xb0: vec4<f32>, xb1: vec4<f32>,
+        sum_a: f32, sum_b: f32) -> f32 {
+    let sb = r * (p.cols / 256u) + u / 16u;
+    let at = sb * 48u + (u % 16u) * 2u;
+    let lo0 = wq$[at];
+    let lo1 = wq$[at + 1u];
+    let hi = wq$[sb * 48u + 32u + u % 16u];
+    let s = u % 16u;
+    let sc = f32((i32(ws$[sb * 5u + 1u + s / 4u]) << (24u - 8u * (s % 4u))) >> 24u);
+    let d = bitcast<f32>(ws$[sb * 5u]) * sc;
+    let q = q6_dot8$(lo0, hi, xa0, xa1) + q6_dot8$(lo1, hi >> 16u, xb0, xb1);
+    return d * (q - 32.0 * (sum_a + sum_b));
 }
 //# end

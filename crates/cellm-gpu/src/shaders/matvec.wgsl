@@ -17,7 +17,8 @@
 // `OneShape` in kernels.rs (by default 2 rows and 128 threads a workgroup, reduced as scalars;
 // the rope builds 4 rows and 64 threads) and as a wider workgroup of 4 rows (more threads
 // along a row, for launches of long rows and few of them: `Wide` in kernels.rs). Formats
-// without a `d8` of their own take the plain loop. The grid counts groups of 4 rows; a
+// without a `d8` of their own take the plain loop. Formats with a `d16` take 16 columns a
+// step where `OneShape::d16` (D16 below). The grid counts groups of 4 rows; a
 // one-token build of RPW = 1 or 2 rows a workgroup takes the group's 4 / RPW slices along
 // the grid's z (which counts token groups otherwise, and is 1 for one token).
 const WG: u32 = $WGu;
@@ -90,10 +91,57 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     //# two
     let in_b = p.row0 + r0 >= p.q_dim + p.kv_dim;
     //# end
+    //# d16
+    // Formats with a `d16` (D16): 16 columns a thread per row and step, the 8 at column c and
+    // the 8 at c + H16, which such a format keeps in the low and high nibbles of the same
+    // pair of words (one `d16`): unit u of a row starts at c below, so that neighbouring
+    // threads read neighbouring pairs of words.
+    for (var u = li; u < p.cols / 16u; u += WG) {
+        let c = (u / (H16 / 8u)) * (2u * H16) + (u % (H16 / 8u)) * 8u;
+        let a = c / 4u;
+        let b = (c + H16) / 4u;
+        var ga0 = vec4<f32>(1.0);
+        var ga1 = vec4<f32>(1.0);
+        var gb0 = vec4<f32>(1.0);
+        var gb1 = vec4<f32>(1.0);
+        if (norm) {
+            ga0 = gamma[a];
+            ga1 = gamma[a + 1u];
+            gb0 = gamma[b];
+            gb1 = gamma[b + 1u];
+        }
+        let xa0 = x[xr[0] + a];
+        let xa1 = x[xr[0] + a + 1u];
+        let xb0 = x[xr[0] + b];
+        let xb1 = x[xr[0] + b + 1u];
+        s[Q - 1u].x += dot(xa0, xa0) + dot(xa1, xa1) + dot(xb0, xb0) + dot(xb1, xb1);
+        let ya0 = xa0 * ga0;
+        let ya1 = xa1 * ga1;
+        let yb0 = xb0 * gb0;
+        let yb1 = xb1 * gb1;
+        let sa = dot(ya0 + ya1, vec4<f32>(1.0));
+        let sb = dot(yb0 + yb1, vec4<f32>(1.0));
+        for (var j = 0u; j < RPW; j++) {
+            //# one
+            s[j].x += d16(rr[j], u, ya0, ya1, yb0, yb1, sa, sb);
+            //# end
+            //# two
+            if (in_b) {
+                s[j].x += d16b(rr[j] - p.q_dim - p.kv_dim, u, ya0, ya1, yb0, yb1, sa, sb);
+            } else {
+                s[j].x += d16(rr[j], u, ya0, ya1, yb0, yb1, sa, sb);
+            }
+            //# end
+            //# glu
+            s[RPW + j].x += d16b(rr[j], u, ya0, ya1, yb0, yb1, sa, sb);
+            //# end
+        }
+    }
+    //# end
     // Rows of a multiple of 8 columns: 8 columns (one `w8`) a thread per row and step, UN
     // steps (i, i + WG, ...) a pass, so that each thread has UN * RPW weight loads in flight
     // (past the end: the last step's columns again, times zero).
-    let n8 = select(0u, p.cols / 8u, p.cols % 8u == 0u);
+    let n8 = select(0u, p.cols / 8u, p.cols % 8u == 0u && !D16);
     for (var i0 = li; i0 < n8; i0 += UN * WG) {
         for (var u = 0u; u < UN; u++) {
             let ok = i0 + u * WG < n8;
@@ -162,7 +210,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     }
     // Otherwise two columns of vec4 a thread per pass (i and i + WG), so that each thread
     // has 2 * RPW weight loads in flight.
-    let n4 = select(p.cols / 4u, 0u, n8 > 0u);
+    let n4 = select(p.cols / 4u, 0u, n8 > 0u || D16);
     for (var i0 = li; i0 < n4; i0 += 2u * WG) {
         for (var u = 0u; u < 2u; u++) {
             // Past the end: the last vec4 again, times zero (no branch around the loads).
