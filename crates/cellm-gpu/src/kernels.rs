@@ -43,6 +43,9 @@ pub enum KernelId {
     Embed(Layout),
     RopeKv,
     Attention,
+    /// `Attention` whose last split of each (token, head) merges the splits itself (no
+    /// `AttnCombine` launch).
+    AttentionFused,
     AttnCombine,
     /// Prefill attention for heads of this dim.
     AttnPrefill(u32),
@@ -66,8 +69,13 @@ impl KernelId {
             Layout::Q4K,
             Layout::Q6K,
         ];
-        let mut all =
-            vec![KernelId::RopeKv, KernelId::Attention, KernelId::AttnCombine, KernelId::NormAdd];
+        let mut all = vec![
+            KernelId::RopeKv,
+            KernelId::Attention,
+            KernelId::AttentionFused,
+            KernelId::AttnCombine,
+            KernelId::NormAdd,
+        ];
         all.extend([16, 64, 80, 96, 128, 256].map(KernelId::AttnPrefill));
         for l in layouts {
             all.extend([
@@ -120,6 +128,9 @@ impl KernelId {
                 vec![(0, Uniform), (1, Write), (2, Read), (3, Read), (4, Read), (5, Write)]
             }
             KernelId::Attention => vec![(0, Uniform), (1, Read), (2, Write), (3, Write), (5, Read)],
+            KernelId::AttentionFused => {
+                vec![(0, Uniform), (1, Read), (2, Write), (3, Write), (4, Write), (5, Read)]
+            }
             KernelId::AttnCombine => vec![(0, Uniform), (1, Read), (2, Write)],
             KernelId::AttnPrefill(_) | KernelId::AttnPrefillCoop(_) => {
                 vec![(0, Uniform), (1, Read), (2, Write), (5, Read)]
@@ -200,7 +211,7 @@ impl KernelId {
             KernelId::Glu(l) => (if gemm { gemm_body } else { MATVEC }, Some(l), true),
             KernelId::Embed(l) => (EMBED, Some(l), false),
             KernelId::RopeKv => (ROPE_KV, None, false),
-            KernelId::Attention => (ATTENTION, None, false),
+            KernelId::Attention | KernelId::AttentionFused => (ATTENTION, None, false),
             KernelId::AttnCombine => (ATTN_COMBINE, None, false),
             KernelId::AttnPrefill(_) | KernelId::AttnPrefillCoop(_) => (&prefill, None, false),
             KernelId::NormAdd => (NORM_ADD, None, false),
@@ -221,6 +232,7 @@ impl KernelId {
             self,
             KernelId::RopeKv
                 | KernelId::Attention
+                | KernelId::AttentionFused
                 | KernelId::AttnPrefill(_)
                 | KernelId::AttnPrefillCoop(_)
         );
@@ -257,6 +269,7 @@ impl KernelId {
             "noglu" => !glu,
             "dot" => tokens == 1 && !plain,
             "d16" => h16.is_some(),
+            "fuse" => self == KernelId::AttentionFused,
             "nodot" => tokens != 1 || plain,
             "rope" => rope,
             "plain" => !rope,

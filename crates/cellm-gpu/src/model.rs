@@ -35,6 +35,8 @@ const HEAD: u32 = 16;
 const GELU: u32 = 32;
 const ROPE: u32 = 64;
 const MAX_GROUPS: usize = 65535;
+/// Whether the decode attention merges its splits itself (`KernelId::AttentionFused`).
+pub const ATTN_FUSE_DEFAULT: bool = false;
 
 pub struct GpuModel {
     cfg: ModelConfig,
@@ -539,6 +541,12 @@ fn plan(
     let res = cfg.residual_multiplier;
     // CELLM_GPU_NO_FUSE=1: RoPE and the KV store in their own launch (for comparison).
     let fuse_rope = std::env::var_os("CELLM_GPU_NO_FUSE").is_none();
+    // The attention's last split merges the splits (`AttentionFused`) instead of a combine
+    // launch: CELLM_GPU_ATTN_FUSE=1 / =0 (for measuring).
+    let fuse_combine = match std::env::var("CELLM_GPU_ATTN_FUSE").ok() {
+        Some(v) => v != "0",
+        None => ATTN_FUSE_DEFAULT,
+    };
     let kernel = kernels.get(&gpu.device, KernelId::Embed(embed.layout));
     for part in &embed.parts {
         let mut params = [0u32; 16];
@@ -661,22 +669,31 @@ fn plan(
             cfg.attn_logit_softcap.unwrap_or(0.0).to_bits(),
         ]);
         ops.extend(prefill_attention_op(gpu, kernels, cfg.head_dim, cfg.num_heads, p));
+        let mut binds = vec![(1, Buf::Qkv), (2, Buf::Part), (3, Buf::Ctx), (5, Buf::Pool)];
+        if fuse_combine {
+            binds.push((4, Buf::Done));
+        }
         ops.push(Op {
-            kernel: kernels.get(&gpu.device, KernelId::Attention),
+            kernel: kernels.get(
+                &gpu.device,
+                if fuse_combine { KernelId::AttentionFused } else { KernelId::Attention },
+            ),
             params: p,
-            binds: vec![(1, Buf::Qkv), (2, Buf::Part), (3, Buf::Ctx), (5, Buf::Pool)],
+            binds,
             grid: Grid::Splits(cfg.num_heads as u32),
             when: When::Decode,
         });
-        let mut p = [0u32; 16];
-        p[..2].copy_from_slice(&[cfg.num_heads as u32, cfg.head_dim as u32]);
-        ops.push(Op {
-            kernel: kernels.get(&gpu.device, KernelId::AttnCombine),
-            params: p,
-            binds: vec![(1, Buf::Part), (2, Buf::Ctx)],
-            grid: Grid::PerToken(cfg.num_heads as u32),
-            when: When::Splits,
-        });
+        if !fuse_combine {
+            let mut p = [0u32; 16];
+            p[..2].copy_from_slice(&[cfg.num_heads as u32, cfg.head_dim as u32]);
+            ops.push(Op {
+                kernel: kernels.get(&gpu.device, KernelId::AttnCombine),
+                params: p,
+                binds: vec![(1, Buf::Part), (2, Buf::Ctx)],
+                grid: Grid::PerToken(cfg.num_heads as u32),
+                when: When::Splits,
+            });
+        }
         // x += o(ctx); Gemma writes o(ctx) aside and adds it through its post-attention norm.
         let o_args = MatvecArgs { cols: d.q_dim, x_stride: d.q_dim, ..base };
         let (out, args) = match gemma {

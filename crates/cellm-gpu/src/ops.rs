@@ -18,6 +18,8 @@ pub enum Buf {
     Pool,
     /// The attention splits' partial sums.
     Part,
+    /// The attention's count of finished splits per (token, head) (`AttentionFused`).
+    Done,
     Dummy,
     W(wgpu::Buffer),
 }

@@ -112,6 +112,7 @@ struct Buffers {
     rope: wgpu::Buffer,
     pool: wgpu::Buffer,
     part: wgpu::Buffer,
+    done: wgpu::Buffer,
 }
 
 pub struct StepBuffers {
@@ -254,6 +255,8 @@ impl StepBuffers {
             rope: storage(gpu, "rope", (d.ropes.max(1) * t * d.max_half.max(1) * 8) as u64, none),
             pool,
             part: storage(gpu, "attention splits", part_slots as u64 * row_bytes, none),
+            // Zeroed at creation; the last split of each (token, head) zeroes its count.
+            done: storage(gpu, "attention counts", f(t * d.heads), none),
         };
         self.part_slots = part_slots;
         self.groups = ops.iter().enumerate().map(|(i, op)| self.group(gpu, &bufs, i, op)).collect();
@@ -289,6 +292,7 @@ impl StepBuffers {
                 Buf::Rope => &b.rope,
                 Buf::Pool => &b.pool,
                 Buf::Part => &b.part,
+                Buf::Done => &b.done,
                 Buf::Dummy => &self.dummy,
                 Buf::W(w) => w,
             };

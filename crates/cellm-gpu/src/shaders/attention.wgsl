@@ -5,7 +5,8 @@
 // positions (its page looked up once, the row's base kept in `base`), then the WG threads
 // split into WG / (head_dim / 2) slices, thread (slice, pair) summing two dims of the values
 // over every slices-th position. The split's unnormalised sums, max and denominator go to
-// `part`; `attn_combine.wgsl` merges the splits. With one split (short contexts) the
+// `part`; `attn_combine.wgsl` merges the splits (or, in the `AttentionFused` build, the
+// last split of each (token, head) to finish). With one split (short contexts) the
 // workgroup writes the normalised output to `ctx` itself, and the combine is not launched.
 struct Params {
     kv: Kv,
@@ -24,6 +25,11 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> part: array<f32>;
 @group(0) @binding(3) var<storage, read_write> ctx: array<f32>;
 @group(0) @binding(5) var<storage, read> pool: array<u32>;
+//# fuse
+// Per (token, head): how many of its splits have written their sums (`AttentionFused`).
+@group(0) @binding(4) var<storage, read_write> done: array<atomic<u32>>;
+var<workgroup> last: u32;
+//# end
 
 const WG: u32 = 128u;
 const CH: u32 = 128u;
@@ -198,4 +204,54 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         part[out + hd] = m;
         part[out + hd + 1u] = l;
     }
+    //# fuse
+    // The last split of its (token, head) to finish merges them all (what attn_combine.wgsl
+    // does in its own launch): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. The
+    // device-scope barriers make every split's sums visible before its count is taken, and
+    // the others' sums visible to the last one after.
+    storageBarrier();
+    let slot = t * p.n_heads + h;
+    let ns = n_splits();
+    if (li == 0u) {
+        last = select(0u, 1u, atomicAdd(&done[slot], 1u) + 1u == ns);
+    }
+    if (workgroupUniformLoad(&last) == 0u) {
+        return;
+    }
+    storageBarrier();
+    if (li == 0u) {
+        atomicStore(&done[slot], 0u);
+    }
+    let row = hd + 2u;
+    let at0 = slot * ns * row;
+    var mx = -3.4e38;
+    for (var s = li; s < ns; s += WG) {
+        mx = max(mx, part[at0 + s * row + hd]);
+    }
+    mx = reduce(mx, li, true, lane, sg, nsg);
+    var den = 0.0;
+    for (var s = li; s < ns; s += WG) {
+        let at = at0 + s * row;
+        den += exp(part[at + hd] - mx) * part[at + hd + 1u];
+    }
+    den = reduce(den, li, false, lane, sg, nsg);
+    // Thread (slice, pair) sums dims 2 pair, 2 pair + 1 over every slices-th split.
+    var v = vec2<f32>(0.0);
+    if (slice < slices) {
+        for (var s = slice; s < ns; s += slices) {
+            let at = at0 + s * row;
+            v += exp(part[at + hd] - mx) * vec2<f32>(part[at + 2u * dv], part[at + 2u * dv + 1u]);
+        }
+    }
+    sums[li] = v;
+    workgroupBarrier();
+    if (slice == 0u) {
+        for (var k = 1u; k < slices; k++) {
+            v += sums[k * half + dv];
+        }
+        let at = slot * hd + 2u * dv;
+        ctx[at] = v.x / den;
+        ctx[at + 1u] = v.y / den;
+    }
+    //# end
 }
