@@ -17,7 +17,10 @@ formats' d8), CELLM_GPU_F16_VEC4 (f16 weights 16 bytes a load), CELLM_GPU_MATVEC
 (rows,threads[,scalar] of the plain and GLU one-token matvec: 1, 2 or 4 rows a workgroup,
 32-256 threads, 1 for the scalar reduction of the slots in use; any separator: 2.128.1 is
 the default, 4.64.0 the shape before),
-CELLM_GPU_MATVEC_ROPE_WG (threads of the q|k|v rope matvec's one-token build).
+CELLM_GPU_MATVEC_ROPE_WG (threads of the q|k|v rope matvec's one-token build),
+CELLM_GPU_MATVEC_D16 (0 or 1: q4_k, q4_1 and q6_k take 16 columns a step, both nibbles of a
+word, in the one-token matvec), CELLM_GPU_ATTN_FUSE (0 or 1: the decode attention's last
+split merges the splits, no combine launch).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ KNOBS = [
     "CELLM_GPU_F16_VEC4",
     "CELLM_GPU_MATVEC_ONE",
     "CELLM_GPU_MATVEC_ROPE_WG",
+    "CELLM_GPU_MATVEC_D16",
+    "CELLM_GPU_ATTN_FUSE",
 ]
 IDS = [int(i) for i in np.random.default_rng(1).integers(100, 20000, 2048 + 64)]
 

@@ -127,10 +127,19 @@ impl KernelId {
             KernelId::RopeKv => {
                 vec![(0, Uniform), (1, Write), (2, Read), (3, Read), (4, Read), (5, Write)]
             }
-            KernelId::Attention => vec![(0, Uniform), (1, Read), (2, Write), (3, Write), (5, Read)],
-            KernelId::AttentionFused => {
-                vec![(0, Uniform), (1, Read), (2, Write), (3, Write), (4, Write), (5, Read)]
+            // (6: the pool again, 16 bytes an element.)
+            KernelId::Attention => {
+                vec![(0, Uniform), (1, Read), (2, Write), (3, Write), (5, Read), (6, Read)]
             }
+            KernelId::AttentionFused => vec![
+                (0, Uniform),
+                (1, Read),
+                (2, Write),
+                (3, Write),
+                (4, Write),
+                (5, Read),
+                (6, Read),
+            ],
             KernelId::AttnCombine => vec![(0, Uniform), (1, Read), (2, Write)],
             KernelId::AttnPrefill(_) | KernelId::AttnPrefillCoop(_) => {
                 vec![(0, Uniform), (1, Read), (2, Write), (5, Read)]
@@ -270,6 +279,8 @@ impl KernelId {
             "dot" => tokens == 1 && !plain,
             "d16" => h16.is_some(),
             "fuse" => self == KernelId::AttentionFused,
+            "tpn" => attn_tp(),
+            "tp1" => !attn_tp(),
             "nodot" => tokens != 1 || plain,
             "rope" => rope,
             "plain" => !rope,
@@ -374,7 +385,7 @@ pub struct OneShape {
     pub rows: u32,
     pub threads: u32,
     pub scalar: bool,
-    /// Whether formats with a `d16` (q4_k, q4_1, q6_k: formats.wgsl) take 16 columns a thread
+    /// Whether formats with a `d16` (q4_k, q6_k: formats.wgsl) take 16 columns a thread
     /// and step from one pair of words (both nibbles of each byte) instead of 8 (`d8`), in
     /// every one-token build (the rope and wide ones too). `CELLM_GPU_MATVEC_D16=0` / `=1`
     /// turns it off / on (for measuring).
@@ -481,15 +492,27 @@ impl Wide {
     }
 }
 
+/// Whether the decode attention scores a position with several threads where its splits
+/// are short, reading f16 keys 16 bytes a load (`tpn` in attention.wgsl), or one thread a
+/// position, 4 bytes a load (`CELLM_GPU_ATTN_TP=0` / `=1`, for measuring).
+pub fn attn_tp() -> bool {
+    match std::env::var("CELLM_GPU_ATTN_TP").ok() {
+        Some(v) => v != "0",
+        None => ATTN_TP_DEFAULT,
+    }
+}
+
+/// `attn_tp()` without the knob.
+pub const ATTN_TP_DEFAULT: bool = true;
+
 /// Whether the one-token builds take `d16` where the formats have it (`OneShape::d16`).
-pub const D16_DEFAULT: bool = false;
+pub const D16_DEFAULT: bool = true;
 
 /// Columns between the two halves of a format's `d16` (the 8 columns in the low nibbles of
 /// a pair of words and the 8 in their high nibbles; formats.wgsl), where it has one.
 fn d16_half(format: &str) -> Option<u32> {
     match format {
         "q4_k" => Some(32),
-        "q4_1" => Some(16),
         "q6_k" => Some(8),
         _ => None,
     }

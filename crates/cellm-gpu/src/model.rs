@@ -36,7 +36,7 @@ const GELU: u32 = 32;
 const ROPE: u32 = 64;
 const MAX_GROUPS: usize = 65535;
 /// Whether the decode attention merges its splits itself (`KernelId::AttentionFused`).
-pub const ATTN_FUSE_DEFAULT: bool = false;
+pub const ATTN_FUSE_DEFAULT: bool = true;
 
 pub struct GpuModel {
     cfg: ModelConfig,
@@ -669,7 +669,8 @@ fn plan(
             cfg.attn_logit_softcap.unwrap_or(0.0).to_bits(),
         ]);
         ops.extend(prefill_attention_op(gpu, kernels, cfg.head_dim, cfg.num_heads, p));
-        let mut binds = vec![(1, Buf::Qkv), (2, Buf::Part), (3, Buf::Ctx), (5, Buf::Pool)];
+        let mut binds =
+            vec![(1, Buf::Qkv), (2, Buf::Part), (3, Buf::Ctx), (5, Buf::Pool), (6, Buf::Pool)];
         if fuse_combine {
             binds.push((4, Buf::Done));
         }

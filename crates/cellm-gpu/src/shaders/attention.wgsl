@@ -39,6 +39,14 @@ var<workgroup> sc: array<f32, CH>;
 var<workgroup> base: array<u32, CH>;
 var<workgroup> red: array<f32, WG>;
 var<workgroup> sums: array<vec2<f32>, WG>;
+//# tpn
+// The pool again, 8 f16 values a load (binding 6 is the same buffer as binding 5).
+@group(0) @binding(6) var<storage, read> pool4: array<vec4<u32>>;
+var<workgroup> dots: array<f32, WG>;
+//# end
+//# fuse
+var<workgroup> sums4: array<vec4<f32>, WG>;
+//# end
 
 // Values i, i + 1 of the pool (i even).
 fn kv2(i: u32) -> vec2<f32> {
@@ -127,10 +135,70 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let slice = li / half;
     let plane = p.kv.page_size * p.kv.kv_dim;
     var acc = vec2<f32>(0.0);
+    //# tpn
+    // Threads a position in the scoring: 4 for splits of up to 32 positions, 2 up to 64,
+    // else 1 (where they divide the key's pairs), so that short splits keep every thread busy.
+    var tp = select(select(1u, 2u, split_len() <= 64u), 4u, split_len() <= 32u);
+    if (half % tp != 0u) {
+        tp = 1u;
+    }
+    let per = WG / tp;
+    let k = li % tp;
+    let dn = half / tp;
+    let v4 = p.kv.f16 != 0u && p.kv.kv_dim % 8u == 0u && dn % 4u == 0u;
+    //# end
     workgroupBarrier();
     for (var start = lo; start < hi; start += CH) {
         let n = min(CH, hi - start);
         var local_max = -3.4e38;
+        //# tpn
+        // tp threads a position (`tp` above), each scoring dims [k dn, (k + 1) dn) pairs of
+        // the key, 8 f16 values a load where rows allow (`v4`); partial sums added up in
+        // `dots` by the position's first thread.
+        for (var j0 = 0u; j0 < n; j0 += per) {
+            let j = j0 + li / tp;
+            var s = 0.0;
+            if (j < n) {
+                let q = start + j;
+                let page = page_of(t, p.layer, q / p.kv.page_size);
+                let at = kv_index(p.kv, page, 0u, q % p.kv.page_size, kvh * hd);
+                if (k == 0u) {
+                    base[j] = at;
+                }
+                let d0 = k * dn;
+                if (v4) {
+                    let w4 = (at >> 3u) + d0 / 4u;
+                    for (var d = 0u; d < dn; d += 4u) {
+                        let kk = pool4[w4 + d / 4u];
+                        s += dot(vec4<f32>(qs[d0 + d], qs[d0 + d + 1u]),
+                                 vec4<f32>(unpack2x16float(kk.x), unpack2x16float(kk.y)))
+                            + dot(vec4<f32>(qs[d0 + d + 2u], qs[d0 + d + 3u]),
+                                  vec4<f32>(unpack2x16float(kk.z), unpack2x16float(kk.w)));
+                    }
+                } else {
+                    for (var d = d0; d < d0 + dn; d++) {
+                        s += dot(qs[d], kv2(at + 2u * d));
+                    }
+                }
+            }
+            dots[li] = s;
+            workgroupBarrier();
+            if (k == 0u && j < n) {
+                var tot = 0.0;
+                for (var kk = 0u; kk < tp; kk++) {
+                    tot += dots[li + kk];
+                }
+                tot *= p.scale;
+                if (p.softcap != 0.0) {
+                    tot = p.softcap * tanh(clamp(tot / p.softcap, -15.0, 15.0));
+                }
+                sc[j] = tot;
+                local_max = max(local_max, tot);
+            }
+            workgroupBarrier();
+        }
+        //# end
+        //# tp1
         for (var j = li; j < n; j += WG) {
             let q = start + j;
             let page = page_of(t, p.layer, q / p.kv.page_size);
@@ -160,6 +228,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             sc[j] = s;
             local_max = max(local_max, s);
         }
+        //# end
         let m_new = max(m, reduce(local_max, li, true, lane, sg, nsg));
         var local_sum = 0.0;
         for (var j = li; j < n; j += WG) {
@@ -224,6 +293,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     }
     let row = hd + 2u;
     let at0 = slot * ns * row;
+    // The splits' weights e^(m_s - M) kept in `sc` where they fit.
     var mx = -3.4e38;
     for (var s = li; s < ns; s += WG) {
         mx = max(mx, part[at0 + s * row + hd]);
@@ -232,26 +302,60 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     var den = 0.0;
     for (var s = li; s < ns; s += WG) {
         let at = at0 + s * row;
-        den += exp(part[at + hd] - mx) * part[at + hd + 1u];
+        let e = exp(part[at + hd] - mx);
+        if (s < CH) {
+            sc[s] = e;
+        }
+        den += e * part[at + hd + 1u];
     }
     den = reduce(den, li, false, lane, sg, nsg);
-    // Thread (slice, pair) sums dims 2 pair, 2 pair + 1 over every slices-th split.
-    var v = vec2<f32>(0.0);
-    if (slice < slices) {
-        for (var s = slice; s < ns; s += slices) {
-            let at = at0 + s * row;
-            v += exp(part[at + hd] - mx) * vec2<f32>(part[at + 2u * dv], part[at + 2u * dv + 1u]);
+    // Thread (slice, quad) sums dims 4 quad.. 4 quad + 3 over every slices-th split, two
+    // splits a pass.
+    let quads = hd / 4u;
+    let qslices = WG / quads;
+    let qd = li % quads;
+    let qs_ = li / quads;
+    let shared_w = ns <= CH;
+    var v = vec4<f32>(0.0);
+    if (qs_ < qslices) {
+        var s = qs_;
+        for (; s + qslices < ns; s += 2u * qslices) {
+            let a = at0 + s * row + 4u * qd;
+            let b = a + qslices * row;
+            var wa = 0.0;
+            var wb = 0.0;
+            if (shared_w) {
+                wa = sc[s];
+                wb = sc[s + qslices];
+            } else {
+                wa = exp(part[at0 + s * row + hd] - mx);
+                wb = exp(part[at0 + (s + qslices) * row + hd] - mx);
+            }
+            v += wa * vec4<f32>(part[a], part[a + 1u], part[a + 2u], part[a + 3u])
+                + wb * vec4<f32>(part[b], part[b + 1u], part[b + 2u], part[b + 3u]);
+        }
+        if (s < ns) {
+            let a = at0 + s * row + 4u * qd;
+            var wa = 0.0;
+            if (shared_w) {
+                wa = sc[s];
+            } else {
+                wa = exp(part[at0 + s * row + hd] - mx);
+            }
+            v += wa * vec4<f32>(part[a], part[a + 1u], part[a + 2u], part[a + 3u]);
         }
     }
-    sums[li] = v;
+    sums4[li] = v;
     workgroupBarrier();
-    if (slice == 0u) {
-        for (var k = 1u; k < slices; k++) {
-            v += sums[k * half + dv];
+    if (qs_ == 0u) {
+        for (var k2 = 1u; k2 < qslices; k2++) {
+            v += sums4[k2 * quads + qd];
         }
-        let at = slot * hd + 2u * dv;
+        let at = slot * hd + 4u * qd;
         ctx[at] = v.x / den;
         ctx[at + 1u] = v.y / den;
+        ctx[at + 2u] = v.z / den;
+        ctx[at + 3u] = v.w / den;
     }
     //# end
 }

@@ -6,7 +6,10 @@
 // (between `//# name` and `//# end`). A format may also define `fn d8$(r, i, x0, x1, xs) ->
 // f32`: the dot product of those 8 columns with x (x0: columns 0-3, x1: 4-7; xs: their sum,
 // for the blocks' offsets), computed on the quants with the scales applied once (the
-// one-token matvec uses it); kernels.rs adds the plain one (w8 and two dots) where not.
+// one-token matvec uses it); kernels.rs adds the plain one (w8 and two dots) where not. q4_k
+// and q6_k also define `fn d16$(r, u, xa0, xa1, xb0, xb1, sum_a, sum_b) -> f32`: unit u of a
+// row, 16 columns from one pair of words (the 8 at c and the 8 at c + H16, `d16_half` in
+// kernels.rs; matvec.wgsl's D16 loop says which c).
 
 //# f32
 @group(0) @binding($Q) var<storage, read> wq$: array<vec4<f32>>;
@@ -124,21 +127,6 @@ fn d8$(r: u32, i: u32, x0: vec4<f32>, x1: vec4<f32>, xs: f32) -> f32 {
     let q1 = vec4<f32>(unpack4xU8((wq$[at + 1u] >> sh) & 0x0f0f0f0fu));
     let dm = unpack2x16float(ws$[b]);
     return dm.x * (dot(q0, x0) + dot(q1, x1)) + dm.y * xs;
-}
-// Unit u of a row (matvec.wgsl's D16 loop; H16 = 16): words 2(u % 2), +1 of block u / 2,
-// whose low nibbles are columns 8(u % 2).. of the block and high nibbles 16 columns on.
-fn d16$(r: u32, u: u32, xa0: vec4<f32>, xa1: vec4<f32>, xb0: vec4<f32>, xb1: vec4<f32>,
-        sum_a: f32, sum_b: f32) -> f32 {
-    let b = r * (p.cols / 32u) + u / 2u;
-    let at = b * 4u + (u % 2u) * 2u;
-    let w0 = wq$[at];
-    let w1 = wq$[at + 1u];
-    let lo = dot(vec4<f32>(unpack4xU8(w0 & 0x0f0f0f0fu)), xa0)
-        + dot(vec4<f32>(unpack4xU8(w1 & 0x0f0f0f0fu)), xa1);
-    let hi = dot(vec4<f32>(unpack4xU8((w0 >> 4u) & 0x0f0f0f0fu)), xb0)
-        + dot(vec4<f32>(unpack4xU8((w1 >> 4u) & 0x0f0f0f0fu)), xb1);
-    let dm = unpack2x16float(ws$[b]);
-    return dm.x * (lo + hi) + dm.y * (sum_a + sum_b);
 }
 //# end
 

@@ -305,63 +305,67 @@ fn attention_kernels_match_float64() {
         let err = max_err(&b.read_ctx(), &want);
         eprintln!("{c:?}: prefill kernel within {err:.2e}");
         assert!(err <= tol, "{c:?}: prefill kernel off by {err}");
-        // The decode kernel and its combine, as the harness's own check.
-        let ctx = s.pos.iter().max().unwrap() + 1;
-        let splits = ctx.div_ceil(split_len) as u32;
-        let part = vec![0u32; s.pos.len() * c.heads * splits as usize * (c.head_dim + 2)];
-        let part = gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: None,
-            contents: as_bytes(&part),
-            usage: wgpu::BufferUsages::STORAGE,
-        });
-        let d = Bufs::new(&gpu, &s, split_len);
-        d.launch(
-            &mut kernels,
-            KernelId::Attention,
-            &[(1, &d.qkv), (2, &part), (3, &d.ctx), (5, &d.pool)],
-            (heads, t, splits),
-        );
-        let mut p = [0u32; 16];
-        p[..2].copy_from_slice(&[heads, hd]);
-        let combine = Bufs {
-            params: gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        // The decode kernels for splits of 32 positions (4 threads score a position), 64 (2)
+        // and 100 (1).
+        for split_len in [32, 64, 100] {
+            // The decode kernel and its combine, as the harness's own check.
+            let ctx = s.pos.iter().max().unwrap() + 1;
+            let splits = ctx.div_ceil(split_len) as u32;
+            let part = vec![0u32; s.pos.len() * c.heads * splits as usize * (c.head_dim + 2)];
+            let part = gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: None,
-                contents: as_bytes(&p),
-                usage: wgpu::BufferUsages::UNIFORM,
-            }),
-            params_words: p,
-            ..d
-        };
-        // One split writes its output itself; more are merged by the combine (as in a step).
-        if splits > 1 {
-            combine.launch(
+                contents: as_bytes(&part),
+                usage: wgpu::BufferUsages::STORAGE,
+            });
+            let d = Bufs::new(&gpu, &s, split_len);
+            d.launch(
                 &mut kernels,
-                KernelId::AttnCombine,
-                &[(1, &part), (2, &combine.ctx)],
-                (heads, t, 1),
-            );
-        }
-        let err = max_err(&combine.read_ctx(), &want);
-        eprintln!("{c:?}: decode kernel within {err:.2e}");
-        assert!(err <= tol, "{c:?}: decode kernel off by {err}");
-        // The build whose last split merges the splits itself, twice over the same counts
-        // (the last split of each (token, head) sets its count back to zero).
-        let done = gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: None,
-            contents: as_bytes(&vec![0u32; s.pos.len() * c.heads]),
-            usage: wgpu::BufferUsages::STORAGE,
-        });
-        for round in 0..2 {
-            let f = Bufs::new(&gpu, &s, split_len);
-            f.launch(
-                &mut kernels,
-                KernelId::AttentionFused,
-                &[(1, &f.qkv), (2, &part), (3, &f.ctx), (4, &done), (5, &f.pool)],
+                KernelId::Attention,
+                &[(1, &d.qkv), (2, &part), (3, &d.ctx), (5, &d.pool), (6, &d.pool)],
                 (heads, t, splits),
             );
-            let err = max_err(&f.read_ctx(), &want);
-            eprintln!("{c:?}: fused decode kernel within {err:.2e} (round {round})");
-            assert!(err <= tol, "{c:?}: fused decode kernel off by {err} (round {round})");
+            let mut p = [0u32; 16];
+            p[..2].copy_from_slice(&[heads, hd]);
+            let combine = Bufs {
+                params: gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: None,
+                    contents: as_bytes(&p),
+                    usage: wgpu::BufferUsages::UNIFORM,
+                }),
+                params_words: p,
+                ..d
+            };
+            // One split writes its output itself; more are merged by the combine (as in a step).
+            if splits > 1 {
+                combine.launch(
+                    &mut kernels,
+                    KernelId::AttnCombine,
+                    &[(1, &part), (2, &combine.ctx)],
+                    (heads, t, 1),
+                );
+            }
+            let err = max_err(&combine.read_ctx(), &want);
+            eprintln!("{c:?}: decode kernel within {err:.2e}");
+            assert!(err <= tol, "{c:?}: decode kernel off by {err}");
+            // The build whose last split merges the splits itself, twice over the same counts
+            // (the last split of each (token, head) sets its count back to zero).
+            let done = gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: None,
+                contents: as_bytes(&vec![0u32; s.pos.len() * c.heads]),
+                usage: wgpu::BufferUsages::STORAGE,
+            });
+            for round in 0..2 {
+                let f = Bufs::new(&gpu, &s, split_len);
+                f.launch(
+                    &mut kernels,
+                    KernelId::AttentionFused,
+                    &[(1, &f.qkv), (2, &part), (3, &f.ctx), (4, &done), (5, &f.pool), (6, &f.pool)],
+                    (heads, t, splits),
+                );
+                let err = max_err(&f.read_ctx(), &want);
+                eprintln!("{c:?}: fused decode kernel within {err:.2e} (round {round})");
+                assert!(err <= tol, "{c:?}: fused decode kernel off by {err} (round {round})");
+            }
         }
     }
 }
