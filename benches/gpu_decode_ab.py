@@ -13,14 +13,16 @@ ahead), CELLM_GPU_NO_FUSE (RoPE and the KV store in their own launch), CELLM_GPU
 uniform buffer), CELLM_GPU_NO_SUBGROUPS, CELLM_GPU_PROFILE, CELLM_GPU_MATVEC_WIDE
 (threads,cols,rows of the one-token matvec's wide build, any separator: 64.0.0 for none),
 CELLM_GPU_MATVEC_PLAIN (the one-token matvec dequantizes and takes dots instead of the
-formats' d8), CELLM_GPU_F16_VEC4 (f16 weights 16 bytes a load), CELLM_GPU_MATVEC_ONE
+formats' d8), CELLM_GPU_F16_VEC4 (0: f16 weights 8 bytes a load in the matvec, not 16), CELLM_GPU_MATVEC_ONE
 (rows,threads[,scalar] of the plain and GLU one-token matvec: 1, 2 or 4 rows a workgroup,
 32-256 threads, 1 for the scalar reduction of the slots in use; any separator: 2.128.1 is
 the default, 4.64.0 the shape before),
 CELLM_GPU_MATVEC_ROPE_WG (threads of the q|k|v rope matvec's one-token build),
-CELLM_GPU_MATVEC_D16 (0 or 1: q4_k, q4_1 and q6_k take 16 columns a step, both nibbles of a
-word, in the one-token matvec), CELLM_GPU_ATTN_FUSE (0 or 1: the decode attention's last
-split merges the splits, no combine launch).
+CELLM_GPU_MATVEC_D16 (0 or 1: q4_k and q6_k take 16 columns a step, both nibbles of a word,
+in the one-token matvec), CELLM_GPU_ATTN_FUSE (0 or 1: the decode attention's last split
+merges the splits, no combine launch), CELLM_GPU_ATTN_TP (0 or 1: the decode attention
+scores a position of short splits with several threads, f16 keys 16 bytes a load),
+CELLM_GPU_ATTN_VV (0 or 1: the decode attention reads f16 values 16 bytes a load).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ KNOBS = [
     "CELLM_GPU_MATVEC_ROPE_WG",
     "CELLM_GPU_MATVEC_D16",
     "CELLM_GPU_ATTN_FUSE",
+    "CELLM_GPU_ATTN_TP",
+    "CELLM_GPU_ATTN_VV",
 ]
 IDS = [int(i) for i in np.random.default_rng(1).integers(100, 20000, 2048 + 64)]
 

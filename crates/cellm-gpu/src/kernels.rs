@@ -195,9 +195,11 @@ impl KernelId {
         f16v4: bool,
         one: OneShape,
     ) -> String {
-        let fmt = |l: Layout| if f16v4 && l == Layout::F16 { "f16v4" } else { l.wgsl_name() };
         let coop = tokens == COOP_BUILD && self.per_token_count();
         let gemm = (tokens == GEMM_BUILD || coop) && self.per_token_count();
+        // (The GEMM builds keep 8-byte loads: 16-byte ones were not measured there.)
+        let v4 = f16v4 && !gemm;
+        let fmt = |l: Layout| if v4 && l == Layout::F16 { "f16v4" } else { l.wgsl_name() };
         let rope = matches!(self, KernelId::MatvecRope(_) | KernelId::MatvecRope2(..)) && !gemm;
         let second = match self {
             KernelId::MatvecRope2(_, b) if !gemm => Some(b),
@@ -281,6 +283,8 @@ impl KernelId {
             "fuse" => self == KernelId::AttentionFused,
             "tpn" => attn_tp(),
             "tp1" => !attn_tp(),
+            "vv" => attn_vv(),
+            "pool4" => attn_tp() || attn_vv(),
             "nodot" => tokens != 1 || plain,
             "rope" => rope,
             "plain" => !rope,
@@ -355,10 +359,13 @@ fn sections(text: &str, keep: &dyn Fn(&str) -> bool) -> String {
 pub(crate) const ROWS_PER_GROUP: usize = 4;
 
 /// Whether f16 weights are read as one 16-byte load per 8 columns (`f16v4` in
-/// formats.wgsl) instead of two 8-byte ones: `CELLM_GPU_F16_VEC4=1`, for measuring (not
-/// yet timed on hardware; the upload pads every weight buffer to 16 bytes either way).
+/// formats.wgsl) instead of two 8-byte ones in the matvec builds: on by default (on the H200 tg64@128 / @2048
+/// +1.9% / +0.9% and +3.3% / +2.2% on Llama-3.2-1B F16, +1.5% / +0.9% and +0.0% / +1.9% on
+/// 3B F16, two calls; docs/benchmarks.md, "Decode: d16, one launch fewer, attention");
+/// `CELLM_GPU_F16_VEC4=0` for two loads (the upload pads every weight buffer to 16 bytes
+/// either way).
 pub fn f16_vec4() -> bool {
-    std::env::var_os("CELLM_GPU_F16_VEC4").is_some()
+    std::env::var("CELLM_GPU_F16_VEC4").map_or(true, |v| v != "0")
 }
 
 /// Threads of a matvec workgroup (`WG` in `shaders/matvec.wgsl`).
@@ -501,6 +508,19 @@ pub fn attn_tp() -> bool {
         None => ATTN_TP_DEFAULT,
     }
 }
+
+/// Whether the decode attention reads f16 values 16 bytes a load, 8 dims a thread, where
+/// rows allow (`vv` in attention.wgsl), or 4 bytes, 2 dims (`CELLM_GPU_ATTN_VV=0` / `=1`,
+/// for measuring).
+pub fn attn_vv() -> bool {
+    match std::env::var("CELLM_GPU_ATTN_VV").ok() {
+        Some(v) => v != "0",
+        None => ATTN_VV_DEFAULT,
+    }
+}
+
+/// `attn_vv()` without the knob.
+pub const ATTN_VV_DEFAULT: bool = true;
 
 /// `attn_tp()` without the knob.
 pub const ATTN_TP_DEFAULT: bool = true;

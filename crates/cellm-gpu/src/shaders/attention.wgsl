@@ -39,10 +39,16 @@ var<workgroup> sc: array<f32, CH>;
 var<workgroup> base: array<u32, CH>;
 var<workgroup> red: array<f32, WG>;
 var<workgroup> sums: array<vec2<f32>, WG>;
-//# tpn
+//# pool4
 // The pool again, 8 f16 values a load (binding 6 is the same buffer as binding 5).
 @group(0) @binding(6) var<storage, read> pool4: array<vec4<u32>>;
+//# end
+//# tpn
 var<workgroup> dots: array<f32, WG>;
+//# end
+//# vv
+var<workgroup> sva: array<vec4<f32>, WG>;
+var<workgroup> svb: array<vec4<f32>, WG>;
 //# end
 //# fuse
 var<workgroup> sums4: array<vec4<f32>, WG>;
@@ -147,6 +153,17 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let dn = half / tp;
     let v4 = p.kv.f16 != 0u && p.kv.kv_dim % 8u == 0u && dn % 4u == 0u;
     //# end
+    //# vv
+    // Values 8 f16 to a load where rows allow (`vv`): thread (vs, o) sums dims 8 o.. 8 o + 7
+    // over every vslices-th position.
+    let vv = p.kv.f16 != 0u && p.kv.kv_dim % 8u == 0u && hd % 8u == 0u;
+    let octs = max(hd / 8u, 1u);
+    let vslices = WG / octs;
+    let o = li % octs;
+    let vs = li / octs;
+    var acc_a = vec4<f32>(0.0);
+    var acc_b = vec4<f32>(0.0);
+    //# end
     workgroupBarrier();
     for (var start = lo; start < hi; start += CH) {
         let n = min(CH, hi - start);
@@ -239,6 +256,21 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         let alpha = exp(m - m_new);
         l = l * alpha + reduce(local_sum, li, false, lane, sg, nsg);
         m = m_new;
+        //# vv
+        if (vv) {
+            if (vs < vslices) {
+                var a = acc_a * alpha;
+                var b = acc_b * alpha;
+                for (var j = vs; j < n; j += vslices) {
+                    let v = pool4[(base[j] + plane) / 8u + o];
+                    a += sc[j] * vec4<f32>(unpack2x16float(v.x), unpack2x16float(v.y));
+                    b += sc[j] * vec4<f32>(unpack2x16float(v.z), unpack2x16float(v.w));
+                }
+                acc_a = a;
+                acc_b = b;
+            }
+        } else {
+        //# end
         if (slice < slices) {
             var a = acc * alpha;
             for (var j = slice; j < n; j += slices) {
@@ -246,10 +278,55 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             }
             acc = a;
         }
+        //# vv
+        }
+        //# end
         workgroupBarrier();
     }
-    // Slice 0 adds up the others' sums.
     let out = ((t * p.n_heads + h) * n_splits() + split) * (hd + 2u);
+    //# vv
+    // Slice 0 adds up the others' sums (8 dims a thread).
+    if (vv) {
+        sva[li] = acc_a;
+        svb[li] = acc_b;
+        workgroupBarrier();
+        if (li < octs) {
+            var a = acc_a;
+            var b = acc_b;
+            for (var k = 1u; k < vslices; k++) {
+                a += sva[k * octs + li];
+                b += svb[k * octs + li];
+            }
+            if (n_splits() == 1u) {
+                let at = (t * p.n_heads + h) * hd + 8u * li;
+                a /= l;
+                b /= l;
+                ctx[at] = a.x;
+                ctx[at + 1u] = a.y;
+                ctx[at + 2u] = a.z;
+                ctx[at + 3u] = a.w;
+                ctx[at + 4u] = b.x;
+                ctx[at + 5u] = b.y;
+                ctx[at + 6u] = b.z;
+                ctx[at + 7u] = b.w;
+            } else {
+                let at = out + 8u * li;
+                part[at] = a.x;
+                part[at + 1u] = a.y;
+                part[at + 2u] = a.z;
+                part[at + 3u] = a.w;
+                part[at + 4u] = b.x;
+                part[at + 5u] = b.y;
+                part[at + 6u] = b.z;
+                part[at + 7u] = b.w;
+            }
+        }
+        if (n_splits() == 1u) {
+            return;
+        }
+    } else {
+    //# end
+    // Slice 0 adds up the others' sums.
     sums[li] = acc;
     workgroupBarrier();
     if (slice == 0u) {
@@ -269,6 +346,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         part[out + 2u * dv] = acc.x;
         part[out + 2u * dv + 1u] = acc.y;
     }
+    //# vv
+    }
+    //# end
     if (li == 0u) {
         part[out + hd] = m;
         part[out + hd + 1u] = l;
