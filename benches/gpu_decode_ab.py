@@ -22,9 +22,7 @@ CELLM_GPU_MATVEC_D16 (0 or 1: q4_k and q6_k take 16 columns a step, both nibbles
 in the one-token matvec), CELLM_GPU_ATTN_FUSE (0 or 1: the decode attention's last split
 merges the splits, no combine launch), CELLM_GPU_ATTN_TP (0 or 1: the decode attention
 scores a position of short splits with several threads, f16 keys 16 bytes a load),
-CELLM_GPU_ATTN_VV (0 or 1: the decode attention reads f16 values 16 bytes a load),
-CELLM_GPU_MATVEC_I2F (the quant formats' d8 / d16 convert bytes to floats by an
-integer-to-float conversion instead of the 2^23 exponent trick).
+CELLM_GPU_ATTN_VV (0 or 1: the decode attention reads f16 values 16 bytes a load).
 """
 
 from __future__ import annotations
@@ -54,7 +52,6 @@ KNOBS = [
     "CELLM_GPU_ATTN_FUSE",
     "CELLM_GPU_ATTN_TP",
     "CELLM_GPU_ATTN_VV",
-    "CELLM_GPU_MATVEC_I2F",
 ]
 IDS = [int(i) for i in np.random.default_rng(1).integers(100, 20000, 2048 + 64)]
 

@@ -299,7 +299,6 @@ impl KernelId {
             _ => false,
         }));
         if let Some(l) = weights {
-            src.push_str(bytes4());
             let accessor = with_dot(sections(FORMATS, &|name| name == fmt(l)));
             src.push_str(&accessor_for(&accessor, "", 5, 6));
             if glu {
@@ -311,20 +310,6 @@ impl KernelId {
             }
         }
         src
-    }
-}
-
-/// `fn bytes4(v: vec4<u32>) -> vec4<f32>` of formats.wgsl (values 0-255 as floats, exactly):
-/// by default each byte is put under the exponent of 2^23 and 2^23 subtracted (a logic op
-/// and an add, both at full rate) instead of an integer-to-float conversion (a quarter of
-/// the rate on NVIDIA, and the quant formats' `d8` / `d16` convert every weight);
-/// `CELLM_GPU_MATVEC_I2F=1` converts (for measuring).
-fn bytes4() -> &'static str {
-    if std::env::var_os("CELLM_GPU_MATVEC_I2F").is_some() {
-        "fn bytes4(v: vec4<u32>) -> vec4<f32> {\n    return vec4<f32>(v);\n}\n"
-    } else {
-        "fn bytes4(v: vec4<u32>) -> vec4<f32> {\n    \
-         return bitcast<vec4<f32>>(v | vec4<u32>(0x4b000000u)) - vec4<f32>(8388608.0);\n}\n"
     }
 }
 

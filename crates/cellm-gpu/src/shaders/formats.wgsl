@@ -9,8 +9,7 @@
 // one-token matvec uses it); kernels.rs adds the plain one (w8 and two dots) where not. q4_k
 // and q6_k also define `fn d16$(r, u, xa0, xa1, xb0, xb1, sum_a, sum_b) -> f32`: unit u of a
 // row, 16 columns from one pair of words (the 8 at c and the 8 at c + H16, `d16_half` in
-// kernels.rs; matvec.wgsl's D16 loop says which c). `bytes4` (kernels.rs adds it) turns
-// four bytes (0-255) into floats.
+// kernels.rs; matvec.wgsl's D16 loop says which c).
 
 //# f32
 @group(0) @binding($Q) var<storage, read> wq$: array<vec4<f32>>;
@@ -124,8 +123,8 @@ fn d8$(r: u32, i: u32, x0: vec4<f32>, x1: vec4<f32>, xs: f32) -> f32 {
     let j = (2u * i) % 8u;
     let at = b * 4u + j % 4u;
     let sh = select(0u, 4u, j >= 4u);
-    let q0 = bytes4(unpack4xU8((wq$[at] >> sh) & 0x0f0f0f0fu));
-    let q1 = bytes4(unpack4xU8((wq$[at + 1u] >> sh) & 0x0f0f0f0fu));
+    let q0 = vec4<f32>(unpack4xU8((wq$[at] >> sh) & 0x0f0f0f0fu));
+    let q1 = vec4<f32>(unpack4xU8((wq$[at + 1u] >> sh) & 0x0f0f0f0fu));
     let dm = unpack2x16float(ws$[b]);
     return dm.x * (dot(q0, x0) + dot(q1, x1)) + dm.y * xs;
 }
@@ -195,8 +194,8 @@ fn d8$(r: u32, i: u32, x0: vec4<f32>, x1: vec4<f32>, xs: f32) -> f32 {
     let e = (i % 32u) * 8u;
     let at = sb * 32u + (e / 64u) * 8u + (e % 32u) / 4u;
     let sh = select(0u, 4u, e % 64u >= 32u);
-    let q0 = bytes4(unpack4xU8((wq$[at] >> sh) & 0x0f0f0f0fu));
-    let q1 = bytes4(unpack4xU8((wq$[at + 1u] >> sh) & 0x0f0f0f0fu));
+    let q0 = vec4<f32>(unpack4xU8((wq$[at] >> sh) & 0x0f0f0f0fu));
+    let q1 = vec4<f32>(unpack4xU8((wq$[at + 1u] >> sh) & 0x0f0f0f0fu));
     let dm = unpack2x16float(ws$[sb * 5u]);
     let sub = e / 32u;
     let sc = f32((ws$[sb * 5u + 1u + sub / 4u] >> (8u * (sub % 4u))) & 255u);
@@ -212,10 +211,10 @@ fn d16$(r: u32, u: u32, xa0: vec4<f32>, xa1: vec4<f32>, xb0: vec4<f32>, xb1: vec
     let at = sb * 32u + (u % 16u) * 2u;
     let w0 = wq$[at];
     let w1 = wq$[at + 1u];
-    let lo = dot(bytes4(unpack4xU8(w0 & 0x0f0f0f0fu)), xa0)
-        + dot(bytes4(unpack4xU8(w1 & 0x0f0f0f0fu)), xa1);
-    let hi = dot(bytes4(unpack4xU8((w0 >> 4u) & 0x0f0f0f0fu)), xb0)
-        + dot(bytes4(unpack4xU8((w1 >> 4u) & 0x0f0f0f0fu)), xb1);
+    let lo = dot(vec4<f32>(unpack4xU8(w0 & 0x0f0f0f0fu)), xa0)
+        + dot(vec4<f32>(unpack4xU8(w1 & 0x0f0f0f0fu)), xa1);
+    let hi = dot(vec4<f32>(unpack4xU8((w0 >> 4u) & 0x0f0f0f0fu)), xb0)
+        + dot(vec4<f32>(unpack4xU8((w1 >> 4u) & 0x0f0f0f0fu)), xb1);
     let dm = unpack2x16float(ws$[sb * 5u]);
     let sub = ((u % 16u) / 4u) * 2u;
     let sh = 8u * (sub % 4u);
@@ -274,8 +273,8 @@ fn d8$(r: u32, i: u32, x0: vec4<f32>, x1: vec4<f32>, xs: f32) -> f32 {
     let lo = wq$[sb * 48u + e / 8u];
     let hi = wq$[sb * 48u + 32u + e / 16u] >> ((e % 16u) * 2u);
     // Bytes of the even elements (0, 2, 4, 6) and of the odd ones, as 6-bit quants.
-    let qe = bytes4(unpack4xU8((lo & 0x0f0f0f0fu) | q6_spread$(hi & 0x3333u)));
-    let qo = bytes4(unpack4xU8(((lo >> 4u) & 0x0f0f0f0fu) | q6_spread$((hi >> 2u) & 0x3333u)));
+    let qe = vec4<f32>(unpack4xU8((lo & 0x0f0f0f0fu) | q6_spread$(hi & 0x3333u)));
+    let qo = vec4<f32>(unpack4xU8(((lo >> 4u) & 0x0f0f0f0fu) | q6_spread$((hi >> 2u) & 0x3333u)));
     let s = e / 16u;
     let sc = f32((i32(ws$[sb * 5u + 1u + s / 4u]) << (24u - 8u * (s % 4u))) >> 24u);
     let d = bitcast<f32>(ws$[sb * 5u]) * sc;
@@ -286,8 +285,8 @@ fn d8$(r: u32, i: u32, x0: vec4<f32>, x1: vec4<f32>, xs: f32) -> f32 {
 // The dot product of 8 columns with x (x0, x1) from their low 4 bits `lo` (element order)
 // and high 2 bits `hi` (bits 2k: element k), without the block's scale and offset.
 fn q6_dot8$(lo: u32, hi: u32, x0: vec4<f32>, x1: vec4<f32>) -> f32 {
-    let qe = bytes4(unpack4xU8((lo & 0x0f0f0f0fu) | q6_spread$(hi & 0x3333u)));
-    let qo = bytes4(unpack4xU8(((lo >> 4u) & 0x0f0f0f0fu) | q6_spread$((hi >> 2u) & 0x3333u)));
+    let qe = vec4<f32>(unpack4xU8((lo & 0x0f0f0f0fu) | q6_spread$(hi & 0x3333u)));
+    let qo = vec4<f32>(unpack4xU8(((lo >> 4u) & 0x0f0f0f0fu) | q6_spread$((hi >> 2u) & 0x3333u)));
     return dot(qe, vec4<f32>(x0.x, x0.z, x1.x, x1.z)) + dot(qo, vec4<f32>(x0.y, x0.w, x1.y, x1.w));
 }
 // Unit u of a row (matvec.wgsl's D16 loop; H16 = 8): the 16 columns of scale u % 16 of
