@@ -13,7 +13,8 @@ ahead), CELLM_GPU_NO_FUSE (RoPE and the KV store in their own launch), CELLM_GPU
 uniform buffer), CELLM_GPU_NO_SUBGROUPS, CELLM_GPU_PROFILE, CELLM_GPU_MATVEC_WIDE
 (threads,cols,rows of the one-token matvec's wide build, any separator: 64.0.0 for none),
 CELLM_GPU_MATVEC_PLAIN (the one-token matvec dequantizes and takes dots instead of the
-formats' d8), CELLM_GPU_F16_VEC4 (0: f16 weights 8 bytes a load in the matvec, not 16), CELLM_GPU_MATVEC_ONE
+formats' d8), CELLM_GPU_F16_VEC4 (0: f16 weights 8 bytes a load in the matvec, not 16),
+CELLM_GPU_MATVEC_ONE
 (rows,threads[,scalar] of the plain and GLU one-token matvec: 1, 2 or 4 rows a workgroup,
 32-256 threads, 1 for the scalar reduction of the slots in use; any separator: 2.128.1 is
 the default, 4.64.0 the shape before),

@@ -519,13 +519,18 @@ pub fn attn_vv() -> bool {
     }
 }
 
-/// `attn_vv()` without the knob.
+/// `attn_vv()` without the knob (on the H200 +11% on Gemma 3, +4-7% on the 3B shapes, +2% /
+/// +1% on 1B Q4_K_M; Qwen2.5 +5% / -5%; docs/benchmarks.md).
 pub const ATTN_VV_DEFAULT: bool = true;
 
-/// `attn_tp()` without the knob.
+/// `attn_tp()` without the knob (on the H200 +4% / +6% on Llama-3.2-1B Q4_K_M, +7% / +10% on
+/// Gemma 3 against one thread a position; docs/benchmarks.md).
 pub const ATTN_TP_DEFAULT: bool = true;
 
-/// Whether the one-token builds take `d16` where the formats have it (`OneShape::d16`).
+/// Whether the one-token builds take `d16` where the formats have it (`OneShape::d16`). On
+/// the H200 d16 with the fused combine took Llama-3.2-1B Q4_K_M from 504 / 440 to 552 / 483
+/// tok/s (tg64@128 / @2048), each alone 518 / 479 and 506 / 468 (docs/benchmarks.md,
+/// "Decode: d16, the attention's own combine, attention loads").
 pub const D16_DEFAULT: bool = true;
 
 /// Columns between the two halves of a format's `d16` (the 8 columns in the low nibbles of

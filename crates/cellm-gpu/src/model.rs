@@ -35,7 +35,9 @@ const HEAD: u32 = 16;
 const GELU: u32 = 32;
 const ROPE: u32 = 64;
 const MAX_GROUPS: usize = 65535;
-/// Whether the decode attention merges its splits itself (`KernelId::AttentionFused`).
+/// Whether the decode attention merges its splits itself (`KernelId::AttentionFused`): one
+/// launch fewer per layer (docs/benchmarks.md, "Decode: d16, the attention's own combine,
+/// attention loads").
 pub const ATTN_FUSE_DEFAULT: bool = true;
 
 pub struct GpuModel {

@@ -4,7 +4,9 @@
 // split runs CH positions at a time with an online softmax: each thread scores whole
 // positions (its page looked up once, the row's base kept in `base`), then the WG threads
 // split into WG / (head_dim / 2) slices, thread (slice, pair) summing two dims of the values
-// over every slices-th position. The split's unnormalised sums, max and denominator go to
+// over every slices-th position. (Sections `tpn` and `vv`, on by default: short splits are
+// scored by 2 or 4 threads a position, and f16 keys and values read 8 to a load, values 8
+// dims a thread; kernels.rs `attn_tp`, `attn_vv`.) The split's unnormalised sums, max and denominator go to
 // `part`; `attn_combine.wgsl` merges the splits (or, in the `AttentionFused` build, the
 // last split of each (token, head) to finish). With one split (short contexts) the
 // workgroup writes the normalised output to `ctx` itself, and the combine is not launched.
