@@ -3,12 +3,12 @@
 //! lone token still spreads its context over every thread, and the chunks' partial softmaxes
 //! merge at the end.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use cellm_kernels::cache::prefetch_all;
 use cellm_kernels::dot::{CachedRows, HeadKernels};
 use cellm_kernels::gating::{exp_shifted_sum, max_of};
 use cellm_kernels::ops::dot8;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use cellm_kernels::pool::{current_threads, parallel_for, SharedOut};
 
 use crate::call::{AttentionCall, AttentionShape};
