@@ -365,7 +365,8 @@ impl<'a> Product<'a> {
         }
     }
 
-    /// Units whose outputs fill a 64-byte line.
+    /// Units whose outputs fill a 64-byte line (or a GEMM's tile): a task's writes stay
+    /// apart from its neighbours'.
     fn units_per_line(&self) -> usize {
         match self.kernel {
             Kernel::Groups(..) => 2,
@@ -380,7 +381,7 @@ impl<'a> Product<'a> {
     /// The pieces [`pool::parallel_ranges`] hands out: a thread's share is worked through
     /// one at a time, so pieces only need to be short enough for the threads to finish
     /// close together, and long enough that taking one (an atomic) costs nothing next to
-    /// it. Each is whole cache lines of output (8 rows, or 2 groups of 8).
+    /// it. Each is a multiple of [`Self::units_per_line`].
     fn pieces(&self, threads: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
         let units = self.units();
         let work_per_unit = (self.w.rows / units.max(1)) * self.w.cols * self.tokens;
