@@ -94,6 +94,11 @@ pub fn max_of(x: &[f32]) -> f32 {
 /// pass (the sum in eight interleaved lanes on AVX2, a fixed order for a given length).
 pub fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
+    if crate::isa::selected() == crate::Isa::Avx512Vnni {
+        // SAFETY: the AVX-512 path is selected only on CPUs that have AVX-512F.
+        return unsafe { exp_shifted_sum_512(x, shift) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if crate::isa::selected().has_avx2() {
         // SAFETY: the AVX2 path is selected only on CPUs that have AVX2 and FMA.
         return unsafe { avx2::exp_shifted_sum(x, shift) };
@@ -125,6 +130,24 @@ pub(crate) unsafe fn exp_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_
     }
     let p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0)));
     _mm512_scalef_ps(p, n)
+}
+
+/// [`exp_shifted_sum`] 16 lanes at a time, the last partial 16 under a mask (decode
+/// attention's blocks are whole pages of 16 but for the last): half the instructions of the
+/// AVX2 loop and no scalar `exp` for the tail. The sum runs in 16 lanes, then a fixed tree.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_shifted_sum_512(x: &mut [f32], shift: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let (s, mut sum) = (_mm512_set1_ps(shift), _mm512_setzero_ps());
+    for start in (0..x.len()).step_by(16) {
+        let p = x.as_mut_ptr().add(start);
+        let live: __mmask16 = (1u32 << (x.len() - start).min(16)).wrapping_sub(1) as u16;
+        let e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, p), s));
+        _mm512_mask_storeu_ps(p, live, e);
+        sum = _mm512_mask_add_ps(sum, live, sum, e);
+    }
+    _mm512_reduce_add_ps(sum)
 }
 
 #[cfg(target_arch = "x86_64")]

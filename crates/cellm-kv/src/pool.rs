@@ -154,6 +154,7 @@ impl PagePool {
         Self { host_storage: false, ..Self::new(cfg) }
     }
 
+    #[inline]
     pub fn config(&self) -> &KvConfig {
         &self.cfg
     }
@@ -530,6 +531,7 @@ impl PagePool {
 
     /// The key rows and the value rows of page `index` of `layer` (page_size rows each, raw
     /// encoded bytes, `row_bytes()` per row).
+    #[inline]
     pub(crate) fn page_rows(&self, seq: &SeqKv, layer: usize, index: usize) -> (&[u8], &[u8]) {
         let bytes = words_as_bytes(&self.pages[seq.page(layer, index) as usize]);
         let plane = self.cfg.page_size * self.row_bytes;
@@ -562,11 +564,13 @@ impl PagePool {
 
     /// The key headers of page `index` of `layer` (one per kv head, each `header_bytes` of
     /// the layer's head size apart; empty without them).
+    #[inline]
     pub(crate) fn page_refs(&self, seq: &SeqKv, layer: usize, index: usize) -> &[u8] {
         let bytes = words_as_bytes(&self.pages[seq.page(layer, index) as usize]);
         &bytes[self.refs_at()..self.page_bytes()]
     }
 
+    #[inline]
     pub(crate) fn row_bytes(&self) -> usize {
         self.row_bytes
     }

@@ -44,6 +44,7 @@ pub struct CachedRows<'a> {
 
 impl<'a> CachedRows<'a> {
     /// The same rows in a plane that starts `offset` bytes later.
+    #[inline]
     pub fn offset_by(self, offset: usize) -> Self {
         Self { bytes: &self.bytes[offset..], ..self }
     }
@@ -57,6 +58,7 @@ impl<'a> CachedRows<'a> {
     /// (`dim` for queries and accumulators, `count` for scores and weights). Checks that
     /// every row lies inside `bytes` and that `other = (len, per)` holds as many heads. The
     /// SIMD kernels read through raw pointers after this check.
+    #[inline]
     pub(super) fn heads(
         &self,
         elem: usize,
