@@ -99,7 +99,7 @@ mod tests {
 
     /// The page kernels equal one scalar row kernel call per (head, row) on every path, for
     /// head dims with and without a tail, groups of 1 to 7 heads (one to three passes) and
-    /// runs of rows that do and do not fill the last four, strided as in a page plane.
+    /// runs of rows that do and do not fill the last eight or four, strided as in a page plane.
     #[test]
     fn head_kernels_match_per_row_calls() {
         for isa in Isa::available() {
@@ -107,9 +107,16 @@ mod tests {
                 let (rows, heads) =
                     (scalar_rows(format), PathKernels::of(isa).head_kernels(format));
                 let elem = format.nbytes(&[1]).unwrap();
-                for (n, group, count) in
-                    [(64, 1, 16), (64, 3, 7), (60, 7, 5), (256, 4, 1), (12, 5, 9), (80, 2, 6)]
-                {
+                for (n, group, count) in [
+                    (64, 1, 16),
+                    (64, 3, 7),
+                    (64, 3, 13),
+                    (128, 2, 24),
+                    (60, 7, 5),
+                    (256, 4, 1),
+                    (12, 5, 9),
+                    (80, 2, 6),
+                ] {
                     // Each row sits in a stride of three rows (kv heads side by side), the
                     // run starting at the second.
                     let stride = 3 * n * elem;
