@@ -1,9 +1,12 @@
 //! The page pool and the per-session page tables.
 
+use std::borrow::Cow;
+
 use cellm_format::{Error, Result};
 
 use crate::encoding::{KeyHeader, KvEncoding};
 use crate::prefix::{chain_key, PrefixCache};
+use crate::rotation::Rotation;
 
 #[derive(Debug, Clone)]
 pub struct KvConfig {
@@ -470,15 +473,9 @@ impl PagePool {
         let (enc, hb) = (self.cfg.encoding, self.cfg.encoding.head_bytes(hd));
         assert!(k.len() / hd * hb <= rb, "KV rows of {} values are wider than the pool's", k.len());
         let rotation = enc.rotation(hd);
-        let rotated = |src: &[f32]| {
-            let mut x = src.to_vec();
-            if let Some(r) = &rotation {
-                r.rotate(&mut x);
-            }
-            x
-        };
-        let mut key = k.to_vec();
+        let mut key = Cow::Borrowed(k);
         if self.cfg.key_headers() {
+            let key = key.to_mut();
             // Keys relative to their page's header, which the page's first position writes
             // (from that key and the previous page) and which stays while any later
             // position of the page is kept.
@@ -513,7 +510,7 @@ impl PagePool {
                 KeyHeader::encode_key((&header.0, &header.1), r, head);
             }
         } else if let Some(r) = &rotation {
-            r.rotate(&mut key);
+            r.rotate(key.to_mut());
         }
         let bytes = words_as_bytes_mut(&mut self.pages[page as usize]);
         let (rows, _) = bytes.split_at_mut(refs_at);
@@ -525,7 +522,7 @@ impl PagePool {
         };
         store(&key, &mut keys[slot * rb..(slot + 1) * rb]);
         if values {
-            store(&rotated(v), &mut vals[slot * rb..(slot + 1) * rb]);
+            store(&rotated(rotation.as_ref(), v), &mut vals[slot * rb..(slot + 1) * rb]);
         }
     }
 
@@ -597,6 +594,19 @@ fn words_as_bytes(w: &[u32]) -> &[u8] {
 fn words_as_bytes_mut(w: &mut [u32]) -> &mut [u8] {
     // SAFETY: any byte pattern is a valid u32; the slice covers the same storage.
     unsafe { std::slice::from_raw_parts_mut(w.as_mut_ptr().cast::<u8>(), w.len() * 4) }
+}
+
+/// `src` turned by `rotation`, or as given where the encoding does not rotate (the decode
+/// path's f16 and f32 rows go to the page without a copy).
+fn rotated<'a>(rotation: Option<&Rotation>, src: &'a [f32]) -> Cow<'a, [f32]> {
+    match rotation {
+        Some(r) => {
+            let mut x = src.to_vec();
+            r.rotate(&mut x);
+            x.into()
+        }
+        None => src.into(),
+    }
 }
 
 #[cfg(test)]
