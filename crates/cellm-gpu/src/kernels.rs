@@ -270,9 +270,10 @@ impl KernelId {
         let h16 = h16.filter(|_| tokens == 1 && !plain && one.d16 && !gemm);
         if self.per_token_count() && !gemm {
             src.push_str(&format!(
-                "const D16: bool = {};\nconst H16: u32 = {}u;\n",
+                "const D16: bool = {};\nconst H16: u32 = {}u;\nconst I8EO: bool = {};\n",
                 h16.is_some(),
-                h16.unwrap_or(8)
+                h16.unwrap_or(8),
+                weights.is_some_and(|l| i8_even_odd(fmt(l)))
             ));
         }
         src.push_str(&sections(&body, &|name| match name {
@@ -280,6 +281,8 @@ impl KernelId {
             "noglu" => !glu,
             "dot" => tokens == 1 && !plain,
             "d16" => h16.is_some(),
+            "i8" => h16.is_some() && one.i8,
+            "f32x" => !(h16.is_some() && one.i8),
             "fuse" => self == KernelId::AttentionFused,
             "tpn" => attn_tp(),
             "tp1" => !attn_tp(),
@@ -397,6 +400,10 @@ pub struct OneShape {
     /// every one-token build (the rope and wide ones too). `CELLM_GPU_MATVEC_D16=0` / `=1`
     /// turns it off / on (for measuring).
     pub d16: bool,
+    /// Whether the `d16` loop quantizes x to int8 (one scale per thread's 16 values) and
+    /// takes the formats' `d16i` (packed 4 x 8-bit integer dots, `dot4I8Packed`) instead of
+    /// their float `d16`. `CELLM_GPU_MATVEC_I8=1` / `=0` (for measuring).
+    pub i8: bool,
 }
 
 /// Threads of the q|k|v rope matvec's one-token build (4 rows a workgroup):
@@ -410,36 +417,40 @@ impl OneShape {
     /// The shape before: 4 rows, 64 threads, every slot reduced as a vec4 (also the rope,
     /// wide and batched builds' rows and reduction).
     pub const LEGACY: OneShape =
-        OneShape { rows: 4, threads: MATVEC_WG, scalar: false, d16: D16_DEFAULT };
+        OneShape { rows: 4, threads: MATVEC_WG, scalar: false, d16: D16_DEFAULT, i8: I8_DEFAULT };
     /// The default (see above).
     pub const DEFAULT: OneShape =
-        OneShape { rows: 2, threads: 128, scalar: true, d16: D16_DEFAULT };
+        OneShape { rows: 2, threads: 128, scalar: true, d16: D16_DEFAULT, i8: I8_DEFAULT };
 
     pub fn get() -> Self {
         let d16 = match std::env::var("CELLM_GPU_MATVEC_D16").ok() {
             Some(v) => v != "0",
             None => D16_DEFAULT,
         };
+        let i8 = match std::env::var("CELLM_GPU_MATVEC_I8").ok() {
+            Some(v) => v != "0",
+            None => I8_DEFAULT,
+        };
         let Some(v) = std::env::var("CELLM_GPU_MATVEC_ONE").ok() else {
-            return OneShape { d16, ..Self::DEFAULT };
+            return OneShape { d16, i8, ..Self::DEFAULT };
         };
         let n: Vec<u32> =
             v.split(|c: char| !c.is_ascii_digit()).filter_map(|x| x.parse().ok()).collect();
         let shape = match n[..] {
-            [rows, threads] => OneShape { rows, threads, scalar: false, d16 },
-            [rows, threads, s] => OneShape { rows, threads, scalar: s != 0, d16 },
-            _ => return OneShape { d16, ..Self::DEFAULT },
+            [rows, threads] => OneShape { rows, threads, scalar: false, d16, i8 },
+            [rows, threads, s] => OneShape { rows, threads, scalar: s != 0, d16, i8 },
+            _ => return OneShape { d16, i8, ..Self::DEFAULT },
         };
         if shape.valid() {
             shape
         } else {
-            OneShape { d16, ..Self::DEFAULT }
+            OneShape { d16, i8, ..Self::DEFAULT }
         }
     }
 
-    /// The rows, threads and reduction of `self` are the default's (whatever `d16`).
+    /// The rows, threads and reduction of `self` are the default's (whatever `d16`, `i8`).
     fn default_shape(self) -> bool {
-        OneShape { d16: D16_DEFAULT, ..self } == Self::DEFAULT
+        OneShape { d16: D16_DEFAULT, i8: I8_DEFAULT, ..self } == Self::DEFAULT
     }
 
     pub fn valid(self) -> bool {
@@ -462,7 +473,7 @@ impl OneShape {
         } else if !self.default_shape() && (2 * self.rows + 1) * self.threads * 16 <= 16 << 10 {
             OneShape { scalar: false, ..self }
         } else {
-            OneShape { d16: self.d16, ..Self::LEGACY }
+            OneShape { d16: self.d16, i8: self.i8, ..Self::LEGACY }
         }
     }
 }
@@ -533,6 +544,17 @@ pub const ATTN_TP_DEFAULT: bool = true;
 /// "Decode: d16, the attention's own combine, attention loads").
 pub const D16_DEFAULT: bool = true;
 
+/// Whether the plain and GLU one-token builds of formats with a `d16` run 64 threads (the
+/// shape's rows) for launches whose rows are not a multiple of 2048 columns (128 threads of
+/// 16 columns each), e.g. 3072 (192 units: 3 a thread rather than 2 or 1):
+/// `CELLM_GPU_MATVEC_T64=1` / `=0`.
+pub fn t64() -> bool {
+    std::env::var("CELLM_GPU_MATVEC_T64").is_ok_and(|v| v != "0")
+}
+
+/// Whether the one-token `d16` loop takes x as int8 (`OneShape::i8`).
+pub const I8_DEFAULT: bool = false;
+
 /// Columns between the two halves of a format's `d16` (the 8 columns in the low nibbles of
 /// a pair of words and the 8 in their high nibbles; formats.wgsl), where it has one.
 fn d16_half(format: &str) -> Option<u32> {
@@ -541,6 +563,12 @@ fn d16_half(format: &str) -> Option<u32> {
         "q6_k" => Some(8),
         _ => None,
     }
+}
+
+/// Whether a format's `d16i` takes x's int8 values as the even columns then the odd ones
+/// of each 8 (q6_k's quants pair up that way), rather than in column order.
+fn i8_even_odd(format: &str) -> bool {
+    format == "q6_k"
 }
 
 /// The one-token matvec's column steps a pass (`UN` in `shaders/matvec.wgsl`). On the H200,
@@ -754,6 +782,9 @@ pub struct Kernel {
     pub single: Option<wgpu::ComputePipeline>,
     /// Workgroups a group of 4 rows takes in the one-token build (`OneShape::split`).
     pub single_split: u32,
+    /// The one-token build at 64 threads, for launches whose rows' 16-column units (`d16`)
+    /// are not a multiple of 128 (`t64()`), where built.
+    pub single64: Option<wgpu::ComputePipeline>,
     /// The one-token build with `Wide::get()` threads, and which launches take it (where the
     /// device has subgroups).
     pub wide: Option<(wgpu::ComputePipeline, Wide)>,
@@ -772,6 +803,9 @@ impl Kernel {
     pub fn for_launch(&self, tokens: u32, rows: u32, cols: u32) -> (&wgpu::ComputePipeline, u32) {
         match (&self.wide, &self.single, tokens) {
             (Some((wide, w)), _, 1) if cols >= w.cols && rows < w.rows => (wide, 1),
+            (_, Some(_), 1) if self.single64.is_some() && !(cols / 16).is_multiple_of(128) => {
+                (self.single64.as_ref().expect("built"), self.single_split)
+            }
             (_, Some(one), 1) => (one, self.single_split),
             _ => (&self.pipeline, 1),
         }
@@ -912,13 +946,13 @@ fn build(
         })
     };
     let pipeline_wg = |tokens: u32, wg: u32| {
-        pipeline_shape(tokens, wg, OneShape { d16: one.d16, ..OneShape::LEGACY })
+        pipeline_shape(tokens, wg, OneShape { d16: one.d16, i8: one.i8, ..OneShape::LEGACY })
     };
     let pipeline = |tokens: u32| pipeline_wg(tokens, MATVEC_WG);
     // The rope builds keep 4 rows (rotated pairs of a head), with `rope_threads()`.
     let rope = matches!(id, KernelId::MatvecRope(_) | KernelId::MatvecRope2(..));
     let one = match rope {
-        true => OneShape { threads: rope_threads(), d16: one.d16, ..OneShape::LEGACY }
+        true => OneShape { threads: rope_threads(), d16: one.d16, i8: one.i8, ..OneShape::LEGACY }
             .for_device(subgroups),
         false => one.for_device(subgroups),
     };
@@ -931,11 +965,18 @@ fn build(
     let coop = (coopmat && id.has_gemm()).then(|| (pipeline(COOP_BUILD), CoopTile::get(glu)));
     let name = label.split('(').next().unwrap_or_default().to_string();
     let single_split = one.split();
+    // 64 threads where a row's d16 units leave some of 128 idle (`t64()`).
+    let d16 = |sh: OneShape| id.source_shape(subgroups, 1, sh.threads, f16v4, sh);
+    let single64 = (t64() && id.per_token_count() && !rope && subgroups && one.threads == 128)
+        .then(|| OneShape { threads: 64, ..one })
+        .filter(|&sh| d16(sh).contains("const D16: bool = true"))
+        .map(|sh| pipeline_shape(1, 64, sh));
     Kernel {
         name,
         pipeline: pipeline(4),
         single,
         single_split,
+        single64,
         wide,
         gemm,
         coop,

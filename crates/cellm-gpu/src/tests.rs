@@ -9,7 +9,7 @@ use cellm_kernels::{decode_row_raw, WeightRows};
 use half::f16;
 
 use crate::device::{Gpu, GpuKind};
-use crate::kernels::{KernelId, Kernels, OneShape, D16_DEFAULT};
+use crate::kernels::{KernelId, Kernels, OneShape, D16_DEFAULT, I8_DEFAULT};
 use crate::model::{matvec_params, MatvecArgs};
 use crate::repack::Layout;
 use crate::weights::{as_bytes, Uploader};
@@ -221,15 +221,51 @@ fn gpu_matvec(
 }
 
 /// One-token shapes besides the default that the tests run (`OneShape`).
-/// (Each with and without `d16` somewhere.)
-const ONE_SHAPES: [OneShape; 6] = [
+/// (Each with and without `d16` somewhere, and `d16` with and without int8 x.)
+const ONE_SHAPES: [OneShape; 9] = [
     OneShape::LEGACY,
-    OneShape { rows: 1, threads: 32, scalar: true, d16: true },
-    OneShape { rows: 1, threads: 256, scalar: false, d16: false },
-    OneShape { rows: 4, threads: 64, scalar: true, d16: true },
+    OneShape { rows: 1, threads: 32, scalar: true, d16: true, i8: false },
+    OneShape { rows: 1, threads: 256, scalar: false, d16: false, i8: false },
+    OneShape { rows: 4, threads: 64, scalar: true, d16: true, i8: false },
     OneShape { d16: !D16_DEFAULT, ..OneShape::DEFAULT },
     OneShape { d16: !D16_DEFAULT, ..OneShape::LEGACY },
+    OneShape { d16: true, i8: !I8_DEFAULT, ..OneShape::DEFAULT },
+    OneShape { d16: true, i8: !I8_DEFAULT, ..OneShape::LEGACY },
+    OneShape { rows: 1, threads: 32, scalar: true, d16: true, i8: true },
 ];
+
+/// Byte ranges of a block's quants (zeroed, the block decodes to its offsets alone) in the
+/// formats with an int8-x path (`OneShape::i8`).
+fn quant_bytes(format: TensorFormat) -> Option<std::ops::Range<usize>> {
+    match format {
+        TensorFormat::Q4K => Some(16..144),
+        TensorFormat::Q6K => Some(0..192),
+        _ => None,
+    }
+}
+
+/// x as the int8 path rounds it (matvec.wgsl's `i8x`): units of 16 columns (q4_k: 8 at c and
+/// 8 at c + 32; q6_k: 16 in a row), each to int8 of one scale max |x| / 127; the values
+/// times their scale, and the largest scale.
+fn int8_x(format: TensorFormat, x: &[f32]) -> (Vec<f64>, f64) {
+    let mut out = vec![0f64; x.len()];
+    let mut step = 0f64;
+    for u in 0..x.len() / 16 {
+        let (c, h) = match format {
+            TensorFormat::Q4K => ((u / 4) * 64 + (u % 4) * 8, 32),
+            _ => (u * 16, 8),
+        };
+        let cols: Vec<usize> = (c..c + 8).chain(c + h..c + h + 8).collect();
+        let mx = cols.iter().map(|&i| x[i].abs()).fold(0f32, f32::max);
+        let inv = if mx > 1e-30 { 127.0 / mx } else { 0.0 };
+        let dx = mx * (1.0f32 / 127.0);
+        step = step.max(f64::from(dx));
+        for &i in &cols {
+            out[i] = f64::from((x[i] * inv).round_ties_even()) * f64::from(dx);
+        }
+    }
+    (out, step)
+}
 
 /// Every format the GPU runs, plain and interleaved, split into parts and whole, for 1 to 5
 /// tokens: within f32 rounding of a float64 product of the CPU's decoded rows.
@@ -259,6 +295,15 @@ fn matvec_matches_cpu_decoding_in_every_layout() {
         if let Some(x8) = base.interleaved_variant() {
             variants.push((x8, interleave(x8, base, &data, rows)));
         }
+        // The rows with their quants zeroed (each block's offsets: q4_k's mins, q6_k's 32
+        // times the scale), for the int8 path's reference.
+        let offsets = quant_bytes(base).map(|q| {
+            let mut z = data.clone();
+            for b in z.chunks_exact_mut(base.block_bytes()) {
+                b[q.clone()].fill(0);
+            }
+            z
+        });
         for (format, bytes) in variants {
             assert!(Layout::of(format).is_some());
             let w = WeightRows { format, bytes: &bytes, rows, cols };
@@ -280,9 +325,37 @@ fn matvec_matches_cpu_decoding_in_every_layout() {
                 for (cap, wide, v4, one) in runs {
                     let (got, parts) = gpu_matvec(&gpu, w, &x, tokens, cap, wide, v4, one);
                     assert_eq!(parts > 1, cap != u64::MAX, "{format:?}: {parts} parts");
+                    let i8 = tokens == 1 && one.d16 && one.i8;
+                    let zeroed = offsets.as_ref().filter(|_| i8);
                     let mut decoded = vec![0f32; cols];
+                    let mut offset = vec![0f32; cols];
                     for r in 0..rows {
                         decode_row_raw(w, r, &mut decoded);
+                        if let Some(z) = zeroed {
+                            // The int8 path: x rounded to int8 times the quants' part of each
+                            // weight, plus x times the offsets' part; within f32 rounding,
+                            // plus two values rounded the other way at a tie (the GPU may
+                            // round y * inv before adding 1.5 * 2^23).
+                            let wz = WeightRows { format: base, bytes: z, rows, cols };
+                            decode_row_raw(wz, r, &mut offset);
+                            let (xq, step) = int8_x(base, &x);
+                            let mut want = 0f64;
+                            let mut mag = 0f64;
+                            let mut wmax = 0f64;
+                            for i in 0..cols {
+                                let a = f64::from(decoded[i]) - f64::from(offset[i]);
+                                let o = f64::from(offset[i]) * f64::from(x[i]);
+                                want += a * xq[i] + o;
+                                mag += (a * xq[i]).abs() + o.abs();
+                                wmax = wmax.max(a.abs());
+                            }
+                            let g = f64::from(got[r]);
+                            assert!(
+                                (g - want).abs() <= 1e-5 * mag + 2.0 * wmax * step + 1e-6,
+                                "{format:?} int8 x {one:?} row {r}: {g} vs {want}"
+                            );
+                            continue;
+                        }
                         for t in 0..tokens {
                             let xs = &x[t * cols..(t + 1) * cols];
                             let want: f64 = decoded

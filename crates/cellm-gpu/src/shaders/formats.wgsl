@@ -224,6 +224,26 @@ fn d16$(r: u32, u: u32, xa0: vec4<f32>, xa1: vec4<f32>, xb0: vec4<f32>, xb1: vec
     let m = vec2<f32>(f32(mw & 255u), f32((mw >> 8u) & 255u));
     return dm.x * (sc.x * lo + sc.y * hi) - dm.y * (m.x * sum_a + m.y * sum_b);
 }
+// `d16` with x as int8 (matvec.wgsl's `i8x`: xa, xb the 8 columns at c and c + 32, dx their
+// scale): the nibbles times x by packed integer dots, both sub-blocks' scales applied in
+// integers, one conversion; the mins' term from x's float sums.
+fn d16i$(r: u32, u: u32, xa: vec2<u32>, xb: vec2<u32>, dx: f32, sum_a: f32, sum_b: f32) -> f32 {
+    let sb = r * (p.cols / 256u) + u / 16u;
+    let at = sb * 32u + (u % 16u) * 2u;
+    let w0 = wq$[at];
+    let w1 = wq$[at + 1u];
+    let lo = dot4I8Packed(w0 & 0x0f0f0f0fu, xa.x) + dot4I8Packed(w1 & 0x0f0f0f0fu, xa.y);
+    let hi = dot4I8Packed((w0 >> 4u) & 0x0f0f0f0fu, xb.x)
+        + dot4I8Packed((w1 >> 4u) & 0x0f0f0f0fu, xb.y);
+    let dm = unpack2x16float(ws$[sb * 5u]);
+    let sub = ((u % 16u) / 4u) * 2u;
+    let sh = 8u * (sub % 4u);
+    let scw = ws$[sb * 5u + 1u + sub / 4u] >> sh;
+    let mw = ws$[sb * 5u + 3u + sub / 4u] >> sh;
+    let q = i32(scw & 255u) * lo + i32((scw >> 8u) & 255u) * hi;
+    let m = vec2<f32>(f32(mw & 255u), f32((mw >> 8u) & 255u));
+    return (dm.x * dx) * f32(q) - dm.y * (m.x * sum_a + m.y * sum_b);
+}
 //# end
 
 //# q6_k
@@ -303,5 +323,25 @@ fn d16$(r: u32, u: u32, xa0: vec4<f32>, xa1: vec4<f32>, xb0: vec4<f32>, xb1: vec
     let d = bitcast<f32>(ws$[sb * 5u]) * sc;
     let q = q6_dot8$(lo0, hi, xa0, xa1) + q6_dot8$(lo1, hi >> 16u, xb0, xb1);
     return d * (q - 32.0 * (sum_a + sum_b));
+}
+// `d16` with x as int8 (matvec.wgsl's `i8x` with I8EO: each word pair the even columns of 8,
+// then the odd ones; dx their scale): the 6-bit quants' bytes (even and odd, as `q6_dot8`)
+// times x by packed integer dots, one conversion; the offset of 32 from x's float sums.
+fn d16i$(r: u32, u: u32, xa: vec2<u32>, xb: vec2<u32>, dx: f32, sum_a: f32, sum_b: f32) -> f32 {
+    let sb = r * (p.cols / 256u) + u / 16u;
+    let at = sb * 48u + (u % 16u) * 2u;
+    let lo0 = wq$[at];
+    let lo1 = wq$[at + 1u];
+    let hi = wq$[sb * 48u + 32u + u % 16u];
+    let s = u % 16u;
+    let sc = f32((i32(ws$[sb * 5u + 1u + s / 4u]) << (24u - 8u * (s % 4u))) >> 24u);
+    let d = bitcast<f32>(ws$[sb * 5u]) * sc;
+    let ae = (lo0 & 0x0f0f0f0fu) | q6_spread$(hi & 0x3333u);
+    let ao = ((lo0 >> 4u) & 0x0f0f0f0fu) | q6_spread$((hi >> 2u) & 0x3333u);
+    let be = (lo1 & 0x0f0f0f0fu) | q6_spread$((hi >> 16u) & 0x3333u);
+    let bo = ((lo1 >> 4u) & 0x0f0f0f0fu) | q6_spread$((hi >> 18u) & 0x3333u);
+    let q = dot4I8Packed(ae, xa.x) + dot4I8Packed(ao, xa.y) + dot4I8Packed(be, xb.x)
+        + dot4I8Packed(bo, xb.y);
+    return d * (dx * f32(q) - 32.0 * (sum_a + sum_b));
 }
 //# end

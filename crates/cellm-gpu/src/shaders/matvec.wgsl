@@ -51,6 +51,24 @@ fn rope_row(r0: u32, j: u32) -> u32 {
 }
 //# end
 
+//# i8
+// 8 values of y times `inv` (127 / the unit's max |y|) rounded to int8, packed 4 to a word:
+// adding 1.5 * 2^23 rounds (to nearest even) and leaves the integer in the low bits of the
+// sum's bits, whose low byte `pack4xI8` keeps (no float-to-int conversion). In column order
+// (y0 then y1), or where I8EO (q6_k) the even columns then the odd ones.
+fn i8x(y0: vec4<f32>, y1: vec4<f32>, inv: f32) -> vec2<u32> {
+    var a = y0;
+    var b = y1;
+    if (I8EO) {
+        a = vec4<f32>(y0.x, y0.z, y1.x, y1.z);
+        b = vec4<f32>(y0.y, y0.w, y1.y, y1.w);
+    }
+    let m = vec4<f32>(12582912.0);
+    return vec2<u32>(pack4xI8(bitcast<vec4<i32>>(a * inv + m)),
+                     pack4xI8(bitcast<vec4<i32>>(b * inv + m)));
+}
+//# end
+
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32,
@@ -121,7 +139,18 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         let yb1 = xb1 * gb1;
         let sa = dot(ya0 + ya1, vec4<f32>(1.0));
         let sb = dot(yb0 + yb1, vec4<f32>(1.0));
+        //# i8
+        // x as int8 (`OneShape::i8`): the unit's 16 values with one scale, dx = max |y| / 127
+        // (`i8x`), shared by every row; the formats' `d16i` take integer dots with them.
+        let am = max(max(abs(ya0), abs(ya1)), max(abs(yb0), abs(yb1)));
+        let mx = max(max(am.x, am.y), max(am.z, am.w));
+        let dx = mx * (1.0 / 127.0);
+        let inv = select(0.0, 127.0 / mx, mx > 1e-30);
+        let qa = i8x(ya0, ya1, inv);
+        let qb = i8x(yb0, yb1, inv);
+        //# end
         for (var j = 0u; j < RPW; j++) {
+            //# f32x
             //# one
             s[j].x += d16(rr[j], u, ya0, ya1, yb0, yb1, sa, sb);
             //# end
@@ -134,6 +163,22 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             //# end
             //# glu
             s[RPW + j].x += d16b(rr[j], u, ya0, ya1, yb0, yb1, sa, sb);
+            //# end
+            //# end
+            //# i8
+            //# one
+            s[j].x += d16i(rr[j], u, qa, qb, dx, sa, sb);
+            //# end
+            //# two
+            if (in_b) {
+                s[j].x += d16ib(rr[j] - p.q_dim - p.kv_dim, u, qa, qb, dx, sa, sb);
+            } else {
+                s[j].x += d16i(rr[j], u, qa, qb, dx, sa, sb);
+            }
+            //# end
+            //# glu
+            s[RPW + j].x += d16ib(rr[j], u, qa, qb, dx, sa, sb);
+            //# end
             //# end
         }
     }
