@@ -23,7 +23,12 @@ CELLM_GPU_MATVEC_D16 (0 or 1: q4_k and q6_k take 16 columns a step, both nibbles
 in the one-token matvec), CELLM_GPU_ATTN_FUSE (0 or 1: the decode attention's last split
 merges the splits, no combine launch), CELLM_GPU_ATTN_TP (0 or 1: the decode attention
 scores a position of short splits with several threads, f16 keys 16 bytes a load),
-CELLM_GPU_ATTN_VV (0 or 1: the decode attention reads f16 values 16 bytes a load).
+CELLM_GPU_ATTN_VV (0 or 1: the decode attention reads f16 values 16 bytes a load),
+CELLM_GPU_MATVEC_I8 (0 or 1: the one-token d16 matvec takes x as int8 and the q4_k / q6_k
+quants by packed integer dots; on by default on Vulkan), CELLM_GPU_MATVEC_T64 (0 or 1: 64
+threads for one-token d16 launches whose rows hold more than 128 units of 16 columns, not a
+multiple of 128), CELLM_GPU_MATVEC_R4 (columns from which the int8-x one-token build runs 4
+rows a workgroup; 0 or unset: never).
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ KNOBS = [
     "CELLM_GPU_ATTN_FUSE",
     "CELLM_GPU_ATTN_TP",
     "CELLM_GPU_ATTN_VV",
+    "CELLM_GPU_MATVEC_I8",
+    "CELLM_GPU_MATVEC_T64",
+    "CELLM_GPU_MATVEC_R4",
 ]
 IDS = [int(i) for i in np.random.default_rng(1).integers(100, 20000, 2048 + 64)]
 

@@ -448,6 +448,13 @@ impl OneShape {
         }
     }
 
+    /// `self` on `backend`: int8 x (`I8_DEFAULT`) on Vulkan only, unless
+    /// `CELLM_GPU_MATVEC_I8` says.
+    pub fn for_backend(self, backend: wgpu::Backend) -> Self {
+        let asked = std::env::var_os("CELLM_GPU_MATVEC_I8").is_some();
+        OneShape { i8: self.i8 && (asked || backend == wgpu::Backend::Vulkan), ..self }
+    }
+
     /// The rows, threads and reduction of `self` are the default's (whatever `d16`, `i8`).
     fn default_shape(self) -> bool {
         OneShape { d16: D16_DEFAULT, i8: I8_DEFAULT, ..self } == Self::DEFAULT
@@ -545,15 +552,41 @@ pub const ATTN_TP_DEFAULT: bool = true;
 pub const D16_DEFAULT: bool = true;
 
 /// Whether the plain and GLU one-token builds of formats with a `d16` run 64 threads (the
-/// shape's rows) for launches whose rows are not a multiple of 2048 columns (128 threads of
-/// 16 columns each), e.g. 3072 (192 units: 3 a thread rather than 2 or 1):
-/// `CELLM_GPU_MATVEC_T64=1` / `=0`.
+/// shape's rows) for launches whose rows hold more than 128 units of 16 columns but not a
+/// multiple of 128 (`t64_cols`), e.g. 3072 columns (192 units: 3 a thread rather than 2 or
+/// 1): `CELLM_GPU_MATVEC_T64=0` / `=1`. On the H200 Llama-3.2-3B Q4_K_M (3072 columns) +2%
+/// / +2% (tg64@128 / @2048) in two calls with int8 x; on every launch whose units are not a
+/// multiple of 128 it cost Qwen2.5-0.5B (896 columns: 56 units) 1-3%, hence more than 128
+/// (docs/benchmarks.md, "int8 x").
 pub fn t64() -> bool {
-    std::env::var("CELLM_GPU_MATVEC_T64").is_ok_and(|v| v != "0")
+    std::env::var("CELLM_GPU_MATVEC_T64").map_or(true, |v| v != "0")
 }
 
-/// Whether the one-token `d16` loop takes x as int8 (`OneShape::i8`).
-pub const I8_DEFAULT: bool = false;
+/// Whether a one-token launch of rows of `cols` columns takes the 64-thread build (`t64`).
+pub fn t64_cols(cols: u32) -> bool {
+    let units = cols / 16;
+    units > 128 && !units.is_multiple_of(128)
+}
+
+/// Columns from which a one-token launch with int8 x (`OneShape::i8`, default shape) runs
+/// 4 rows a workgroup instead of 2 (more rows share each thread's rounding of x):
+/// `CELLM_GPU_MATVEC_R4=cols` (for measuring; 0 or unset: never). On the H200 4 rows
+/// everywhere read +5% / +4% on the Q4_K_M Llamas and -4% on Qwen2.5-0.5B in one call, and
+/// from 2048 columns -1% on Llama-3.2-1B (the same launches) and +1% on 3B in the next: no
+/// clear gain (docs/benchmarks.md, "int8 x").
+pub fn r4_cols() -> Option<u32> {
+    let v = std::env::var("CELLM_GPU_MATVEC_R4").ok().and_then(|v| v.parse().ok());
+    v.filter(|&c| c > 0)
+}
+
+/// Whether the one-token `d16` loop takes x as int8 (`OneShape::i8`) on Vulkan (wgpu
+/// writes `dot4I8Packed` as SPIR-V's packed `OpSDot` where the device has integer dot
+/// products, core in Vulkan 1.3); Metal, whose shading language has no packed dot (naga
+/// writes it out byte by byte), keeps the float `d16` unless `CELLM_GPU_MATVEC_I8=1`. On the
+/// H200 (two calls, tg64@128 / @2048 against the float `d16`): Llama-3.2-1B Q4_K_M +7% /
+/// +7% and +9% / +8%, 3B +13% / +10% and +10% / +11%, Qwen2.5-0.5B +6% / +3% and +2% /
+/// +4%, Gemma 3 +0-2% (docs/benchmarks.md, "int8 x").
+pub const I8_DEFAULT: bool = true;
 
 /// Columns between the two halves of a format's `d16` (the 8 columns in the low nibbles of
 /// a pair of words and the 8 in their high nibbles; formats.wgsl), where it has one.
@@ -783,8 +816,11 @@ pub struct Kernel {
     /// Workgroups a group of 4 rows takes in the one-token build (`OneShape::split`).
     pub single_split: u32,
     /// The one-token build at 64 threads, for launches whose rows' 16-column units (`d16`)
-    /// are not a multiple of 128 (`t64()`), where built.
+    /// are more than 128 and not a multiple of 128 (`t64()`, `t64_cols`), where built.
     pub single64: Option<wgpu::ComputePipeline>,
+    /// The int8-x one-token build at 4 rows a workgroup, and the columns from which a
+    /// launch takes it (`r4_cols()`), where built.
+    pub single_r4: Option<(wgpu::ComputePipeline, u32)>,
     /// The one-token build with `Wide::get()` threads, and which launches take it (where the
     /// device has subgroups).
     pub wide: Option<(wgpu::ComputePipeline, Wide)>,
@@ -803,8 +839,11 @@ impl Kernel {
     pub fn for_launch(&self, tokens: u32, rows: u32, cols: u32) -> (&wgpu::ComputePipeline, u32) {
         match (&self.wide, &self.single, tokens) {
             (Some((wide, w)), _, 1) if cols >= w.cols && rows < w.rows => (wide, 1),
-            (_, Some(_), 1) if self.single64.is_some() && !(cols / 16).is_multiple_of(128) => {
+            (_, Some(_), 1) if self.single64.is_some() && t64_cols(cols) => {
                 (self.single64.as_ref().expect("built"), self.single_split)
+            }
+            (_, Some(_), 1) if self.single_r4.as_ref().is_some_and(|r| cols >= r.1) => {
+                (&self.single_r4.as_ref().expect("built").0, 1)
             }
             (_, Some(one), 1) => (one, self.single_split),
             _ => (&self.pipeline, 1),
@@ -863,7 +902,7 @@ impl Kernels {
             coopmat: gpu.coopmat && fits,
             immediates: gpu.immediates,
             f16v4: f16_vec4(),
-            one: OneShape::get(),
+            one: OneShape::get().for_backend(gpu.info.backend),
             built: HashMap::new(),
         }
     }
@@ -965,18 +1004,25 @@ fn build(
     let coop = (coopmat && id.has_gemm()).then(|| (pipeline(COOP_BUILD), CoopTile::get(glu)));
     let name = label.split('(').next().unwrap_or_default().to_string();
     let single_split = one.split();
-    // 64 threads where a row's d16 units leave some of 128 idle (`t64()`).
+    // 64 threads where a row's d16 units leave some of 128 threads idle (`t64()`).
     let d16 = |sh: OneShape| id.source_shape(subgroups, 1, sh.threads, f16v4, sh);
     let single64 = (t64() && id.per_token_count() && !rope && subgroups && one.threads == 128)
-        .then(|| OneShape { threads: 64, ..one })
+        .then_some(OneShape { threads: 64, ..one })
         .filter(|&sh| d16(sh).contains("const D16: bool = true"))
         .map(|sh| pipeline_shape(1, 64, sh));
+    // 4 rows where x is int8 and the rows are long (`r4_cols()`).
+    let single_r4 = r4_cols()
+        .filter(|_| id.per_token_count() && !rope && subgroups && one.i8 && one.rows == 2)
+        .map(|c| (OneShape { rows: 4, ..one }, c))
+        .filter(|&(sh, _)| d16(sh).contains("const D16: bool = true"))
+        .map(|(sh, c)| (pipeline_shape(1, sh.threads, sh), c));
     Kernel {
         name,
         pipeline: pipeline(4),
         single,
         single_split,
         single64,
+        single_r4,
         wide,
         gemm,
         coop,

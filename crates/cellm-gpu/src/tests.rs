@@ -222,7 +222,7 @@ fn gpu_matvec(
 
 /// One-token shapes besides the default that the tests run (`OneShape`).
 /// (Each with and without `d16` somewhere, and `d16` with and without int8 x.)
-const ONE_SHAPES: [OneShape; 9] = [
+const ONE_SHAPES: [OneShape; 11] = [
     OneShape::LEGACY,
     OneShape { rows: 1, threads: 32, scalar: true, d16: true, i8: false },
     OneShape { rows: 1, threads: 256, scalar: false, d16: false, i8: false },
@@ -232,6 +232,8 @@ const ONE_SHAPES: [OneShape; 9] = [
     OneShape { d16: true, i8: !I8_DEFAULT, ..OneShape::DEFAULT },
     OneShape { d16: true, i8: !I8_DEFAULT, ..OneShape::LEGACY },
     OneShape { rows: 1, threads: 32, scalar: true, d16: true, i8: true },
+    OneShape { rows: 4, threads: 128, scalar: true, d16: true, i8: true },
+    OneShape { rows: 2, threads: 64, scalar: true, d16: true, i8: true },
 ];
 
 /// Byte ranges of a block's quants (zeroed, the block decodes to its offsets alone) in the

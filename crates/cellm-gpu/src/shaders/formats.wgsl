@@ -9,7 +9,8 @@
 // one-token matvec uses it); kernels.rs adds the plain one (w8 and two dots) where not. q4_k
 // and q6_k also define `fn d16$(r, u, xa0, xa1, xb0, xb1, sum_a, sum_b) -> f32`: unit u of a
 // row, 16 columns from one pair of words (the 8 at c and the 8 at c + H16, `d16_half` in
-// kernels.rs; matvec.wgsl's D16 loop says which c).
+// kernels.rs; matvec.wgsl's D16 loop says which c), and `fn d16i$(r, u, xa, xb, dx, sum_a,
+// sum_b) -> f32`: the same with x as int8 (`i8x` in matvec.wgsl), by `dot4I8Packed`.
 
 //# f32
 @group(0) @binding($Q) var<storage, read> wq$: array<vec4<f32>>;

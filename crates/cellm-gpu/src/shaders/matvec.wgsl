@@ -21,6 +21,9 @@
 // step where `OneShape::d16` (D16 below). The grid counts groups of 4 rows; a
 // one-token build of RPW = 1 or 2 rows a workgroup takes the group's 4 / RPW slices along
 // the grid's z (which counts token groups otherwise, and is 1 for one token).
+// With I8 (`OneShape::i8`, the default on Vulkan) the `d16` loop rounds each thread's 16
+// values of x to int8 with one scale (`i8x`) and takes the formats' `d16i` (packed 4 x 8-bit
+// integer dots) instead of their float `d16`.
 const WG: u32 = $WGu;
 const RPW: u32 = $RPWu;
 // Sums a thread carries per token lane: RPW of W x, RPW of the GLU's second matrix, and
