@@ -203,7 +203,7 @@ if [[ $phase == cellm ]]; then
     V+=",steps2=CELLM_GPU_MATVEC_STEPS:2,noimm=CELLM_GPU_NO_IMMEDIATES:1"
     V+=",noahead=CELLM_GPU_NO_AHEAD:1,nofuse=CELLM_GPU_NO_FUSE:1,f16v2=CELLM_GPU_F16_VEC4:0"
     V+=",nod16=CELLM_GPU_MATVEC_D16:0,nocombfuse=CELLM_GPU_ATTN_FUSE:0,notp=CELLM_GPU_ATTN_TP:0"
-    V+=",novv=CELLM_GPU_ATTN_VV:0"
+    V+=",novv=CELLM_GPU_ATTN_VV:0,noi8=CELLM_GPU_MATVEC_I8:0,not64=CELLM_GPU_MATVEC_T64:0"
     # (the wide build runs only on Qwen2.5's and Gemma 3's down projections)
     A=$P,$G/qwen2.5-0.5b-q4_k_m.gguf,$G/gemma-3-270m-q4_k_m.gguf
     python3 "$D/gpu_decode_ab.py" $A "$V" 2 2>&1 | grep -v "^cellm-gpu: " | tee $OUT/ab.jsonl
