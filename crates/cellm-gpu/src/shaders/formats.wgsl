@@ -311,38 +311,38 @@ fn q6_dot8$(lo: u32, hi: u32, x0: vec4<f32>, x1: vec4<f32>) -> f32 {
     return dot(qe, vec4<f32>(x0.x, x0.z, x1.x, x1.z)) + dot(qo, vec4<f32>(x0.y, x0.w, x1.y, x1.w));
 }
 // Unit u of a row (matvec.wgsl's D16 loop; H16 = 8): the 16 columns of scale u % 16 of
-// super-block u / 16, from two words of low bits and one of high bits.
-fn d16$(r: u32, u: u32, xa0: vec4<f32>, xa1: vec4<f32>, xb0: vec4<f32>, xb1: vec4<f32>,
-        sum_a: f32, sum_b: f32) -> f32 {
+// super-block u / 16, from two words of low bits and one of high bits, and that scale times
+// the super-block's d.
+struct Q6Unit$ {
+    lo0: u32,
+    lo1: u32,
+    hi: u32,
+    d: f32,
+}
+fn q6_unit$(r: u32, u: u32) -> Q6Unit$ {
     let sb = r * (p.cols / 256u) + u / 16u;
     let at = sb * 48u + (u % 16u) * 2u;
-    let lo0 = wq$[at];
-    let lo1 = wq$[at + 1u];
-    let hi = wq$[sb * 48u + 32u + u % 16u];
     let s = u % 16u;
     let sc = f32((i32(ws$[sb * 5u + 1u + s / 4u]) << (24u - 8u * (s % 4u))) >> 24u);
-    let d = bitcast<f32>(ws$[sb * 5u]) * sc;
-    let q = q6_dot8$(lo0, hi, xa0, xa1) + q6_dot8$(lo1, hi >> 16u, xb0, xb1);
-    return d * (q - 32.0 * (sum_a + sum_b));
+    return Q6Unit$(wq$[at], wq$[at + 1u], wq$[sb * 48u + 32u + s], bitcast<f32>(ws$[sb * 5u]) * sc);
+}
+fn d16$(r: u32, u: u32, xa0: vec4<f32>, xa1: vec4<f32>, xb0: vec4<f32>, xb1: vec4<f32>,
+        sum_a: f32, sum_b: f32) -> f32 {
+    let w = q6_unit$(r, u);
+    let q = q6_dot8$(w.lo0, w.hi, xa0, xa1) + q6_dot8$(w.lo1, w.hi >> 16u, xb0, xb1);
+    return w.d * (q - 32.0 * (sum_a + sum_b));
 }
 // `d16` with x as int8 (matvec.wgsl's `i8x` with I8EO: each word pair the even columns of 8,
 // then the odd ones; dx their scale): the 6-bit quants' bytes (even and odd, as `q6_dot8`)
 // times x by packed integer dots, one conversion; the offset of 32 from x's float sums.
 fn d16i$(r: u32, u: u32, xa: vec2<u32>, xb: vec2<u32>, dx: f32, sum_a: f32, sum_b: f32) -> f32 {
-    let sb = r * (p.cols / 256u) + u / 16u;
-    let at = sb * 48u + (u % 16u) * 2u;
-    let lo0 = wq$[at];
-    let lo1 = wq$[at + 1u];
-    let hi = wq$[sb * 48u + 32u + u % 16u];
-    let s = u % 16u;
-    let sc = f32((i32(ws$[sb * 5u + 1u + s / 4u]) << (24u - 8u * (s % 4u))) >> 24u);
-    let d = bitcast<f32>(ws$[sb * 5u]) * sc;
-    let ae = (lo0 & 0x0f0f0f0fu) | q6_spread$(hi & 0x3333u);
-    let ao = ((lo0 >> 4u) & 0x0f0f0f0fu) | q6_spread$((hi >> 2u) & 0x3333u);
-    let be = (lo1 & 0x0f0f0f0fu) | q6_spread$((hi >> 16u) & 0x3333u);
-    let bo = ((lo1 >> 4u) & 0x0f0f0f0fu) | q6_spread$((hi >> 18u) & 0x3333u);
+    let w = q6_unit$(r, u);
+    let ae = (w.lo0 & 0x0f0f0f0fu) | q6_spread$(w.hi & 0x3333u);
+    let ao = ((w.lo0 >> 4u) & 0x0f0f0f0fu) | q6_spread$((w.hi >> 2u) & 0x3333u);
+    let be = (w.lo1 & 0x0f0f0f0fu) | q6_spread$((w.hi >> 16u) & 0x3333u);
+    let bo = ((w.lo1 >> 4u) & 0x0f0f0f0fu) | q6_spread$((w.hi >> 18u) & 0x3333u);
     let q = dot4I8Packed(ae, xa.x) + dot4I8Packed(ao, xa.y) + dot4I8Packed(be, xb.x)
         + dot4I8Packed(bo, xb.y);
-    return d * (dx * f32(q) - 32.0 * (sum_a + sum_b));
+    return w.d * (dx * f32(q) - 32.0 * (sum_a + sum_b));
 }
 //# end
