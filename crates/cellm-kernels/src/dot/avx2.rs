@@ -707,14 +707,15 @@ unsafe fn fold512(v: __m512) -> __m256 {
     _mm256_add_ps(_mm512_castps512_ps256(v), hi)
 }
 
-/// [`dot_four`] 16 columns at a time (`n` a multiple of 16).
+/// The `H` heads' running sums against `R` rows, 16 columns a vector (`n` a multiple of 16):
+/// the lanes still to be added up.
 #[inline(always)]
-unsafe fn dot_four16<L: Lanes16, const H: usize>(
-    rows: [*const L::Elem; 4],
+unsafe fn running_sums16<L: Lanes16, const H: usize, const R: usize>(
+    rows: [*const L::Elem; R],
     n: usize,
     q: *const f32,
-) -> [__m128; H] {
-    let mut acc = [[_mm512_setzero_ps(); 4]; H];
+) -> [[__m512; R]; H] {
+    let mut acc = [[_mm512_setzero_ps(); R]; H];
     let mut qv = [_mm512_setzero_ps(); H];
     for i in (0..n).step_by(16) {
         for (h, qv) in qv.iter_mut().enumerate() {
@@ -727,6 +728,17 @@ unsafe fn dot_four16<L: Lanes16, const H: usize>(
             }
         }
     }
+    acc
+}
+
+/// [`dot_four`] 16 columns at a time (`n` a multiple of 16).
+#[inline(always)]
+unsafe fn dot_four16<L: Lanes16, const H: usize>(
+    rows: [*const L::Elem; 4],
+    n: usize,
+    q: *const f32,
+) -> [__m128; H] {
+    let acc = running_sums16::<L, H, 4>(rows, n, q);
     let mut sums = [_mm_setzero_ps(); H];
     for (sum, acc) in sums.iter_mut().zip(acc) {
         // (No closure: it would not inherit the target features.)
@@ -740,14 +752,9 @@ unsafe fn dot_four16<L: Lanes16, const H: usize>(
 /// (24 shuffles and adds for the eight, where folding each vector alone took 38 micro-ops).
 #[inline(always)]
 unsafe fn lane_sums8(v: &[__m512; 8]) -> __m256 {
-    // Per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3].
-    let pair = |a, b| _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    // Per 128-bit lane: the four vectors' sums over that lane.
-    let quad = |ab, cd| {
-        _mm512_add_ps(_mm512_shuffle_ps::<0x44>(ab, cd), _mm512_shuffle_ps::<0xEE>(ab, cd))
-    };
-    let low = quad(pair(v[0], v[1]), pair(v[2], v[3]));
-    let high = quad(pair(v[4], v[5]), pair(v[6], v[7]));
+    // (Functions, not closures: those would not inherit the caller's target features.)
+    let low = quad_sums(pair_sums(v[0], v[1]), pair_sums(v[2], v[3]));
+    let high = quad_sums(pair_sums(v[4], v[5]), pair_sums(v[6], v[7]));
     // Lanes [low 0 + 1, low 2 + 3, high 0 + 1, high 2 + 3], reordered so that the two
     // 256-bit halves add up to [low, high].
     let halves = _mm512_add_ps(
@@ -755,6 +762,18 @@ unsafe fn lane_sums8(v: &[__m512; 8]) -> __m256 {
         _mm512_shuffle_f32x4::<0b11_10_11_10>(low, high),
     );
     fold512(_mm512_shuffle_f32x4::<0b11_01_10_00>(halves, halves))
+}
+
+/// Per 128-bit lane of `a` and `b`: [a0 + a2, b0 + b2, a1 + a3, b1 + b3].
+#[inline(always)]
+unsafe fn pair_sums(a: __m512, b: __m512) -> __m512 {
+    _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
+}
+
+/// Per 128-bit lane, the sums of the four vectors that `pair_sums` gave `ab` and `cd`.
+#[inline(always)]
+unsafe fn quad_sums(ab: __m512, cd: __m512) -> __m512 {
+    _mm512_add_ps(_mm512_shuffle_ps::<0x44>(ab, cd), _mm512_shuffle_ps::<0xEE>(ab, cd))
 }
 
 /// [`dot_four16`] for eight rows: 8 x `H` running sums (24 of the 32 registers at three
@@ -765,19 +784,7 @@ unsafe fn dot_eight16<L: Lanes16, const H: usize>(
     n: usize,
     q: *const f32,
 ) -> [__m256; H] {
-    let mut acc = [[_mm512_setzero_ps(); 8]; H];
-    for i in (0..n).step_by(16) {
-        let mut qv = [_mm512_setzero_ps(); H];
-        for (h, qv) in qv.iter_mut().enumerate() {
-            *qv = _mm512_loadu_ps(q.add(h * n + i));
-        }
-        for (s, row) in rows.iter().enumerate() {
-            let k = L::load16(row.add(i));
-            for h in 0..H {
-                acc[h][s] = _mm512_fmadd_ps(qv[h], k, acc[h][s]);
-            }
-        }
-    }
+    let acc = running_sums16::<L, H, 8>(rows, n, q);
     let mut sums = [_mm256_setzero_ps(); H];
     for (sum, acc) in sums.iter_mut().zip(&acc) {
         *sum = lane_sums8(acc);
