@@ -378,13 +378,16 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
             false => "f32".to_string(),
         };
         eprintln!(
-            "cellm-gpu: {} ({:?}, {:?}), {} dispatches per one-token step ({} planned; \
-             the combine only with several attention splits), one submit per step \
+            "cellm-gpu: {} ({:?}, {:?}), {} dispatches per one-token step ({} more with \
+             several attention splits; {} planned in all), one submit per step \
              (subgroups {}, parameters as {}), prefill GEMM: {gemm}",
             gpu.info.name,
             gpu.info.backend,
             gpu.info.device_type,
-            ops.iter().filter(|o| o.when != When::Gemm).count(),
+            ops.iter()
+                .filter(|o| matches!(o.when, When::Always | When::Matvec | When::Decode))
+                .count(),
+            ops.iter().filter(|o| o.when == When::Splits).count(),
             ops.len(),
             gpu.subgroups,
             if gpu.immediates { "immediates" } else { "a uniform buffer" }
