@@ -14,6 +14,11 @@ median over the rounds, and each ratio as the median of the rounds' own ratios.
   sampling and detokenizing included (what `generate_batch` and the server see).
 - cellm, engine: the same prompts prefilled in one `Engine.step`, then `--new` steps that each
   feed every session a fixed token id (no sampling), timed after the first: the engine alone.
+- cellm, paired steps (`--paired`): one engine holds one session and N sessions, both
+  prefilled, and alternates their decode steps (one session's step, then the N sessions',
+  then the other order), `--new` each; the ratio of the two rates. A step of each kind runs
+  within milliseconds of the other, so the ratio does not move with how busy a shared host
+  was in one measure and not the other (the rounds' ratios above move up to 2x on one).
 - llama.cpp: a `llama-batched-bench` process per session count (`-npl N -npp PROMPT -ntg NEW
   -kvu`, random token ids, its own warm-up), its `S_TG t/s` column (N * NEW tokens over the
   decode time), its OpenMP threads waiting as `--omp-wait-policy` says: PASSIVE by default (a
@@ -61,6 +66,26 @@ def cellm_engine_rate(llm: LLM, n: int, prompt: int, new: int, rng: random.Rando
             engine.free_session(s)
 
 
+def cellm_paired_ratio(llm: LLM, n: int, prompt: int, new: int, rng: random.Random) -> float:
+    """N sessions' aggregate decode rate over one session's, their steps alternating."""
+    engine, vocab = llm._engine, llm.vocab_size
+    one, many = [engine.create_session()], [engine.create_session() for _ in range(n)]
+    try:
+        for group in (one, many):
+            engine.step([(s, [rng.randrange(vocab) for _ in range(prompt)]) for s in group])
+        spent = {id(one): 0.0, id(many): 0.0}
+        for i in range(new):
+            for group in (one, many) if i % 2 == 0 else (many, one):
+                feed = [(s, [rng.randrange(vocab)]) for s in group]
+                t0 = time.perf_counter()
+                engine.step(feed)
+                spent[id(group)] += time.perf_counter() - t0
+        return n * spent[id(one)] / spent[id(many)]
+    finally:
+        for s in one + many:
+            engine.free_session(s)
+
+
 def llama_cpp_rate(
     binary: str, gguf: str, threads: int, n: int, prompt: int, new: int, wait_policy: str
 ) -> float:
@@ -90,6 +115,11 @@ def main() -> None:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
+        "--paired",
+        action="store_true",
+        help="also measure each count against one session with their engine steps alternating",
+    )
+    p.add_argument(
         "--omp-wait-policy",
         default="PASSIVE",
         choices=["PASSIVE", "ACTIVE"],
@@ -115,11 +145,13 @@ def main() -> None:
                 "scheduler": cellm_scheduler_rate(llm, n, args.prompt, args.new, rng),
                 "engine": cellm_engine_rate(llm, n, args.prompt, args.new, rng),
             }
+            if args.paired and n != 1:
+                got["paired"] = cellm_paired_ratio(llm, n, args.prompt, args.new, rng)
             for k, v in got.items():
                 rates.setdefault((k, n), []).append(v)
             print(
                 f"round {r + 1}, {n} sessions: "
-                + ", ".join(f"{k} {v:.1f}" for k, v in got.items()),
+                + ", ".join(f"{k} {v:.{2 if k == 'paired' else 1}f}" for k, v in got.items()),
                 flush=True,
             )
 
@@ -151,6 +183,12 @@ def main() -> None:
             f"| {ratio('engine', n, 'engine', one):.2f}x "
             f"| {ratio('llama.cpp', n, 'llama.cpp', one):.2f}x |"
         )
+    if args.paired:
+        print("\nengine, N sessions against one with their steps alternating (medians of rounds):")
+        for n in sessions:
+            if ("paired", n) in rates:
+                cells = ", ".join(f"{x:.2f}" for x in rates[("paired", n)])
+                print(f"- {n} sessions: {statistics.median(rates[('paired', n)]):.2f}x ({cells})")
 
 
 if __name__ == "__main__":
