@@ -380,3 +380,117 @@ fn prefill_tiles_fit_32_kib() {
     }
     assert_eq!(Tile::new(72), None);
 }
+
+/// The decode attention by kv head (`AttentionGqa`, CELLM_GPU_ATTN_GQA): groups of 1, 3, 4
+/// and 7 query heads, head dims 64, 128 and 256, f16 and f32 KV, windows and soft-capping,
+/// several tokens of one session in a step and several sessions, contexts of up to 14 pages
+/// in splits of 16 to 100 positions (and in one split), with the combine launch and with the
+/// fused merge (twice over the same counts), against the float64 reference. Each query head
+/// has its own random query, so a head attended with another head's query (or written to
+/// another head's output) is off by far more than the tolerance.
+#[test]
+fn gqa_attention_matches_float64() {
+    let Some(gpu) = gpu() else { return };
+    let mut kernels = Kernels::new(&gpu);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let case = |head_dim, heads, kv_heads, f16, window, softcap| Case {
+        head_dim,
+        heads,
+        kv_heads,
+        f16,
+        window,
+        softcap,
+    };
+    let cases = [
+        case(64, 2, 2, true, 0, 0.0),
+        case(128, 6, 2, true, 0, 0.0),
+        case(64, 8, 2, false, 0, 30.0),
+        case(128, 7, 1, false, 40, 0.0),
+        case(64, 14, 2, true, 0, 0.0),
+        case(256, 4, 1, true, 50, 50.0),
+        case(128, 4, 4, false, 0, 0.0),
+        case(256, 3, 1, false, 0, 0.0),
+    ];
+    // Four tokens of one session (the batched decode), lone tokens of two more, and three
+    // tokens of a session near its start.
+    let sessions = [(200, 4), (70, 1), (33, 1), (5, 3)];
+    for c in cases {
+        let group = (c.heads / c.kv_heads) as u32;
+        let (heads, hd) = (c.heads as u32, c.head_dim as u32);
+        assert!(crate::kernels::gqa_fits(group, hd, 32 << 10), "{c:?}");
+        let s = Setup::new(c, &sessions, &mut rng);
+        let want = s.reference();
+        let t = s.pos.len() as u32;
+        let ctx = s.pos.iter().max().unwrap() + 1;
+        // As in `attention_kernels_match_float64`: values in [-1, 1], sums of at most 256
+        // products and softmax sums over at most 204 positions round at a few 1e-6.
+        let tol = 2e-5;
+        for split_len in [16, 32, 64, 100, ctx] {
+            let splits = ctx.div_ceil(split_len) as u32;
+            let part = vec![0u32; s.pos.len() * c.heads * splits as usize * (c.head_dim + 2)];
+            let part = gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: None,
+                contents: as_bytes(&part),
+                usage: wgpu::BufferUsages::STORAGE,
+            });
+            let grid = (c.kv_heads as u32, t, splits);
+            let d = Bufs::new(&gpu, &s, split_len);
+            d.launch(
+                &mut kernels,
+                KernelId::AttentionGqa { group, head_dim: hd, fused: false },
+                &[(1, &d.qkv), (2, &part), (3, &d.ctx), (6, &d.pool)],
+                grid,
+            );
+            let mut p = [0u32; 16];
+            p[..2].copy_from_slice(&[heads, hd]);
+            let combine = Bufs {
+                params: gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: None,
+                    contents: as_bytes(&p),
+                    usage: wgpu::BufferUsages::UNIFORM,
+                }),
+                params_words: p,
+                ..d
+            };
+            if splits > 1 {
+                combine.launch(
+                    &mut kernels,
+                    KernelId::AttnCombine,
+                    &[(1, &part), (2, &combine.ctx)],
+                    (heads, t, 1),
+                );
+            }
+            let err = max_err(&combine.read_ctx(), &want);
+            eprintln!("{c:?} splits of {split_len}: by kv head within {err:.2e}");
+            assert!(err <= tol, "{c:?} splits of {split_len}: by kv head off by {err}");
+            let done = gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: None,
+                contents: as_bytes(&vec![0u32; s.pos.len() * c.heads]),
+                usage: wgpu::BufferUsages::STORAGE,
+            });
+            for round in 0..2 {
+                let f = Bufs::new(&gpu, &s, split_len);
+                f.launch(
+                    &mut kernels,
+                    KernelId::AttentionGqa { group, head_dim: hd, fused: true },
+                    &[(1, &f.qkv), (2, &part), (3, &f.ctx), (4, &done), (6, &f.pool)],
+                    grid,
+                );
+                let err = max_err(&f.read_ctx(), &want);
+                eprintln!("{c:?} splits of {split_len}: fused by kv head within {err:.2e}");
+                assert!(err <= tol, "{c:?} {split_len}: fused by kv head off by {err} ({round})");
+            }
+        }
+    }
+}
+
+/// Every group the by-kv-head build takes at head dims 64 and 128 (up to 16 and 8 query
+/// heads) fits 32 KiB of shared memory.
+#[test]
+fn gqa_shared_memory_fits_32_kib() {
+    for (hd, most) in [(64, 16), (128, 8), (256, 4)] {
+        for g in 1..=most {
+            assert!(crate::kernels::gqa_fits(g, hd, 32 << 10), "{g} x {hd}");
+        }
+    }
+}
