@@ -581,7 +581,10 @@ pub fn attn_gqa() -> bool {
     }
 }
 
-/// `attn_gqa()` without the knob.
+/// `attn_gqa()` without the knob: off, as on the H200 it was slower on every shape measured
+/// (tg64@128 / @2048 against the per-query-head build: Llama-3.2-3B Q4_K_M 0.99x / 0.89x,
+/// 1B 0.99x / 0.93x, Gemma 3 0.94x / 0.54x; docs/benchmarks.md, "Decode attention by kv
+/// head").
 pub const ATTN_GQA_DEFAULT: bool = false;
 
 /// Workgroups the decode attention aims at per step (its splits are chosen to reach about
