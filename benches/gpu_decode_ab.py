@@ -28,10 +28,7 @@ CELLM_GPU_MATVEC_I8 (0 or 1: the one-token d16 matvec takes x as int8 and the q4
 quants by packed integer dots; on by default on Vulkan), CELLM_GPU_MATVEC_T64 (0 or 1: 64
 threads for one-token d16 launches whose rows hold more than 128 units of 16 columns, not a
 multiple of 128), CELLM_GPU_MATVEC_R4 (columns from which the int8-x one-token build runs 4
-rows a workgroup; 0 or unset: never), CELLM_GPU_ATTN_GQA (0 or 1: the decode attention runs
-a workgroup per kv head for all the query heads of its group, reading each key and value
-once per group), CELLM_GPU_ATTN_WGS (workgroups the decode attention's splits aim at;
-default 1024).
+rows a workgroup; 0 or unset: never).
 """
 
 from __future__ import annotations
@@ -64,8 +61,6 @@ KNOBS = [
     "CELLM_GPU_MATVEC_I8",
     "CELLM_GPU_MATVEC_T64",
     "CELLM_GPU_MATVEC_R4",
-    "CELLM_GPU_ATTN_GQA",
-    "CELLM_GPU_ATTN_WGS",
 ]
 IDS = [int(i) for i in np.random.default_rng(1).integers(100, 20000, 2048 + 64)]
 

@@ -17,7 +17,6 @@ const LINEAR: &str = include_str!("shaders/linear.wgsl");
 const EMBED: &str = include_str!("shaders/embed.wgsl");
 const ROPE_KV: &str = include_str!("shaders/rope_kv.wgsl");
 const ATTENTION: &str = include_str!("shaders/attention.wgsl");
-const ATTENTION_GQA: &str = include_str!("shaders/attention_gqa.wgsl");
 const ATTN_COMBINE: &str = include_str!("shaders/attn_combine.wgsl");
 const ATTN_PREFILL: &str = include_str!("shaders/attn_prefill.wgsl");
 const ATTN_PREFILL_COOP: &str = include_str!("shaders/attn_prefill_coop.wgsl");
@@ -47,14 +46,6 @@ pub enum KernelId {
     /// `Attention` whose last split of each (token, head) merges the splits itself (no
     /// `AttnCombine` launch).
     AttentionFused,
-    /// The decode attention by kv head (`attention_gqa.wgsl`): a workgroup per (kv head,
-    /// token, split) for the `group` query heads of the kv head, heads of `head_dim`;
-    /// `fused` as in `AttentionFused`.
-    AttentionGqa {
-        group: u32,
-        head_dim: u32,
-        fused: bool,
-    },
     AttnCombine,
     /// Prefill attention for heads of this dim.
     AttnPrefill(u32),
@@ -86,11 +77,6 @@ impl KernelId {
             KernelId::NormAdd,
         ];
         all.extend([16, 64, 80, 96, 128, 256].map(KernelId::AttnPrefill));
-        for (group, head_dim) in [(1, 64), (3, 128), (4, 64), (4, 256), (7, 64), (7, 128)] {
-            for fused in [false, true] {
-                all.push(KernelId::AttentionGqa { group, head_dim, fused });
-            }
-        }
         for l in layouts {
             all.extend([
                 KernelId::Matvec(l),
@@ -154,13 +140,6 @@ impl KernelId {
                 (5, Read),
                 (6, Read),
             ],
-            KernelId::AttentionGqa { fused, .. } => {
-                let mut b = vec![(0, Uniform), (1, Read), (2, Write), (3, Write), (6, Read)];
-                if fused {
-                    b.push((4, Write));
-                }
-                b
-            }
             KernelId::AttnCombine => vec![(0, Uniform), (1, Read), (2, Write)],
             KernelId::AttnPrefill(_) | KernelId::AttnPrefillCoop(_) => {
                 vec![(0, Uniform), (1, Read), (2, Write), (5, Read)]
@@ -244,7 +223,6 @@ impl KernelId {
             KernelId::Embed(l) => (EMBED, Some(l), false),
             KernelId::RopeKv => (ROPE_KV, None, false),
             KernelId::Attention | KernelId::AttentionFused => (ATTENTION, None, false),
-            KernelId::AttentionGqa { .. } => (ATTENTION_GQA, None, false),
             KernelId::AttnCombine => (ATTN_COMBINE, None, false),
             KernelId::AttnPrefill(_) | KernelId::AttnPrefillCoop(_) => (&prefill, None, false),
             KernelId::NormAdd => (NORM_ADD, None, false),
@@ -260,20 +238,12 @@ impl KernelId {
             let un = if tokens == 1 { one.unwrap_or(MATVEC_STEPS_ONE).max(1) } else { 1 };
             src.push_str(&format!("const TT: u32 = {tokens}u;\nconst UN: u32 = {un}u;\n"));
         }
-        if let KernelId::AttentionGqa { group, head_dim, .. } = self {
-            let (ch, team) = gqa_shape(group);
-            src.push_str(&format!(
-                "const G: u32 = {group}u;\nconst HD: u32 = {head_dim}u;\nconst CH: u32 = {ch}u;\n\
-                 const TEAM: u32 = {team}u;\n"
-            ));
-        }
         src.push_str(STEP);
         let attention = matches!(
             self,
             KernelId::RopeKv
                 | KernelId::Attention
                 | KernelId::AttentionFused
-                | KernelId::AttentionGqa { .. }
                 | KernelId::AttnPrefill(_)
                 | KernelId::AttnPrefillCoop(_)
         );
@@ -313,10 +283,7 @@ impl KernelId {
             "d16" => h16.is_some(),
             "i8" => h16.is_some() && one.i8,
             "f32x" => !(h16.is_some() && one.i8),
-            "fuse" => {
-                self == KernelId::AttentionFused
-                    || matches!(self, KernelId::AttentionGqa { fused: true, .. })
-            }
+            "fuse" => self == KernelId::AttentionFused,
             "tpn" => attn_tp(),
             "tp1" => !attn_tp(),
             "vv" => attn_vv(),
@@ -568,53 +535,6 @@ pub fn attn_vv() -> bool {
         Some(v) => v != "0",
         None => ATTN_VV_DEFAULT,
     }
-}
-
-/// Whether the decode attention runs a workgroup per kv head for all the query heads of its
-/// group (`KernelId::AttentionGqa`), reading each key and value row once per group rather
-/// than once per query head (`CELLM_GPU_ATTN_GQA=0` / `=1`, read when a model loads; only
-/// where `gqa_fits`).
-pub fn attn_gqa() -> bool {
-    match std::env::var("CELLM_GPU_ATTN_GQA").ok() {
-        Some(v) => v != "0",
-        None => ATTN_GQA_DEFAULT,
-    }
-}
-
-/// `attn_gqa()` without the knob: off, as on the H200 it was slower on every shape measured
-/// (tg64@128 / @2048 against the per-query-head build: Llama-3.2-3B Q4_K_M 0.99x / 0.89x,
-/// 1B 0.99x / 0.93x, Gemma 3 0.94x / 0.54x; docs/benchmarks.md, "Decode attention by kv
-/// head").
-pub const ATTN_GQA_DEFAULT: bool = false;
-
-/// Workgroups the decode attention aims at per step (its splits are chosen to reach about
-/// this many): `CELLM_GPU_ATTN_WGS=n` (read when a model loads; for measuring), else 1024.
-pub fn attn_target_workgroups() -> usize {
-    let v = std::env::var("CELLM_GPU_ATTN_WGS").ok().and_then(|v| v.parse().ok());
-    v.filter(|&n: &usize| n > 0).unwrap_or(1024)
-}
-
-/// The `AttentionGqa` build's positions a chunk (`CH`) and threads a head in its softmax
-/// reductions (`TEAM`) for groups of `group` query heads.
-pub fn gqa_shape(group: u32) -> (u32, u32) {
-    let ch = if group <= 8 { 128 } else { 64 };
-    (ch, 128 / group.next_power_of_two())
-}
-
-/// Bytes of shared memory the `AttentionGqa` build takes (attention_gqa.wgsl's arrays).
-pub fn gqa_shared_bytes(group: u32, head_dim: u32) -> u32 {
-    let (ch, _) = gqa_shape(group);
-    let floats = group * head_dim + group * ch + ch + group * 128 + 128 + 3 * group + 2 * 4 * 128;
-    4 * (floats + 1)
-}
-
-/// Whether the `AttentionGqa` build takes a model's attention: groups of up to 16 query
-/// heads, head dims that are multiples of 8 up to 256, within `shared` bytes of shared memory.
-pub fn gqa_fits(group: u32, head_dim: u32, shared: u32) -> bool {
-    (1..=16).contains(&group)
-        && head_dim.is_multiple_of(8)
-        && (8..=256).contains(&head_dim)
-        && gqa_shared_bytes(group, head_dim) <= shared
 }
 
 /// `attn_vv()` without the knob (on the H200 +11% on Gemma 3, +4-7% on the 3B shapes, +2% /

@@ -346,15 +346,6 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
         kv_f16: opts.kv_encoding == KvEncoding::F16,
         max_half: ropes.iter().map(|r| r.inv_freq.len()).max().unwrap_or(0),
         ropes: ropes.len(),
-        gqa: crate::kernels::attn_gqa()
-            && cfg.num_kv_heads > 0
-            && cfg.num_heads.is_multiple_of(cfg.num_kv_heads)
-            && crate::kernels::gqa_fits(
-                (cfg.num_heads / cfg.num_kv_heads) as u32,
-                hd as u32,
-                gpu.limits.max_compute_workgroup_storage_size,
-            ),
-        attn_wgs: crate::kernels::attn_target_workgroups(),
     };
     let mut kernels = Kernels::new(&gpu);
     let ops =
@@ -688,21 +679,14 @@ fn plan(
         if fuse_combine {
             binds.push((4, Buf::Done));
         }
-        let (id, grid) = if d.gqa {
-            let group = (cfg.num_heads / cfg.num_kv_heads) as u32;
-            let head_dim = cfg.head_dim as u32;
-            binds.retain(|&(b, _)| b != 5);
-            (KernelId::AttentionGqa { group, head_dim, fused: fuse_combine }, cfg.num_kv_heads)
-        } else if fuse_combine {
-            (KernelId::AttentionFused, cfg.num_heads)
-        } else {
-            (KernelId::Attention, cfg.num_heads)
-        };
         ops.push(Op {
-            kernel: kernels.get(&gpu.device, id),
+            kernel: kernels.get(
+                &gpu.device,
+                if fuse_combine { KernelId::AttentionFused } else { KernelId::Attention },
+            ),
             params: p,
             binds,
-            grid: Grid::Splits(grid as u32),
+            grid: Grid::Splits(cfg.num_heads as u32),
             when: When::Decode,
         });
         if !fuse_combine {

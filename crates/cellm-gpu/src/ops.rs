@@ -85,20 +85,4 @@ pub struct Dims {
     /// Rotated pairs of the widest RoPE (the cos/sin table's row).
     pub max_half: usize,
     pub ropes: usize,
-    /// Whether the decode attention runs by kv head (`KernelId::AttentionGqa`).
-    pub gqa: bool,
-    /// Workgroups the decode attention's splits aim at (`kernels::attn_target_workgroups`).
-    pub attn_wgs: usize,
-}
-
-impl Dims {
-    /// Workgroups the decode attention runs per (token, split): one per kv head with
-    /// `gqa`, else one per query head.
-    pub fn attn_heads(&self) -> usize {
-        if self.gqa {
-            self.kv_dim / self.head_dim
-        } else {
-            self.heads
-        }
-    }
 }

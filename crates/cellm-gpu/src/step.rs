@@ -231,10 +231,7 @@ impl StepBuffers {
         let none = wgpu::BufferUsages::empty();
         let pool = storage(gpu, "kv pool", pool_bytes, wgpu::BufferUsages::COPY_SRC);
         let row_bytes = (self.part_row() * 4) as u64;
-        // (By kv head, as many more splits as a kv head has query heads: the same
-        // workgroups.)
-        let group = d.heads / d.attn_heads().max(1);
-        let slots = ((caps.tokens * 4).max(64 * group) as u64).min(gpu.max_binding() / row_bytes);
+        let slots = ((caps.tokens * 4).max(64) as u64).min(gpu.max_binding() / row_bytes);
         let part_slots = (slots as usize).max(caps.tokens);
         if let Some(b) = &self.bufs {
             let mut enc = gpu.device.create_command_encoder(&Default::default());
@@ -316,11 +313,8 @@ impl StepBuffers {
     /// combine launch, made tg64@128 on the H200 21% slower for SmolLM2 and 11% for
     /// Llama-3.2-1B: a workgroup's positions run one after another.)
     pub fn splits(&self, t: usize, ctx: usize) -> (usize, usize) {
-        let want = self.dims.attn_wgs.div_ceil(self.dims.attn_heads() * t);
-        // (By kv head a workgroup scores a position for every query head of the group:
-        // splits down to 16 positions.)
-        let least = if self.dims.gqa { 16 } else { 32 };
-        let mut len = ctx.div_ceil(want).max(least).next_multiple_of(16);
+        let want = 1024usize.div_ceil(self.dims.heads * t);
+        let mut len = ctx.div_ceil(want).max(32).next_multiple_of(16);
         let most = (self.part_slots / t).max(1);
         if ctx.div_ceil(len) > most {
             len = ctx.div_ceil(most);
