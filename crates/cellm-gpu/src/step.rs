@@ -126,9 +126,22 @@ pub struct StepBuffers {
     dims: Dims,
     /// (token, split) pairs the attention's partial-sum buffer holds.
     part_slots: usize,
+    /// The decode attention's splits: about this many workgroups a step, splits of at least
+    /// this many positions (`CELLM_GPU_ATTN_SPLIT=workgroups,positions`, for measuring).
+    split_target: (usize, usize),
     /// Counts the times the buffers (and so the bind groups) were made: a command buffer
     /// recorded against one generation is valid until the next.
     generation: u64,
+}
+
+/// `CELLM_GPU_ATTN_SPLIT=workgroups,positions` (any separator), else (512, 32).
+fn split_target() -> (usize, usize) {
+    let knob = std::env::var("CELLM_GPU_ATTN_SPLIT").unwrap_or_default();
+    let mut v = knob.split(|c: char| !c.is_ascii_digit()).filter_map(|n| n.parse().ok());
+    match (v.next(), v.next()) {
+        (Some(w), Some(p)) if w > 0 && p > 0 => (w, p),
+        _ => (512, 32),
+    }
 }
 
 fn storage(gpu: &Gpu, label: &str, bytes: u64, extra: wgpu::BufferUsages) -> wgpu::Buffer {
@@ -166,6 +179,7 @@ impl StepBuffers {
             page_bytes: (2 * page_size * dims.kv_dim * value_bytes) as u64,
             dims: *dims,
             part_slots: 0,
+            split_target: split_target(),
             generation: 0,
         })
     }
@@ -308,13 +322,16 @@ impl StepBuffers {
 
     /// How the attention splits the positions of a chunk of `t` tokens whose longest
     /// context is `ctx`: (positions per split, splits). Enough splits that the launch fills
-    /// a large GPU (about 1024 workgroups), none shorter than 32 positions, and no more than
-    /// the partial-sum buffer holds. (One split of up to 256 positions, which needs no
+    /// a large GPU (about 512 workgroups; 1024 made tg64@2048 on the H200 5% slower on the
+    /// Llama-3.2-3B and Qwen2.5-0.5B shapes, docs/benchmarks.md), none shorter than 32
+    /// positions, and no more than the partial-sum buffer holds. (One split of up to 256
+    /// positions, which needs no
     /// combine launch, made tg64@128 on the H200 21% slower for SmolLM2 and 11% for
     /// Llama-3.2-1B: a workgroup's positions run one after another.)
     pub fn splits(&self, t: usize, ctx: usize) -> (usize, usize) {
-        let want = 1024usize.div_ceil(self.dims.heads * t);
-        let mut len = ctx.div_ceil(want).max(32).next_multiple_of(16);
+        let (workgroups, least) = self.split_target;
+        let want = workgroups.div_ceil(self.dims.heads * t);
+        let mut len = ctx.div_ceil(want).max(least).next_multiple_of(16);
         let most = (self.part_slots / t).max(1);
         if ctx.div_ceil(len) > most {
             len = ctx.div_ceil(most);
