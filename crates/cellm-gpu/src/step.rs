@@ -325,9 +325,8 @@ impl StepBuffers {
     /// a large GPU (about 512 workgroups; 1024 made tg64@2048 on the H200 5% slower on the
     /// Llama-3.2-3B and Qwen2.5-0.5B shapes, docs/benchmarks.md), none shorter than 32
     /// positions, and no more than the partial-sum buffer holds. (One split of up to 256
-    /// positions, which needs no
-    /// combine launch, made tg64@128 on the H200 21% slower for SmolLM2 and 11% for
-    /// Llama-3.2-1B: a workgroup's positions run one after another.)
+    /// positions, which needs no combine launch, made tg64@128 on the H200 21% slower for
+    /// SmolLM2 and 11% for Llama-3.2-1B: a workgroup's positions run one after another.)
     pub fn splits(&self, t: usize, ctx: usize) -> (usize, usize) {
         let (workgroups, least) = self.split_target;
         let want = workgroups.div_ceil(self.dims.heads * t);
