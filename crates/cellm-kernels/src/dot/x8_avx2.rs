@@ -570,9 +570,6 @@ unsafe fn run_pair<const N: usize, const F: usize>(
     }
 }
 
-/// The pair kernels, in `TensorFormat::INTERLEAVED` order (the AMX kernels' fallback).
-pub(super) const PAIR_ENTRIES: [QDotX16Fn; 3] = [pair_entry::<0>, pair_entry::<1>, pair_entry::<2>];
-
 /// The pair kernel of format `F` (q8_0x8, q4_0x8, q4_1x8) for 1..=8 tokens.
 fn pair_entry<const F: usize>(pair: &[u8], x: &[Q8Row], out: &mut [[f32; 2 * INTERLEAVE]]) {
     let format = TensorFormat::INTERLEAVED[F];
@@ -613,9 +610,6 @@ fn pair_entry<const F: usize>(pair: &[u8], x: &[Q8Row], out: &mut [[f32; 2 * INT
 pub(super) fn pair_qdot<const P: u8>(format: TensorFormat) -> Option<(QDotX16Fn, usize)> {
     if P != bytes::AVX512_VNNI {
         return None;
-    }
-    if let Some(amx) = super::x16_amx::pair_qdot(format) {
-        return Some(amx);
     }
     const PAIRS: [(TensorFormat, QDotX16Fn, usize); 3] = [
         (TensorFormat::INTERLEAVED[0], pair_entry::<0>, 4),
