@@ -8,7 +8,7 @@
 use cellm_format::{Interleaved, Tensor, INTERLEAVE};
 
 use crate::acts::{ActScheme, Q8Acts, Q8Row, QBLOCK};
-use crate::dot::x8::{self, QDotX16Fn, QDotX8Fn, TilePairFn};
+use crate::dot::x8::{self, QDotX16Fn, QDotX8Fn};
 use crate::dot::{
     DotFn, DotTileFn, DotTokensFn, PathKernels, QDot4Fn, QDotFn, GEMM_TILE_ROWS, TILE_ROWS,
     TILE_TOKENS,
@@ -308,9 +308,8 @@ struct Product<'a> {
 
 enum Kernel<'a> {
     /// The group kernel, the path's pair kernel where it has one (with the fewest tokens it
-    /// takes), the token rows, and the tile pair kernel where the CPU has one, with its
-    /// activation tiles for each 8 tokens (built once here, read by every task).
-    Groups(QDotX8Fn, Option<(QDotX16Fn, usize)>, Vec<Q8Row<'a>>, Option<(TilePairFn, Vec<Vec<u8>>)>),
+    /// takes), the token rows.
+    Groups(QDotX8Fn, Option<(QDotX16Fn, usize)>, Vec<Q8Row<'a>>),
     Integer((QDotFn, QDot4Fn), &'a Q8Acts),
     /// int8 rows times a batch: the blocked integer GEMM (`i8_gemm`).
     I8Gemm(I8RowGemm<'a>),
@@ -338,15 +337,7 @@ impl<'a> Product<'a> {
                 let acts = acts_for(scheme);
                 let kern = path.group_kernel(w.format).expect("interleaved kernel");
                 let pair = path.pair_kernel(w.format);
-                let rows: Vec<Q8Row> = (0..tokens).map(|t| acts.row(t)).collect();
-                // Tiles only where the pair kernel would run: a pair kernel's token count.
-                let tiles = match (pair, path.tile_pair_kernel(w.format)) {
-                    (Some((_, min)), Some((kern, build))) if tokens >= min => {
-                        Some((kern, rows.chunks(x8::MAX_TOKENS).map(build).collect()))
-                    }
-                    _ => None,
-                };
-                Kernel::Groups(kern, pair, rows, tiles)
+                Kernel::Groups(kern, pair, (0..tokens).map(|t| acts.row(t)).collect())
             }
             Some(scheme) if i8_gemm::applies(w, tokens) => {
                 Kernel::I8Gemm(I8RowGemm::new(w, acts_for(scheme)))
@@ -451,7 +442,7 @@ impl<'a> Product<'a> {
     fn run_block(&self, units: std::ops::Range<usize>, toks: std::ops::Range<usize>, n: usize) {
         let stride = self.w.bytes.len() / self.units().max(1);
         let mut units = units;
-        if let Kernel::Groups(kern, Some((pair, min_tokens)), rows, tiles) = &self.kernel {
+        if let Kernel::Groups(kern, Some((pair, min_tokens)), rows) = &self.kernel {
             // Two groups a call while two are left; an odd last one, and steps of fewer
             // tokens than pay for the pair kernel, take the group kernel.
             let mut vals = [[0.0f32; 2 * INTERLEAVE]; x8::MAX_TOKENS];
@@ -461,10 +452,7 @@ impl<'a> Product<'a> {
                 for t in toks.clone().step_by(x8::MAX_TOKENS) {
                     let count = (toks.end - t).min(x8::MAX_TOKENS);
                     let x = &rows[t..t + count];
-                    if let (Some((tile_pair, chunks)), true) = (tiles, count >= *min_tokens) {
-                        // `t` starts a chunk: token blocks are multiples of MAX_TOKENS.
-                        tile_pair(bytes, x, &chunks[t / x8::MAX_TOKENS], &mut vals[..count]);
-                    } else if count >= *min_tokens {
+                    if count >= *min_tokens {
                         pair(bytes, x, &mut vals[..count]);
                     } else {
                         let mut half = [[0.0f32; INTERLEAVE]; x8::MAX_TOKENS];
@@ -495,7 +483,7 @@ impl<'a> Product<'a> {
             for t in toks.clone().step_by(x8::MAX_TOKENS) {
                 let count = (toks.end - t).min(x8::MAX_TOKENS);
                 let width = match &self.kernel {
-                    Kernel::Groups(kern, _, rows, _) => {
+                    Kernel::Groups(kern, _, rows) => {
                         kern(bytes, &rows[t..t + count], &mut vals[..count]);
                         INTERLEAVE
                     }

@@ -27,8 +27,6 @@ mod paths;
 #[cfg(target_arch = "x86_64")]
 mod prefetch;
 mod scalar;
-#[cfg(target_arch = "x86_64")]
-mod x16_amx;
 pub mod x8;
 #[cfg(target_arch = "x86_64")]
 mod x8_avx2;

@@ -8,13 +8,13 @@
 use cellm_format::TensorFormat;
 
 use super::kinds::{DotTileFn, DotTokensFn, HeadKernels, PanelFn, QDot4Fn, QDotFn, RowKernels};
-use super::x8::{self, QDotX16Fn, QDotX8Fn, TilePairFn, TilesFn};
+use super::x8::{self, QDotX16Fn, QDotX8Fn};
 use super::{blocks, int_scalar, scalar};
 use crate::isa::{self, Isa};
 use crate::panel::{self, TileFn};
 
 #[cfg(target_arch = "x86_64")]
-use super::{avx2, bytes, int_avx2, x16_amx, x8_avx2};
+use super::{avx2, bytes, int_avx2, x8_avx2};
 #[cfg(target_arch = "aarch64")]
 use super::{bytes_neon, int_neon, neon, x8_neon};
 
@@ -25,8 +25,6 @@ pub struct PathKernels {
     groups: fn(TensorFormat) -> Option<QDotX8Fn>,
     /// Two groups per call, where a path has wider registers than its group kernels use.
     pairs: fn(TensorFormat) -> Option<(QDotX16Fn, usize)>,
-    /// Pair kernels on activation tiles built once per product (AMX), where the CPU has them.
-    tile_pairs: fn(TensorFormat) -> Option<(TilePairFn, TilesFn)>,
     heads: fn(TensorFormat) -> HeadKernels,
     dot_tiles: fn(TensorFormat) -> DotTileFn,
     /// None where a row dot per token is all there is (scalar, NEON).
@@ -43,7 +41,6 @@ static SCALAR: PathKernels = PathKernels {
     integer: int_scalar::qdot,
     groups: x8::scalar,
     pairs: no_pairs,
-    tile_pairs: no_tile_pairs,
     heads: scalar::head_kernels,
     dot_tiles: scalar::dot_tiles,
     dot_tokens: None,
@@ -61,7 +58,6 @@ const fn avx2_family<const P: u8>(tile: TileFn) -> PathKernels {
         integer: int_avx2::entries::<P>,
         groups: x8_avx2::qdot::<P>,
         pairs: x8_avx2::pair_qdot::<P>,
-        tile_pairs: x16_amx::tile_pair_qdot::<P>,
         heads: if P == bytes::AVX512_VNNI { avx2::head_kernels_512 } else { avx2::head_kernels },
         dot_tiles: avx2::dot_tiles,
         dot_tokens: Some(avx2::dot_tokens_kernel),
@@ -92,7 +88,6 @@ const fn neon_family<const P: u8>() -> PathKernels {
         integer: int_neon::entries::<P>,
         groups: x8_neon::qdot::<P>,
         pairs: no_pairs,
-        tile_pairs: no_tile_pairs,
         heads: neon::head_kernels,
         dot_tiles: neon::dot_tiles,
         dot_tokens: None,
@@ -155,12 +150,6 @@ impl PathKernels {
         (self.pairs)(format)
     }
 
-    /// The tile pair kernel of an interleaved format and its tiles' builder, where the path
-    /// and the CPU have one (AMX); it takes as many tokens as the pair kernel.
-    pub fn tile_pair_kernel(&self, format: TensorFormat) -> Option<(TilePairFn, TilesFn)> {
-        (self.tile_pairs)(format)
-    }
-
     /// The head-group kernels of a float (cache) format.
     pub fn head_kernels(&self, format: TensorFormat) -> HeadKernels {
         (self.heads)(format)
@@ -193,10 +182,6 @@ impl PathKernels {
 }
 
 fn no_pairs(_: TensorFormat) -> Option<(QDotX16Fn, usize)> {
-    None
-}
-
-fn no_tile_pairs(_: TensorFormat) -> Option<(TilePairFn, TilesFn)> {
     None
 }
 

@@ -26,14 +26,6 @@ pub type QDotX8Fn = fn(&[u8], &[Q8Row], &mut [[f32; INTERLEAVE]]);
 /// gives for each.
 pub type QDotX16Fn = fn(&[u8], &[Q8Row], &mut [[f32; 2 * INTERLEAVE]]);
 
-/// A pair kernel that also reads the tokens' activations as tiles built once per product
-/// (AMX's): `(pair, x, tiles, out)`, `tiles` from its [`TilesFn`] on the same rows; bitwise
-/// the [`QDotX16Fn`]'s outputs.
-pub type TilePairFn = fn(&[u8], &[Q8Row], &[u8], &mut [[f32; 2 * INTERLEAVE]]);
-
-/// Builds a [`TilePairFn`]'s activation tiles from up to [`MAX_TOKENS`] token rows.
-pub type TilesFn = fn(&[Q8Row]) -> Vec<u8>;
-
 /// Panics unless a group kernel's arguments fit: whole block columns, one output per
 /// activation row, and activation rows (with their sums of 16 where `sums16`) that cover the
 /// group's columns.
