@@ -569,15 +569,18 @@ pub fn t64_cols(cols: u32) -> bool {
 }
 
 /// Columns from which a one-token launch with int8 x (`OneShape::i8`, default shape) runs
-/// 4 rows a workgroup instead of 2 (more rows share each thread's rounding of x):
-/// `CELLM_GPU_MATVEC_R4=cols` (for measuring; 0 or unset: never). On the H200 4 rows
-/// everywhere read +5% / +4% on the Q4_K_M Llamas and -4% on Qwen2.5-0.5B in one call, and
-/// from 2048 columns -1% on Llama-3.2-1B (the same launches) and +1% on 3B in the next: no
-/// clear gain (docs/benchmarks.md, "int8 x").
+/// 4 rows a workgroup instead of 2 (more rows share each thread's rounding of x): 2048, or
+/// `CELLM_GPU_MATVEC_R4=cols` (0: never). On the H200 (docs/benchmarks.md, "int8 x" and
+/// "4 rows from 2048 columns"), from 2048 columns: Llama-3.2-1B Q4_K_M +3% to +6.5% in three
+/// of four calls (-1% in the other), 3B +1-2%, Qwen2.5-0.5B and Gemma-3-270M within noise (only
+/// their down projections are that wide); 4 rows everywhere cost Qwen2.5 2-4%.
 pub fn r4_cols() -> Option<u32> {
     let v = std::env::var("CELLM_GPU_MATVEC_R4").ok().and_then(|v| v.parse().ok());
-    v.filter(|&c| c > 0)
+    Some(v.unwrap_or(R4_COLS)).filter(|&c| c > 0)
 }
+
+/// [`r4_cols`]'s default.
+const R4_COLS: u32 = 2048;
 
 /// Whether the one-token `d16` loop takes x as int8 (`OneShape::i8`) on Vulkan (wgpu
 /// writes `dot4I8Packed` as SPIR-V's packed `OpSDot` where the device has integer dot
