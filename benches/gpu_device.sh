@@ -10,7 +10,9 @@
 #                          (libvulkan-dev) and spirv-headers, unpacked (usr/...)
 #   DIR/cellm-*.whl        the abi3 wheel (maturin build --release), or cellm_pkg.tar.xz:
 #                          python/cellm with its built extension
-#   DIR/gl/*.deb           Debian's libvulkan1 (the Vulkan loader) and libglvnd0
+#   DIR/gl/*.deb           Debian's libvulkan1 (the Vulkan loader), libglvnd0, and (on some
+#                          hosts the NVIDIA ICD finds no vkCreateInstance without them)
+#                          libegl1, libgl1, libglx0, libgles2, libopengl0
 #   DIR/gpu_bench.py, DIR/random_gguf.py, DIR/gpu_decode_ab.py   copies of benches/
 #
 #   bash gpu_device.sh build DIR     unpack, then build llama.cpp (Vulkan, then CUDA) in a
@@ -45,8 +47,11 @@ mkdir -p "$W" "$OUT"
 export CELLM_CACHE_DIR=$W/cache
 export PYTHONPATH=/tmp/site:$W/llama.cpp/gguf-py
 export LD_LIBRARY_PATH=/opt/vk/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-if [[ ! -e /usr/share/vulkan/icd.d/nvidia_icd.json && ! -e /etc/vulkan/icd.d/nvidia_icd.json ]]; then
+# The driver's own ICD file (the one under /usr/share may name a library the loader cannot
+# use).
+if [[ -e /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ]]; then
     export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+    export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
 fi
 SHAPES="smollm2-135m gemma-3-270m qwen2.5-0.5b llama-3.2-1b llama-3.2-3b"
 # The real models' formats for their shapes (SmolLM2's file is Q4_1, the other two Q4_K_M),
