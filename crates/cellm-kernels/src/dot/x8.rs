@@ -197,7 +197,7 @@ mod tests {
                     kern(&second, &x, &mut other);
                     let pair = [group.clone(), second].concat();
                     // The tokens' rows apart (as here) and as one batch's rows, at one
-                    // stride (the AMX kernels read those in place).
+                    // stride (as a product passes them).
                     let joint = joined(&acts[..tokens]);
                     let rows: Vec<Q8Row> = (0..tokens).map(|t| joint.row(t)).collect();
                     for x in [&x, &rows] {
