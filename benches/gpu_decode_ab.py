@@ -29,8 +29,9 @@ quants by packed integer dots; on by default on Vulkan), CELLM_GPU_MATVEC_T64 (0
 threads for one-token d16 launches whose rows hold more than 128 units of 16 columns, not a
 multiple of 128), CELLM_GPU_MATVEC_R4 (columns from which the int8-x one-token build runs 4
 rows a workgroup; 2048 is the default, 0 never, as before session 20), CELLM_GPU_ATTN_SPLIT
-(workgroups,positions: the decode attention's splits aim at that many workgroups a step, none shorter than that many
-positions; any separator; 512.32 is the default, 1024.32 the one before).
+(workgroups,positions: the decode attention's splits aim at that many workgroups a step,
+none shorter than that many positions; any separator; 512.32 is the default, 1024.32 the
+one before).
 """
 
 from __future__ import annotations
