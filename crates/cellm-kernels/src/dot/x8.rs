@@ -196,20 +196,11 @@ mod tests {
                     let mut other = vec![[0.0; INTERLEAVE]; tokens];
                     kern(&second, &x, &mut other);
                     let pair = [group.clone(), second].concat();
-                    // The tokens' rows apart (as here) and as one batch's rows, at one
-                    // stride (as a product passes them).
-                    let joint = joined(&acts[..tokens]);
-                    let rows: Vec<Q8Row> = (0..tokens).map(|t| joint.row(t)).collect();
-                    for x in [&x, &rows] {
-                        let mut both = vec![[0.0; 2 * INTERLEAVE]; tokens];
-                        pair_kern(&pair, x, &mut both);
-                        for t in 0..tokens {
-                            let want = [out[t], other[t]].concat();
-                            assert!(
-                                both[t][..] == want[..],
-                                "{format:?} {path} {case}: pair t={t}"
-                            );
-                        }
+                    let mut both = vec![[0.0; 2 * INTERLEAVE]; tokens];
+                    pair_kern(&pair, &x, &mut both);
+                    for t in 0..tokens {
+                        let want = [out[t], other[t]].concat();
+                        assert!(both[t][..] == want[..], "{format:?} {path} {case}: pair t={t}");
                     }
                 }
                 for (t, xt) in x.iter().enumerate() {
@@ -232,18 +223,6 @@ mod tests {
                     }
                 }
             }
-        }
-    }
-
-    /// One activation batch holding the first row of each of `acts`.
-    fn joined(acts: &[Q8Acts]) -> Q8Acts {
-        let rows: Vec<Q8Row> = acts.iter().map(|a| a.row(0)).collect();
-        Q8Acts {
-            cols: acts[0].cols,
-            qs: rows.iter().flat_map(|r| r.qs.to_vec()).collect(),
-            ds: rows.iter().flat_map(|r| r.ds.to_vec()).collect(),
-            sums16: rows.iter().flat_map(|r| r.sums16.to_vec()).collect(),
-            sums32: rows.iter().flat_map(|r| r.sums32.to_vec()).collect(),
         }
     }
 
