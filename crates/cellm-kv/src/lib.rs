@@ -13,6 +13,7 @@ mod query_tiles;
 mod rotation;
 mod state;
 
+pub use attention::prefetch_new_rows;
 pub use call::{AttentionCall, AttentionShape, SeqSpan};
 pub use encoding::KvEncoding;
 pub use pool::{KvConfig, PagePool, SeqKv};

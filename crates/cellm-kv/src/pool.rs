@@ -3,6 +3,7 @@
 use std::borrow::Cow;
 
 use cellm_format::{Error, Result};
+use cellm_kernels::cache::prefetch_all_l2;
 
 use crate::encoding::{KeyHeader, KvEncoding};
 use crate::prefix::{chain_key, PrefixCache};
@@ -450,6 +451,21 @@ impl PagePool {
 
     pub fn release(&mut self, seq: &mut SeqKv) {
         self.truncate(seq, 0);
+    }
+
+    /// Asks for the cache lines that [`Self::write`] will store position `pos`'s rows of
+    /// `layer` in (see [`crate::prefetch_new_rows`]).
+    pub(crate) fn prefetch_row(&self, seq: &SeqKv, layer: usize, pos: usize) {
+        if !self.host_storage {
+            return;
+        }
+        let (ps, rb) = (self.cfg.page_size, self.row_bytes);
+        let bytes = words_as_bytes(&self.pages[seq.page(layer, pos / ps) as usize]);
+        let slot = (pos % ps) * rb;
+        prefetch_all_l2(&bytes[slot..slot + rb]);
+        if !self.cfg.values_in_keys {
+            prefetch_all_l2(&bytes[ps * rb + slot..][..rb]);
+        }
     }
 
     /// Stores the key and value rows of position `pos` for `layer`, whose heads are

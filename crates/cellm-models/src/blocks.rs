@@ -330,6 +330,7 @@ impl Attention {
     ) -> Vec<f32> {
         let tokens = step.tokens.len();
         let hd = self.shape.head_dim;
+        cellm_kv::prefetch_new_rows(kv, step.spans, layer);
         let [mut q, mut k, v] = Linear::forward_many([&self.q, &self.k, &self.v], x, tokens);
         let gate = self.gated.then(|| split_query_gate(&mut q, hd));
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
