@@ -76,11 +76,16 @@ pub(crate) fn attend(
     // The chunks' records and sums live in this thread's scratch, reused from call to call:
     // a fresh pair of buffers every layer cost more in the allocator (freeing coalesced
     // them) than the attention's own bookkeeping.
+    // Each task resets its own record and sums (below), on the thread that then fills them:
+    // resetting them all here cost a serial memset on the calling thread, and moved the
+    // lines to the other threads' caches afterwards.
     let (mut partial, mut acc) = SCRATCH.with(|s| s.take());
-    partial.clear();
-    partial.resize(total, Partial::default());
-    acc.clear();
-    acc.resize(total * pass_width, 0.0);
+    if partial.len() < total {
+        partial.resize(total, Partial::default());
+    }
+    if acc.len() < total * pass_width {
+        acc.resize(total * pass_width, 0.0);
+    }
     let (parts, accs) = (SharedOut(partial.as_mut_ptr()), SharedOut(acc.as_mut_ptr()));
     // Each row's queries times the scale, once for all its chunks instead of in every
     // score.
@@ -118,6 +123,8 @@ pub(crate) fn attend(
                 std::slice::from_raw_parts_mut(accs.at(slot * pass_width), o_len),
             )
         };
+        *part = Partial::default();
+        o.fill(0.0);
         let q = &scaled[row * width + heads.start * hd..row * width + heads.end * hd];
         let query = Query {
             seq: call.spans[si].kv,
