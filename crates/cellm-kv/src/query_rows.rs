@@ -75,10 +75,9 @@ pub(crate) fn attend(
     let pass_width = per_pass.min(n_heads) * hd;
     // The chunks' records and sums live in this thread's scratch, reused from call to call:
     // a fresh pair of buffers every layer cost more in the allocator (freeing coalesced
-    // them) than the attention's own bookkeeping.
-    // Each task resets its own record and sums (below), on the thread that then fills them:
-    // resetting them all here cost a serial memset on the calling thread, and moved the
-    // lines to the other threads' caches afterwards.
+    // them) than the attention's own bookkeeping. Each task resets its own record and sums
+    // (below), on the thread that then fills them: resetting them all here cost a serial
+    // memset on the calling thread, and moved the lines to the other threads' caches.
     let (mut partial, mut acc) = SCRATCH.with(|s| s.take());
     if partial.len() < total {
         partial.resize(total, Partial::default());
