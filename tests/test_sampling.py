@@ -15,6 +15,7 @@ from cellm.sampling import (
     _top_k,
     _top_p,
     apply_repeat_penalty,
+    inverse_cdf,
     make_sampler,
 )
 
@@ -166,6 +167,37 @@ def test_same_seed_same_sequence_different_seed_different() -> None:
     assert run(42) == run(42)
     assert run(42) != run(43)
     assert len(set(run(42))) > 1  # one generator per request: draws advance it
+
+
+@pytest.mark.parametrize("size", [1, 300, 4096, 4097, 5000, 49_152, 49_153])
+def test_inverse_cdf_matches_the_exact_cumulative_search(size: int) -> None:
+    """Whole-number weights sum exactly in float32, so the draw must be exactly the float64
+    search's: the first index whose running total exceeds r * total. Runs of zeros (whole
+    blocks of them, and a zero tail) must never be drawn; r runs up to just under 1."""
+    rng = np.random.default_rng(size)
+    w = rng.integers(0, 4, size).astype(np.float32)
+    w[size // 3 : size // 3 + 600] = 0.0  # more than a block of zeros
+    w[-min(size - 1, 300) :] = 0.0  # a zero tail
+    w[0] = max(w[0], 1.0)
+    ends = np.cumsum(w.astype(np.float64))
+    for r in [0.0, 1e-9, *rng.random(200), 0.5, 1.0 - 1e-12]:
+        u = np.float64(np.float32(r * ends[-1]))
+        want = min(int(np.searchsorted(ends, u, "right")), int(np.flatnonzero(w)[-1]))
+        got = inverse_cdf(w, r)
+        assert got == want, (r, got, want)
+        assert w[got] > 0
+
+
+def test_sampling_a_large_vocabulary_follows_the_distribution() -> None:
+    """The blocked draw (vocabularies past 4096) through the sampler: the crafted
+    probabilities placed far apart in a 49k vocabulary, at temperature 1."""
+    where = {7: 7, 2: 2049, 9: 20_000, 0: 30_001, 4: 49_151}
+    x = np.full(49_152, -np.inf, dtype=np.float32)
+    for i, p in PROBS.items():
+        x[where[i]] = math.log(p)
+    freq = frequencies(SamplingParams(temperature=1.0, seed=3), x)
+    back = {v: k for k, v in where.items()}
+    assert_distribution({back[i]: f for i, f in freq.items()}, list(PROBS))
 
 
 def test_logits_are_never_modified() -> None:

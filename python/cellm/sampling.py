@@ -309,11 +309,43 @@ class Sampler:
             raise InvalidArgument("logits contain NaN or are all -inf")
         # Inverse-CDF draw: one uniform per token, so a seed fixes the whole sequence.
         # z is always our own copy, so work in place (fresh vocab-sized arrays are slow).
-        cum = np.cumsum(np.exp(np.subtract(z, top, out=z), out=z), out=z)
-        i = int(np.searchsorted(cum, np.float32(self._rng.random() * float(cum[-1])), "right"))
+        weights = np.exp(np.subtract(z, top, out=z), out=z)
+        return int(ids[inverse_cdf(weights, self._rng.random())])
+
+
+# Above this many weights, `inverse_cdf` finds the draw's block of _DRAW_BLOCK first: numpy's
+# cumsum adds one value at a time (127 us over a 49k vocabulary, most of a sampled token's
+# cost), while its sums by block are vectorised (12 us), and then one block is summed in order.
+_DRAW_BLOCK = 256
+_BLOCKED_DRAW = 16 * _DRAW_BLOCK
+
+
+def inverse_cdf(weights: np.ndarray, r: float) -> int:
+    """The index whose cumulative weight first exceeds `r` times the total, for non-negative
+    float32 `weights` (some positive) and `r` in [0, 1): a token drawn with probability
+    proportional to its weight. A zero weight is never drawn. `weights` is left as it is."""
+    if weights.size <= _BLOCKED_DRAW:
+        cum = np.cumsum(weights)
+        i = int(np.searchsorted(cum, np.float32(r * float(cum[-1])), "right"))
         if i == cum.size:  # rounded up onto the total: take the last token with any weight
             i = int(np.searchsorted(cum, cum[-1], "left"))
-        return int(ids[i])
+        return i
+    whole = weights.size // _DRAW_BLOCK * _DRAW_BLOCK
+    sums = weights[:whole].reshape(-1, _DRAW_BLOCK).sum(axis=1)
+    if whole < weights.size:
+        sums = np.append(sums, weights[whole:].sum())
+    ends = np.cumsum(sums)
+    u = np.float32(r * float(ends[-1]))
+    b = int(np.searchsorted(ends, u, "right"))
+    if b == ends.size:  # rounded up onto the total
+        return int(np.flatnonzero(weights)[-1])
+    start = b * _DRAW_BLOCK
+    block = weights[start : start + _DRAW_BLOCK]
+    before = ends[b - 1] if b else np.float32(0.0)
+    i = int(np.searchsorted(np.cumsum(block), np.float32(u - before), "right"))
+    if i == block.size:  # the block's sum in order came out below its vectorised sum
+        i = int(np.flatnonzero(block)[-1])
+    return start + i
 
 
 def make_sampler(params: SamplingParams | None = None) -> Sampler:
