@@ -359,6 +359,7 @@ __all__ = [
     "Sampler",
     "apply_presence_frequency",
     "apply_repeat_penalty",
+    "inverse_cdf",
     "log_softmax",
     "make_sampler",
     "top_entries",
