@@ -31,7 +31,8 @@ multiple of 128), CELLM_GPU_MATVEC_R4 (columns from which the int8-x one-token b
 rows a workgroup; 2048 is the default, 0 never, as before session 20), CELLM_GPU_ATTN_SPLIT
 (workgroups,positions: the decode attention's splits aim at that many workgroups a step,
 none shorter than that many positions; any separator; 512.32 is the default, 1024.32 the
-one before).
+one before), CELLM_GPU_SPIN (0: waits for a step block at once instead of spinning on the
+fence first).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ KNOBS = [
     "CELLM_GPU_MATVEC_T64",
     "CELLM_GPU_MATVEC_R4",
     "CELLM_GPU_ATTN_SPLIT",
+    "CELLM_GPU_SPIN",
 ]
 IDS = [int(i) for i in np.random.default_rng(1).integers(100, 20000, 2048 + 64)]
 

@@ -61,6 +61,10 @@ fn coopmat_ok(adapter: &wgpu::Adapter, info: &wgpu::AdapterInfo) -> bool {
         && std::env::var_os("CELLM_GPU_NO_COOPMAT").is_none()
 }
 
+/// How long `Gpu::wait_until` spins before it blocks: longer than a decode step of the
+/// models this backend runs, a small share of a prefill step.
+const SPIN_LIMIT: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// An open device and what it allows.
 pub struct Gpu {
     pub device: wgpu::Device,
@@ -78,6 +82,9 @@ pub struct Gpu {
     /// Whether kernels take their 64 bytes of parameters as immediates (Vulkan push
     /// constants, set with each launch) instead of from a uniform buffer.
     pub immediates: bool,
+    /// Whether waits for a step spin on the device's fence before blocking (see `wait_until`):
+    /// on GPUs, unless CELLM_GPU_SPIN=0.
+    pub spin: bool,
     failure: Arc<Mutex<Option<String>>>,
 }
 
@@ -155,6 +162,9 @@ impl Gpu {
             let mut f = slot.lock().unwrap_or_else(|p| p.into_inner());
             f.get_or_insert_with(|| format!("the device was lost: {message}"));
         });
+        // Not on a CPU device (lavapipe): its own threads need the cores a spin would take.
+        let spin = info.device_type != wgpu::DeviceType::Cpu
+            && std::env::var("CELLM_GPU_SPIN").map_or(true, |v| v != "0");
         Ok(Self {
             device,
             queue,
@@ -164,6 +174,7 @@ impl Gpu {
             timestamps,
             coopmat,
             immediates,
+            spin,
             failure,
         })
     }
@@ -180,6 +191,26 @@ impl Gpu {
     /// The largest buffer one binding may cover.
     pub fn max_binding(&self) -> u64 {
         self.limits.max_storage_buffer_binding_size.min(self.limits.max_buffer_size)
+    }
+
+    /// Polls the device until `done()` (a map callback has run, say). A blocking wait costs
+    /// an OS wake-up after the fence signals, a large share of a decode step's few hundred
+    /// microseconds of host turnaround, so it spins on the fence for up to `SPIN_LIMIT`
+    /// first (where `spin`); longer steps (prefill) then block.
+    pub fn wait_until(&self, done: impl Fn() -> bool) -> Result<()> {
+        if self.spin {
+            let start = std::time::Instant::now();
+            while start.elapsed() < SPIN_LIMIT {
+                self.device
+                    .poll(wgpu::PollType::Poll)
+                    .map_err(|e| Error::Device(format!("{}: {e}", self.info.name)))?;
+                if done() {
+                    return self.check();
+                }
+                std::hint::spin_loop();
+            }
+        }
+        self.wait()
     }
 
     /// Waits for the queue to drain.

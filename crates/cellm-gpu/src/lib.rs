@@ -8,6 +8,7 @@ mod device;
 pub mod kernels;
 mod model;
 mod ops;
+mod profile;
 pub mod repack;
 mod step;
 mod weights;

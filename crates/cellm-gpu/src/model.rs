@@ -17,6 +17,7 @@ use crate::attn_prefill;
 use crate::device::Gpu;
 use crate::kernels::{KernelId, Kernels, GEMM_MIN_TOKENS, ROWS_PER_GROUP};
 use crate::ops::{Buf, Dims, Grid, Op, When};
+use crate::profile::{Profile, Span, Stamps};
 use crate::step::{HostStep, StepBuffers, Token};
 use crate::weights::{as_bytes, Matrix, Uploader};
 use crate::GpuOptions;
@@ -52,8 +53,7 @@ pub struct Runner {
     pub ops: Vec<Op>,
     pub ropes: Vec<RopeConfig>,
     pub bufs: StepBuffers,
-    /// CELLM_GPU_PROFILE=1: host time per step phase, printed every 64 steps;
-    /// CELLM_GPU_PROFILE=prefill: the same for each step of several tokens, printed each step.
+    /// CELLM_GPU_PROFILE (see `profile`).
     profile: Option<Profile>,
     /// The next decode step's launches, recorded ahead (see `Ahead`).
     ahead: Option<Ahead>,
@@ -61,112 +61,6 @@ pub struct Runner {
     prerecord: bool,
     /// Whether the plan has the prefill attention (its head dim has a tile that fits).
     has_prefill: bool,
-}
-
-/// One-token steps' host seconds per phase: laying the step out and writing its buffers,
-/// recording the launches, submitting, and waiting for the logits (GPU time included); and,
-/// where the device has timestamps, GPU seconds per kernel.
-struct Profile {
-    /// Whether it times steps of several tokens (each printed) instead of one-token steps.
-    prefill: bool,
-    steps: u32,
-    phases: [f64; 5],
-    gpu: std::collections::BTreeMap<String, (f64, u32)>,
-    stamps: Option<Stamps>,
-}
-
-struct Stamps {
-    set: wgpu::QuerySet,
-    resolve: wgpu::Buffer,
-    read: wgpu::Buffer,
-    /// Kernel name of each stamped launch, this step.
-    names: Vec<String>,
-}
-
-impl Profile {
-    fn new(gpu: &Gpu, ops: usize) -> Self {
-        let n = ops as u32 + 1;
-        let stamps = gpu.timestamps.then(|| Stamps {
-            set: gpu.device.create_query_set(&wgpu::QuerySetDescriptor {
-                label: Some("profile"),
-                ty: wgpu::QueryType::Timestamp,
-                count: n,
-            }),
-            resolve: gpu.device.create_buffer(&wgpu::BufferDescriptor {
-                label: None,
-                size: u64::from(n) * 8,
-                usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
-                mapped_at_creation: false,
-            }),
-            read: gpu.device.create_buffer(&wgpu::BufferDescriptor {
-                label: None,
-                size: u64::from(n) * 8,
-                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            }),
-            names: Vec::new(),
-        });
-        let prefill = std::env::var("CELLM_GPU_PROFILE").is_ok_and(|v| v == "prefill");
-        Self { prefill, steps: 0, phases: [0.0; 5], gpu: Default::default(), stamps }
-    }
-
-    /// Whether a step of `t` tokens is timed.
-    fn times(&self, t: u32) -> bool {
-        if self.prefill {
-            t > 1
-        } else {
-            t == 1
-        }
-    }
-
-    fn add(&mut self, gpu: &Gpu, marks: &[std::time::Instant; 6]) {
-        for (i, w) in marks.windows(2).enumerate() {
-            self.phases[i] += (w[1] - w[0]).as_secs_f64();
-        }
-        if let Some(s) = &mut self.stamps {
-            let n = s.names.len();
-            let slice = s.read.slice(..(n as u64 + 1) * 8);
-            slice.map_async(wgpu::MapMode::Read, |_| {});
-            let _ = gpu.wait();
-            if let Ok(view) = slice.get_mapped_range() {
-                let ticks: Vec<u64> = view
-                    .chunks_exact(8)
-                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-                    .collect();
-                let period = f64::from(gpu.queue.get_timestamp_period()) * 1e-9;
-                for (i, name) in s.names.iter().enumerate() {
-                    let dt = ticks[i + 1].saturating_sub(ticks[i]) as f64 * period;
-                    let e = self.gpu.entry(name.clone()).or_default();
-                    e.0 += dt;
-                    e.1 += 1;
-                }
-            }
-            s.read.unmap();
-        }
-        self.steps += 1;
-        let every = if self.prefill { 1 } else { 64 };
-        if self.steps == every {
-            let f = f64::from(every);
-            let ms = self.phases.map(|s| s * 1e3 / f);
-            let what = if self.prefill { "steps of several tokens" } else { "one-token steps" };
-            let mut line = format!(
-                "cellm-gpu profile ({what}, ms per step, mean of {every}): write {:.3}, \
-                 record {:.3}, submit {:.3}, record the next ahead {:.3}, wait+read {:.3}",
-                ms[0], ms[1], ms[2], ms[3], ms[4]
-            );
-            if !self.gpu.is_empty() {
-                let total: f64 = self.gpu.values().map(|v| v.0).sum();
-                line += &format!("; GPU {:.3} ms:", total * 1e3 / f);
-                for (name, (t, n)) in &self.gpu {
-                    line += &format!(" {name} {:.3} ({} launches)", t * 1e3 / f, n / every);
-                }
-            }
-            eprintln!("{line}");
-            self.steps = 0;
-            self.phases = [0.0; 5];
-            self.gpu.clear();
-        }
-    }
 }
 
 /// Refuses what this backend does not run yet, naming it.
@@ -393,7 +287,7 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
             if gpu.immediates { "immediates" } else { "a uniform buffer" }
         );
     }
-    let profile = std::env::var_os("CELLM_GPU_PROFILE").map(|_| Profile::new(&gpu, ops.len()));
+    let profile = Profile::from_env(&gpu, ops.len());
     let prerecord = std::env::var_os("CELLM_GPU_NO_AHEAD").is_none();
     let has_prefill = ops.iter().any(|op| op.when == When::Prefill);
     let runner =
@@ -870,8 +764,9 @@ impl CausalLm for GpuModel {
 /// when the step that comes matches its shape and the buffers are the ones it bound.
 struct Ahead {
     commands: wgpu::CommandBuffer,
-    /// (tokens, logit rows, attention splits, prefill attention, buffer generation).
-    key: (u32, u32, u32, bool, u64),
+    /// (tokens, logit rows, attention splits, prefill attention, buffer generation, the
+    /// span profile's step index).
+    key: (u32, u32, u32, bool, u64, Option<u32>),
 }
 
 impl Runner {
@@ -885,10 +780,17 @@ impl Runner {
         splits: u32,
         prefill: bool,
         mut stamps: Option<&mut Stamps>,
+        span: Option<(&Span, u32)>,
     ) -> wgpu::CommandBuffer {
+        if let Some(s) = &mut stamps {
+            s.clear();
+        }
         let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
         {
-            let mut pass = encoder.begin_compute_pass(&Default::default());
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: None,
+                timestamp_writes: span.map(|(s, k)| s.writes(k)),
+            });
             for (op, group) in self.ops.iter().zip(self.bufs.groups()) {
                 let skip = match op.when {
                     When::Always => false,
@@ -908,8 +810,7 @@ impl Runner {
                     if let Some((gemm, (x, y, z))) = op.kernel.gemm_for(count, op.params[1], groups)
                     {
                         if let Some(s) = &mut stamps {
-                            pass.write_timestamp(&s.set, s.names.len() as u32);
-                            s.names.push(format!("{}-gemm", op.kernel.name));
+                            s.launch(&mut pass, op, "-gemm");
                         }
                         pass.set_pipeline(gemm);
                         pass.set_bind_group(0, group, &[]);
@@ -936,8 +837,7 @@ impl Runner {
                     continue;
                 }
                 if let Some(s) = &mut stamps {
-                    pass.write_timestamp(&s.set, s.names.len() as u32);
-                    s.names.push(op.kernel.name.clone());
+                    s.launch(&mut pass, op, "");
                 }
                 let (pipeline, split) = op.kernel.for_launch(count, op.params[0], op.params[1]);
                 if matches!(op.grid, Grid::Rows { .. } | Grid::HeadRows { .. }) {
@@ -951,13 +851,14 @@ impl Runner {
                 pass.dispatch_workgroups(x, y, z);
             }
             if let Some(s) = &stamps {
-                pass.write_timestamp(&s.set, s.names.len() as u32);
+                s.finish(&mut pass);
             }
         }
         if let Some(s) = stamps {
-            let n = s.names.len() as u32;
-            encoder.resolve_query_set(&s.set, 0..n + 1, &s.resolve, 0);
-            encoder.copy_buffer_to_buffer(&s.resolve, 0, &s.read, 0, u64::from(n + 1) * 8);
+            s.resolve(&mut encoder);
+        }
+        if let Some((s, k)) = span {
+            s.resolve(&mut encoder, k);
         }
         if r > 0 {
             self.bufs.copy_logits(&mut encoder, r as usize * self.dims.vocab);
@@ -973,32 +874,36 @@ impl Runner {
         let single = chunks.len() == 1;
         for chunk in chunks {
             let now = std::time::Instant::now;
-            let mut marks = [now(); 6];
+            let mut marks = [now(); 7];
             let rows = chunk.logit_rows.len();
             let need = (chunk.tokens.len(), rows, host.tables.len(), kv.pages_allocated());
             self.bufs.fit(&self.gpu, &self.dims, &self.ops, need)?;
             let splits = self.bufs.write(&self.gpu, &chunk, &host, &self.ropes);
             marks[1] = now();
             let (t, r) = (chunk.tokens.len() as u32, rows as u32);
-            let stamped = matches!(&self.profile, Some(p) if p.times(t) && p.stamps.is_some());
+            let stamped = self.profile.as_ref().is_some_and(|p| p.stamps_launches(t));
+            // The span profile's window index of this step and of the next (one-token steps).
+            let span_steps =
+                self.profile.as_ref().filter(|p| p.times(t)).and_then(Profile::span_steps);
             // Prefill attention where the model has it and the chunk's sessions bring many
             // tokens each (else the decode attention and its combine).
             let prefill = self.has_prefill && prefill_attention_wanted(&chunk.tokens);
-            let key = (t, r, splits, prefill, self.bufs.generation());
+            let key = (t, r, splits, prefill, self.bufs.generation(), span_steps.map(|k| k.0));
             let ahead = self.ahead.take().filter(|a| a.key == key && !stamped);
             let commands = match ahead {
                 Some(a) => a.commands,
                 None => {
                     // The profile is taken out while recording into its timestamps.
                     let mut profile = self.profile.take();
-                    let stamps = match &mut profile {
-                        Some(Profile { stamps: Some(s), .. }) if stamped => {
-                            s.names.clear();
-                            Some(s)
+                    let (stamps, span) = match &mut profile {
+                        Some(p) => {
+                            let span = p.span.as_ref().zip(span_steps.map(|k| k.0));
+                            let stamps = p.stamps.as_mut().filter(|_| stamped);
+                            (stamps, span)
                         }
-                        _ => None,
+                        None => (None, None),
                     };
-                    let c = self.record(t, r, splits, prefill, stamps);
+                    let c = self.record(t, r, splits, prefill, stamps, span);
                     self.profile = profile;
                     c
                 }
@@ -1015,17 +920,20 @@ impl Runner {
                 // Valid while the buffers stay (a step that grows them rebuilds the groups).
                 // The next step has this one's sessions and token counts, so the same
                 // attention kernel.
-                let key = (t, r, next_splits as u32, prefill, self.bufs.generation());
-                let commands = self.record(t, r, next_splits as u32, prefill, None);
+                let next_span = span_steps.map(|k| k.1);
+                let key = (t, r, next_splits as u32, prefill, self.bufs.generation(), next_span);
+                let span = self.profile.as_ref().and_then(|p| p.span.as_ref()).zip(next_span);
+                let commands = self.record(t, r, next_splits as u32, prefill, None, span);
                 self.ahead = Some(Ahead { commands, key });
             }
             marks[4] = now();
-            if rows > 0 {
-                logits.extend(self.bufs.read_logits(&self.gpu, rows * self.dims.vocab)?);
+            marks[5] = if rows > 0 {
+                self.bufs.read_logits(&self.gpu, rows * self.dims.vocab, &mut logits)?
             } else {
                 self.gpu.wait()?;
-            }
-            marks[5] = now();
+                now()
+            };
+            marks[6] = now();
             if let Some(p) = self.profile.as_mut().filter(|p| p.times(t)) {
                 p.add(&self.gpu, &marks);
             }

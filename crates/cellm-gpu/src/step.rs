@@ -3,6 +3,8 @@
 //! some capacity, grows them (and rebuilds every bind group) when a step needs more, and
 //! reads the logits back.
 
+use std::sync::{Arc, Mutex};
+
 use cellm_format::{Error, Result};
 use cellm_models::{RopeConfig, Step};
 
@@ -397,24 +399,51 @@ impl StepBuffers {
         encoder.copy_buffer_to_buffer(&b.logits, 0, &b.readback, 0, (values * 4) as u64);
     }
 
-    /// Waits for the submission and copies `values` logits out.
-    pub fn read_logits(&self, gpu: &Gpu, values: usize) -> Result<Vec<f32>> {
+    /// Waits for the submission and appends `values` logits to `out` (one copy out of the
+    /// mapped buffer); returns when the wait ended (for the profile).
+    pub fn read_logits(
+        &self,
+        gpu: &Gpu,
+        values: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<std::time::Instant> {
         let b = self.bufs.as_ref().expect("fit first");
         let slice = b.readback.slice(..(values * 4) as u64);
-        let (tx, rx) = std::sync::mpsc::channel();
+        let mapped = Arc::new(Mutex::new(None));
+        let slot = mapped.clone();
         slice.map_async(wgpu::MapMode::Read, move |r| {
-            let _ = tx.send(r);
+            *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
         });
-        gpu.wait()?;
-        let mapped = rx.recv().map_err(|e| Error::Device(format!("logits never arrived: {e}")))?;
-        mapped.map_err(|e| Error::Device(format!("cannot read the logits back: {e}")))?;
-        let out = {
+        gpu.wait_until(|| mapped.lock().unwrap_or_else(|p| p.into_inner()).is_some())?;
+        let waited = std::time::Instant::now();
+        let result = mapped.lock().unwrap_or_else(|p| p.into_inner()).take();
+        result
+            .ok_or_else(|| Error::Device("the logits never arrived".into()))?
+            .map_err(|e| Error::Device(format!("cannot read the logits back: {e}")))?;
+        {
             let view = slice
                 .get_mapped_range()
                 .map_err(|e| Error::Device(format!("cannot read the logits back: {e}")))?;
-            view.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-        };
+            append_f32(out, &view);
+        }
         b.readback.unmap();
-        Ok(out)
+        Ok(waited)
     }
+}
+
+/// Appends little-endian f32 values, given as bytes, to `out`.
+fn append_f32(out: &mut Vec<f32>, bytes: &[u8]) {
+    let n = bytes.len() / 4;
+    out.reserve(n);
+    #[cfg(target_endian = "little")]
+    // SAFETY: `reserve` made room for n more values past the length; the bytes are n f32
+    // values in this machine's order (any bits are a valid f32), copied as bytes, so the
+    // source's alignment does not matter.
+    unsafe {
+        let at = out.as_mut_ptr().add(out.len()).cast::<u8>();
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), at, n * 4);
+        out.set_len(out.len() + n);
+    }
+    #[cfg(not(target_endian = "little"))]
+    out.extend(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
 }
