@@ -32,7 +32,7 @@ rows a workgroup; 2048 is the default, 0 never, as before session 20), CELLM_GPU
 (workgroups,positions: the decode attention's splits aim at that many workgroups a step,
 none shorter than that many positions; any separator; 512.32 is the default, 1024.32 the
 one before), CELLM_GPU_SPIN (0: waits for a step block at once instead of spinning on the
-fence first).
+fence first; 1: spin on a CPU adapter too).
 """
 
 from __future__ import annotations

@@ -287,6 +287,49 @@ def test_bench_takes_the_backend(gguf_dir, tmp_path):
     assert len(lines) == 1 and "no Vulkan adapter found" in lines[0], lines
 
 
+SPAN_SCRIPT = """
+import sys
+import numpy as np
+from cellm import _core
+engine = _core.Engine(sys.argv[1], kv_encoding="f32", backend="vulkan")
+s = engine.create_session()
+ids = [int(t) for t in np.random.default_rng(2).integers(0, 1000, 80)]
+rows = [engine.step([(s, ids[:8])])] + [engine.step([(s, [t])]) for t in ids[8:]]
+np.save(sys.argv[2], np.concatenate(rows))
+"""
+
+
+def test_spinning_wait_and_span_profile(gpu, converted, tmp_path):
+    """The wait that spins on the step's fence (the default on GPUs, forced here on lavapipe by
+    CELLM_GPU_SPIN=1) returns each step's own logits, equal to the CPU's (ATOL), over 72
+    one-token steps, the first 64 of which the span profile (two timestamps a step, steps
+    recorded ahead) reports on."""
+    path = str(converted("qwen3", "f32"))
+    out = tmp_path / "logits.npy"
+    env = {**os.environ, "CELLM_GPU_SPIN": "1", "CELLM_GPU_PROFILE": "span"}
+    run = subprocess.run(
+        [sys.executable, "-c", SPAN_SCRIPT, path, str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr
+    report = [line for line in run.stderr.splitlines() if "one-token steps" in line]
+    assert len(report) == 1, run.stderr
+    assert "wait" in report[0] and "read" in report[0], report[0]
+    # Lavapipe (CI) and NVIDIA's driver have timestamp queries.
+    assert "GPU busy" in report[0] and "idle between steps" in report[0], report[0]
+    engine = _core.Engine(path, kv_encoding="f32", backend="cpu")
+    s = engine.create_session()
+    ids = [int(t) for t in np.random.default_rng(2).integers(0, 1000, 80)]
+    want = np.concatenate(
+        [engine.step([(s, ids[:8])])] + [engine.step([(s, [t])]) for t in ids[8:]]
+    )
+    got = np.load(out)
+    assert got.shape == want.shape == (73, want.shape[1])
+    assert max_err(got, want) < ATOL
+
+
 COOP_REL = 1e-2
 
 

@@ -83,7 +83,7 @@ pub struct Gpu {
     /// constants, set with each launch) instead of from a uniform buffer.
     pub immediates: bool,
     /// Whether waits for a step spin on the device's fence before blocking (see `wait_until`):
-    /// on GPUs, unless CELLM_GPU_SPIN=0.
+    /// on GPUs, unless CELLM_GPU_SPIN=0; anywhere with CELLM_GPU_SPIN=1.
     pub spin: bool,
     failure: Arc<Mutex<Option<String>>>,
 }
@@ -162,9 +162,13 @@ impl Gpu {
             let mut f = slot.lock().unwrap_or_else(|p| p.into_inner());
             f.get_or_insert_with(|| format!("the device was lost: {message}"));
         });
-        // Not on a CPU device (lavapipe): its own threads need the cores a spin would take.
-        let spin = info.device_type != wgpu::DeviceType::Cpu
-            && std::env::var("CELLM_GPU_SPIN").map_or(true, |v| v != "0");
+        // Not on a CPU device (lavapipe), whose own threads need the cores a spin would take,
+        // unless CELLM_GPU_SPIN=1 (tests); CELLM_GPU_SPIN=0 never.
+        let spin = match std::env::var("CELLM_GPU_SPIN").as_deref() {
+            Ok("0") => false,
+            Ok("1") => true,
+            _ => info.device_type != wgpu::DeviceType::Cpu,
+        };
         Ok(Self {
             device,
             queue,
