@@ -59,21 +59,14 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(subgroup_id) sg: u32,
     }
     workgroupBarrier();
 //@ZERO
-    // What this invocation loads: 8-column chunks c8 of weight rows, vec4s c4 of x rows.
-    var wrow: array<u32, WU>;
-    var wc8: array<u32, WU>;
-    var xrow: array<u32, XU>;
-    var xc4: array<u32, XU>;
+    // What this invocation loads each step: the 8-column chunk c8 of WU weight rows and the
+    // vec4 c4 of XU x rows (WG is a multiple of C8 and of C4, so each load of an invocation
+    // has the same column). The rows come from `wrow` / `xrow` at each use rather than from
+    // arrays held across the steps: registers bound how many workgroups an SM holds.
+    let c8 = li % C8;
+    let c4 = li % C4;
     var ssq: array<f32, XU>;
-    for (var j = 0u; j < WU; j++) {
-        let u = li + WG * j;
-        wrow[j] = min(r0 + u / C8, p.rows - 1u);
-        wc8[j] = u % C8;
-    }
     for (var j = 0u; j < XU; j++) {
-        let u = li + WG * j;
-        xrow[j] = x_row(min(t0 + u / C4, n - 1u)) * (p.x_stride / 4u);
-        xc4[j] = u % C4;
         ssq[j] = 0.0;
     }
     // Each step's loads go to registers during the previous step's multiplies (`pf`), or
@@ -86,30 +79,30 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(subgroup_id) sg: u32,
     var xv: array<vec4<f32>, XU>;
     //# pf
     for (var j = 0u; j < WU; j++) {
-        wv[j] = w8(wrow[j], wc8[j]);
+        wv[j] = w8(wrow(r0, li, j), c8);
         //# glu
-        wbv[j] = w8b(wrow[j], wc8[j]);
+        wbv[j] = w8b(wrow(r0, li, j), c8);
         //# end
     }
     for (var j = 0u; j < XU; j++) {
-        xv[j] = x[xrow[j] + xc4[j]];
+        xv[j] = x[xrow(t0, n, li, j) + c4];
     }
     //# end
     for (var k0 = 0u; k0 < p.cols; k0 += BK) {
         //# nopf
         for (var j = 0u; j < WU; j++) {
-            wv[j] = w8(wrow[j], k0 / 8u + wc8[j]);
+            wv[j] = w8(wrow(r0, li, j), k0 / 8u + c8);
             //# glu
-            wbv[j] = w8b(wrow[j], k0 / 8u + wc8[j]);
+            wbv[j] = w8b(wrow(r0, li, j), k0 / 8u + c8);
             //# end
         }
         for (var j = 0u; j < XU; j++) {
-            xv[j] = x[xrow[j] + k0 / 4u + xc4[j]];
+            xv[j] = x[xrow(t0, n, li, j) + k0 / 4u + c4];
         }
         //# end
         for (var j = 0u; j < WU; j++) {
             let u = li + WG * j;
-            let at = (u / C8) * LD + wc8[j] * 2u;
+            let at = (u / C8) * LD + c8 * 2u;
             ta[at] = vec4<f16>(wv[j][0]);
             ta[at + 1u] = vec4<f16>(wv[j][1]);
             //# glu
@@ -122,24 +115,24 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(subgroup_id) sg: u32,
             var v = xv[j];
             ssq[j] += dot(v, v);
             if (norm) {
-                v = v * gamma[k0 / 4u + xc4[j]];
+                v = v * gamma[k0 / 4u + c4];
             }
             // f16's range: a larger input saturates instead of turning into inf.
             v = clamp(v, vec4<f32>(-65504.0), vec4<f32>(65504.0));
-            tx[(u / C4) * LD + xc4[j]] = vec4<f16>(v);
+            tx[(u / C4) * LD + c4] = vec4<f16>(v);
         }
         workgroupBarrier();
         //# pf
         let kn = k0 + BK;
         if (kn < p.cols) {
             for (var j = 0u; j < WU; j++) {
-                wv[j] = w8(wrow[j], kn / 8u + wc8[j]);
+                wv[j] = w8(wrow(r0, li, j), kn / 8u + c8);
                 //# glu
-                wbv[j] = w8b(wrow[j], kn / 8u + wc8[j]);
+                wbv[j] = w8b(wrow(r0, li, j), kn / 8u + c8);
                 //# end
             }
             for (var j = 0u; j < XU; j++) {
-                xv[j] = x[xrow[j] + kn / 4u + xc4[j]];
+                xv[j] = x[xrow(t0, n, li, j) + kn / 4u + c4];
             }
         }
         //# end
@@ -154,12 +147,22 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(subgroup_id) sg: u32,
         for (var o = 1u; o < C4; o <<= 1u) {
             s += subgroupShuffleXor(s, o);
         }
-        if (xc4[j] == 0u) {
+        if (c4 == 0u) {
             sqp[(li + WG * j) / C4] = s;
         }
     }
     workgroupBarrier();
 //@STORE
+}
+
+// The weight row of invocation `li`'s load j (rows past the last read the last).
+fn wrow(r0: u32, li: u32, j: u32) -> u32 {
+    return min(r0 + (li + WG * j) / C8, p.rows - 1u);
+}
+
+// The first x element of invocation `li`'s load j (tokens past the last read the last).
+fn xrow(t0: u32, n: u32, li: u32, j: u32) -> u32 {
+    return x_row(min(t0 + (li + WG * j) / C4, n - 1u)) * (p.x_stride / 4u);
 }
 
 // The rms sum of token `tl` of the workgroup's tile.
