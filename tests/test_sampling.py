@@ -148,6 +148,34 @@ def test_top_p_matches_hf_on_large_flat_vocab(top_p: float) -> None:
     np.testing.assert_array_equal(z[ids], kept)
 
 
+def peaked_vocab(heads: int, spread: float) -> np.ndarray:
+    # A language model's shape: `heads` tokens well above a 49k-token noise floor.
+    rng = np.random.default_rng(heads)
+    z = rng.standard_normal(49_152).astype(np.float32)
+    z[rng.choice(z.size, heads, replace=False)] += rng.uniform(spread, spread + 6.0, heads)
+    return z
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.99, 0.9999])
+@pytest.mark.parametrize(("heads", "spread"), [(5, 10.0), (40, 6.0), (200, 3.0)])
+def test_top_p_matches_hf_on_peaked_vocabularies(heads: int, spread: float, top_p: float) -> None:
+    # The candidates within _TOP_P_SPAN of the best logit hold top_p (5 heads 10 nats up), or
+    # fall short and widen (0.9999 of the mass; 200 heads only 3-9 nats up). Against HF's rule
+    # in float64: a token is kept iff the mass above it is < top_p. The probabilities are
+    # float32 (relative 6e-8 each, as HF's), so only tokens whose mass above lies within 1e-6
+    # of top_p may land on either side. (Float32 sums of the tail, which the sampler took
+    # before, kept 40,312 tokens where this rule keeps 43,217.)
+    z = peaked_vocab(heads, spread)
+    ids, kept = _top_p(np.arange(z.size), z, top_p)
+    order = np.argsort(-z.astype(np.float64), kind="stable")
+    p = np.exp(z[order].astype(np.float64) - float(z.max()))
+    above = np.concatenate([[0.0], np.cumsum(p / p.sum())[:-1]])
+    want = set(order[above < top_p].tolist())
+    unclear = set(order[np.abs(above - top_p) < 1e-6].tolist())
+    assert set(ids.tolist()) ^ want <= unclear
+    np.testing.assert_array_equal(z[ids], kept)
+
+
 def test_top_k_keeps_ties_like_hf_and_min_p_matches_hf() -> None:
     z = np.array([1.0, 3.0, 2.0, 2.0, 0.0])
     ids, _ = _top_k(np.arange(5), z, 2)

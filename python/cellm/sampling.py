@@ -28,9 +28,13 @@ Filter = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 # OpenAI's bound on top_logprobs.
 MAX_TOP_LOGPROBS = 20
-# top-p first looks at this many best candidates, growing it only if their mass is < top_p,
-# so the usual case costs an O(vocab) partition instead of a full O(vocab log vocab) sort.
+# top-p looks at this many best candidates, growing it only if their mass is < top_p, so the
+# usual case costs an O(vocab) partition instead of a full O(vocab log vocab) sort ...
 _TOP_P_FIRST_GUESS = 64
+# ... or first every token within this many nats of the best logit (a token of p_max * e^-8
+# at most), where those are at most _TOP_P_MANY.
+_TOP_P_SPAN = 8.0
+_TOP_P_MANY = 4096
 
 
 def _is_real(x: Any) -> bool:
@@ -192,25 +196,31 @@ def _top_k(ids: np.ndarray, z: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarr
     return ids[keep], z[keep]
 
 
-def _softmax(z: np.ndarray) -> np.ndarray:
-    e = np.exp(z - z.max())
-    p: np.ndarray = e / e.sum()
-    return p
-
-
 def _top_p(ids: np.ndarray, z: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
     # HF TopPLogitsWarper: keep the most probable tokens until their mass reaches top_p; a token
     # is kept iff the mass strictly above it is < top_p, so the best one always survives.
-    p = _softmax(z)
+    # Only candidates are sorted, any prefix of the descending order that holds top_p of the
+    # mass: first every token within _TOP_P_SPAN of the best logit (one compare, cheaper than
+    # a partition; the k best by partition where that is more than _TOP_P_MANY tokens), then,
+    # while short of top_p, the k best for a k growing 8-fold.
+    top = z.max()
+    e = np.exp(z - top)
+    total = e.sum()
+    cand = np.flatnonzero(z >= top - _TOP_P_SPAN)
     k = _TOP_P_FIRST_GUESS
+    if cand.size > _TOP_P_MANY:
+        cand = _best(z, k)
     while True:
-        cand = _best(p, k)
-        order = cand[np.argsort(-p[cand], kind="stable")]
-        cum = np.cumsum(p[order])  # the exact prefix of the full sorted cumulative sum
-        if order.size == p.size or cum[-1] >= top_p:
+        p = e[cand] / total
+        order = np.argsort(-p, kind="stable")
+        # The exact prefix of the full sorted cumulative sum, in float64: float32 would stop
+        # adding a long tail's tiny terms once the sum nears 1 (HF sums them first, ascending).
+        cum = np.cumsum(p[order], dtype=np.float64)
+        if cand.size == z.size or cum[-1] >= top_p:
             break
-        k *= 8
-    keep = order[: min(order.size, int(np.searchsorted(cum, top_p, side="left")) + 1)]
+        k = max(k, cand.size) * 8
+        cand = _best(z, k)
+    keep = cand[order[: min(order.size, int(np.searchsorted(cum, top_p, side="left")) + 1)]]
     return ids[keep], z[keep]
 
 
