@@ -188,8 +188,9 @@ impl KeyHeader {
 
 #[derive(Clone, Copy)]
 pub(crate) enum PageReader {
-    /// The float head kernels read the stored rows as they are.
-    Float(HeadKernels),
+    /// The head kernels read the stored rows as they are (float rows; int8 rows where the
+    /// path has kernels for them).
+    Stored(HeadKernels),
     /// Rows are widened to f32 (`decode`), then read by the f32 head kernels.
     Widened { decode: DecodeFn, f32: HeadKernels },
 }
@@ -278,8 +279,11 @@ impl KvEncoding {
     pub(crate) fn reader(self) -> PageReader {
         let path = PathKernels::selected();
         match self {
-            Self::F16 => PageReader::Float(path.head_kernels(TensorFormat::F16)),
-            Self::F32 => PageReader::Float(path.head_kernels(TensorFormat::F32)),
+            Self::F16 => PageReader::Stored(path.head_kernels(TensorFormat::F16)),
+            Self::F32 => PageReader::Stored(path.head_kernels(TensorFormat::F32)),
+            Self::Int8 if path.int8_head_kernels().is_some() => {
+                PageReader::Stored(path.int8_head_kernels().expect("checked"))
+            }
             Self::Int8 | Self::Int4 => PageReader::Widened {
                 decode: self.decoder(),
                 f32: path.head_kernels(TensorFormat::F32),

@@ -94,7 +94,7 @@ pub(crate) fn attend(
     }
     let reader = pool.config().encoding.reader();
     let kern = match reader {
-        PageReader::Float(k) => k,
+        PageReader::Stored(k) => k,
         PageReader::Widened { f32, .. } => f32,
     };
     let tasks_of = RowTasks { pool, shape, reader, kern };
@@ -408,7 +408,7 @@ impl KeyScratch {
         }
         let widened = match tasks.reader {
             PageReader::Widened { .. } => vec![0.0f32; cfg.page_size * hd],
-            PageReader::Float(_) => Vec::new(),
+            PageReader::Stored(_) => Vec::new(),
         };
         Self {
             groups: HeadGroups { heads, group },

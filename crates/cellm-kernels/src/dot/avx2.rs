@@ -64,12 +64,27 @@ impl From<BrainBits> for Widen {
         Widen(half::bf16::from_bits(v.0).to_f32())
     }
 }
+impl From<i8> for Widen {
+    fn from(v: i8) -> Self {
+        Widen(f32::from(v))
+    }
+}
 
 impl Lanes for F32 {
     type Elem = f32;
     #[inline(always)]
     unsafe fn load8(p: *const f32) -> __m256 {
         _mm256_loadu_ps(p)
+    }
+}
+/// The values of an int8 KV row (`kv_rows::encode_i8`), after its f16 scale; the head
+/// kernels of int8 pages (`dot_heads16_i8`, `axpy_heads16_i8`) apply the scales.
+struct I8;
+impl Lanes for I8 {
+    type Elem = i8;
+    #[inline(always)]
+    unsafe fn load8(p: *const i8) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast())))
     }
 }
 impl Lanes for F16 {
@@ -692,6 +707,12 @@ impl Lanes16 for F16 {
         _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
     }
 }
+impl Lanes16 for I8 {
+    #[inline(always)]
+    unsafe fn load16(p: *const i8) -> __m512 {
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())))
+    }
+}
 impl Lanes16 for Bf16 {
     #[inline(always)]
     unsafe fn load16(p: *const BrainBits) -> __m512 {
@@ -935,6 +956,72 @@ fn axpy_heads16_f16(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
 fn axpy_heads16_bf16(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
     unsafe { axpy_heads16::<Bf16>(weights, rows, acc) }
 }
+
+/// Bytes before an int8 KV row's values: its f16 scale.
+const I8_SCALE_BYTES: usize = 2;
+
+/// Rows of a page whose int8 scales (and scaled weights) the head kernels keep on the stack.
+const I8_STACK_ROWS: usize = 64;
+
+/// The f16 scales of `rows`, widened into `out` (`rows.count` of them).
+#[target_feature(enable = "f16c")]
+unsafe fn i8_scales(rows: CachedRows, out: &mut [f32]) {
+    for (s, d) in out.iter_mut().enumerate().take(rows.count) {
+        let at = s * rows.stride;
+        let bits = u16::from_le_bytes([rows.bytes[at], rows.bytes[at + 1]]);
+        *d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))));
+    }
+}
+
+/// Runs `f` with `rows`' scales (on the stack for pages of up to `I8_STACK_ROWS` rows).
+fn with_i8_scales<R>(rows: CachedRows, f: impl FnOnce(&[f32]) -> R) -> R {
+    let mut stack = [0.0f32; I8_STACK_ROWS];
+    let mut heap = Vec::new();
+    let scales = if rows.count <= I8_STACK_ROWS {
+        &mut stack[..rows.count]
+    } else {
+        heap.resize(rows.count, 0.0);
+        &mut heap[..]
+    };
+    // SAFETY: the AVX-512 path's table hands these kernels out after checking the CPU (F16C
+    // with it).
+    unsafe { i8_scales(rows, scales) };
+    f(scales)
+}
+
+/// `dot_heads16` over int8 rows: each row's sums over its int8 values, times its scale (the
+/// pages are read as stored, half of f16's bytes, instead of widened to f32 first).
+fn dot_heads16_i8(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
+    // SAFETY: the values start past the scale, and `heads` checks every row's end there.
+    unsafe { dot_heads16::<I8>(rows.offset_by(I8_SCALE_BYTES), q, scores) }
+    with_i8_scales(rows, |d| {
+        for h in scores.chunks_exact_mut(rows.count) {
+            h.iter_mut().zip(d).for_each(|(s, d)| *s *= d);
+        }
+    });
+}
+
+/// `axpy_heads16` over int8 rows: each row's weights times its scale, then its int8 values.
+fn axpy_heads16_i8(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
+    let mut stack = [0.0f32; 4 * I8_STACK_ROWS];
+    let mut heap = Vec::new();
+    let scaled = if weights.len() <= stack.len() {
+        &mut stack[..weights.len()]
+    } else {
+        heap.resize(weights.len(), 0.0);
+        &mut heap[..]
+    };
+    with_i8_scales(rows, |d| {
+        for (out, w) in scaled.chunks_exact_mut(rows.count).zip(weights.chunks_exact(rows.count)) {
+            out.iter_mut().zip(w).zip(d).for_each(|((o, w), d)| *o = w * d);
+        }
+    });
+    // SAFETY: as in `dot_heads16_i8`.
+    unsafe { axpy_heads16::<I8>(scaled, rows.offset_by(I8_SCALE_BYTES), acc) }
+}
+
+/// The head-group kernels of int8 KV pages on the AVX-512 path (its table hands them out).
+pub const INT8_HEADS_512: HeadKernels = HeadKernels { dot: dot_heads16_i8, axpy: axpy_heads16_i8 };
 
 /// The head-group kernels of the AVX-512 path. Only its table hands them out, after
 /// `PathKernels::of` checked the CPU.

@@ -149,6 +149,62 @@ mod tests {
         }
     }
 
+    /// The int8 page kernels, on the paths that have them, equal the f32 kernels over the
+    /// same rows decoded to f32 (`KvCodes::of(Isa::Scalar)`), for head dims with and without
+    /// a tail, groups of 1 to 7 heads, and pages of up to 70 rows (past the kernels' stack
+    /// buffers). Tolerance: the kernels scale each row's sum once where the decoded rows
+    /// scaled each value, relative float rounding of a sum of n products.
+    #[test]
+    fn int8_head_kernels_match_decoded_rows() {
+        use crate::kv_rows::{encode_i8, i8_row_bytes, KvCodes};
+        let decode = KvCodes::of(Isa::Scalar).i8;
+        for isa in Isa::available() {
+            let Some(heads) = PathKernels::of(isa).int8_head_kernels() else { continue };
+            let f32_rows = scalar_rows(TensorFormat::F32);
+            for (n, group, count) in [(64, 3, 16), (64, 1, 70), (128, 4, 9), (60, 7, 5), (12, 2, 3)]
+            {
+                // Rows strided as in a page plane of three kv heads, the run at the second.
+                let bytes = i8_row_bytes(n);
+                let stride = 3 * bytes;
+                let values = pseudo_random(3 * n * count, n as u32 + 1);
+                let mut plane = vec![0u8; stride * count];
+                for (row, x) in plane.chunks_exact_mut(bytes).zip(values.chunks_exact(n)) {
+                    encode_i8(x, row);
+                }
+                let run = CachedRows { bytes: &plane[bytes..], stride, count, dim: n };
+                let wide: Vec<Vec<f32>> = (0..count)
+                    .map(|s| {
+                        let mut out = vec![0.0; n];
+                        decode(&plane[s * stride + bytes..][..bytes], &mut out);
+                        out
+                    })
+                    .collect();
+                let f32_row = |s: usize| -> Vec<u8> {
+                    wide[s].iter().flat_map(|v| v.to_le_bytes()).collect()
+                };
+                let q = pseudo_random(n * group, 7);
+                let mut got = vec![0.0; group * count];
+                (heads.dot)(run, &q, &mut got);
+                for (i, g) in got.iter().enumerate() {
+                    let (h, s) = (i / count, i % count);
+                    let want = (f32_rows.dot)(&f32_row(s), &q[h * n..(h + 1) * n]);
+                    assert!((g - want).abs() <= 1e-5 * n as f32, "{isa:?} int8 dot: {g} vs {want}");
+                }
+                let w: Vec<f32> = (0..group * count).map(|i| 0.3 - 0.01 * i as f32).collect();
+                let (mut got, mut want) = (q.clone(), q.clone());
+                (heads.axpy)(&w, run, &mut got);
+                for (i, &wi) in w.iter().enumerate() {
+                    let (h, s) = (i / count, i % count);
+                    (f32_rows.axpy)(wi, &f32_row(s), &mut want[h * n..(h + 1) * n]);
+                }
+                for (g, w) in got.iter().zip(&want) {
+                    let tol = 1e-5 * w.abs().max(1.0) * count as f32;
+                    assert!((g - w).abs() <= tol, "{isa:?} int8 axpy: {g} vs {w}");
+                }
+            }
+        }
+    }
+
     /// The float tiles equal one row kernel call per (row, token) on every path, for every
     /// tile shape and for row lengths with and without a tail.
     #[test]

@@ -26,6 +26,8 @@ pub struct PathKernels {
     /// Two groups per call, where a path has wider registers than its group kernels use.
     pairs: fn(TensorFormat) -> Option<(QDotX16Fn, usize)>,
     heads: fn(TensorFormat) -> HeadKernels,
+    /// Head-group kernels that read int8 KV rows as stored, where the path has them.
+    int8_heads: Option<HeadKernels>,
     dot_tiles: fn(TensorFormat) -> DotTileFn,
     /// None where a row dot per token is all there is (scalar, NEON).
     dot_tokens: Option<fn(TensorFormat) -> DotTokensFn>,
@@ -42,6 +44,7 @@ static SCALAR: PathKernels = PathKernels {
     groups: x8::scalar,
     pairs: no_pairs,
     heads: scalar::head_kernels,
+    int8_heads: None,
     dot_tiles: scalar::dot_tiles,
     dot_tokens: None,
     gemm_tiles: scalar::gemm_tiles,
@@ -59,6 +62,7 @@ const fn avx2_family<const P: u8>(tile: TileFn) -> PathKernels {
         groups: x8_avx2::qdot::<P>,
         pairs: x8_avx2::pair_qdot::<P>,
         heads: if P == bytes::AVX512_VNNI { avx2::head_kernels_512 } else { avx2::head_kernels },
+        int8_heads: if P == bytes::AVX512_VNNI { Some(avx2::INT8_HEADS_512) } else { None },
         dot_tiles: avx2::dot_tiles,
         dot_tokens: Some(avx2::dot_tokens_kernel),
         gemm_tiles: avx2::gemm_tiles,
@@ -89,6 +93,7 @@ const fn neon_family<const P: u8>() -> PathKernels {
         groups: x8_neon::qdot::<P>,
         pairs: no_pairs,
         heads: neon::head_kernels,
+        int8_heads: None,
         dot_tiles: neon::dot_tiles,
         dot_tokens: None,
         gemm_tiles: neon::gemm_tiles,
@@ -153,6 +158,12 @@ impl PathKernels {
     /// The head-group kernels of a float (cache) format.
     pub fn head_kernels(&self, format: TensorFormat) -> HeadKernels {
         (self.heads)(format)
+    }
+
+    /// The head-group kernels of int8 KV rows (`kv_rows::encode_i8`), where this path reads
+    /// them as stored; elsewhere the pages are widened to f32 first.
+    pub fn int8_head_kernels(&self) -> Option<HeadKernels> {
+        self.int8_heads
     }
 
     /// The float matmul's tile kernel of a float format.
