@@ -112,11 +112,12 @@ impl Stamps {
         });
     }
 
-    /// Stamps the end of the last launch and resolves the stamps into the mappable copy.
+    /// Stamps the end of the last launch.
     pub fn finish(&self, pass: &mut wgpu::ComputePass<'_>) {
         pass.write_timestamp(&self.queries.set, self.names.len() as u32);
     }
 
+    /// After the pass: the stamps into the mappable copy.
     pub fn resolve(&self, encoder: &mut wgpu::CommandEncoder) {
         self.queries.resolve(encoder, self.names.len() as u32 + 1);
     }
@@ -187,10 +188,12 @@ impl Profile {
         if let Some(s) = &self.stamps {
             let n = s.names.len() as u32;
             let at = s.queries.seconds(gpu, n + 1);
-            for (i, name) in s.names.iter().enumerate().filter(|_| at.len() > n as usize) {
-                let e = self.gpu.entry(name.clone()).or_default();
-                e.0 += (at[i + 1] - at[i]).max(0.0);
-                e.1 += 1;
+            if at.len() > n as usize {
+                for (i, name) in s.names.iter().enumerate() {
+                    let e = self.gpu.entry(name.clone()).or_default();
+                    e.0 += (at[i + 1] - at[i]).max(0.0);
+                    e.1 += 1;
+                }
             }
         }
         self.steps += 1;
