@@ -97,6 +97,39 @@ mod tests {
             .collect()
     }
 
+    /// Checks page kernels `heads` over `run` against one call of `rows` per (head, row),
+    /// row `s` given by `row(s)` in the format `rows` reads: the dot within 1e-5 per
+    /// element, the weighted sums within 1e-5 of their size per row.
+    fn check_by_rows(
+        heads: HeadKernels,
+        rows: RowKernels,
+        run: CachedRows,
+        row: &dyn Fn(usize) -> Vec<u8>,
+        group: usize,
+        what: &str,
+    ) {
+        let (n, count) = (run.dim, run.count);
+        let q = pseudo_random(n * group, 9);
+        let mut got = vec![0.0; group * count];
+        (heads.dot)(run, &q, &mut got);
+        for (i, g) in got.iter().enumerate() {
+            let (h, s) = (i / count, i % count);
+            let want = (rows.dot)(&row(s), &q[h * n..(h + 1) * n]);
+            assert!((g - want).abs() <= 1e-5 * n as f32, "{what} dot: {g} vs {want}");
+        }
+        let w: Vec<f32> = (0..group * count).map(|i| 0.3 - 0.07 * i as f32).collect();
+        let (mut got, mut want) = (q.clone(), q.clone());
+        (heads.axpy)(&w, run, &mut got);
+        for (i, &wi) in w.iter().enumerate() {
+            let (h, s) = (i / count, i % count);
+            (rows.axpy)(wi, &row(s), &mut want[h * n..(h + 1) * n]);
+        }
+        for (g, w) in got.iter().zip(&want) {
+            let tol = 1e-5 * w.abs().max(1.0) * count as f32;
+            assert!((g - w).abs() <= tol, "{what} axpy: {g} vs {w}");
+        }
+    }
+
     /// The page kernels equal one scalar row kernel call per (head, row) on every path, for
     /// head dims with and without a tail, groups of 1 to 7 heads (one to three passes) and
     /// runs of rows that do and do not fill the last eight or four, strided as in a page plane.
@@ -124,26 +157,8 @@ mod tests {
                     let words = aligned(&plane);
                     let plane = as_bytes(&words, plane.len());
                     let run = CachedRows { bytes: &plane[n * elem..], stride, count, dim: n };
-                    let row = |s: usize| &plane[s * stride + n * elem..][..n * elem];
-                    let q = pseudo_random(n * group, 9);
-                    let mut got = vec![0.0; group * count];
-                    (heads.dot)(run, &q, &mut got);
-                    for (i, g) in got.iter().enumerate() {
-                        let (h, s) = (i / count, i % count);
-                        let want = (rows.dot)(row(s), &q[h * n..(h + 1) * n]);
-                        assert!((g - want).abs() <= 1e-5 * n as f32, "{isa:?} {format:?} dot");
-                    }
-                    let w: Vec<f32> = (0..group * count).map(|i| 0.3 - 0.07 * i as f32).collect();
-                    let (mut got, mut want) = (q.clone(), q.clone());
-                    (heads.axpy)(&w, run, &mut got);
-                    for (i, &wi) in w.iter().enumerate() {
-                        let (h, s) = (i / count, i % count);
-                        (rows.axpy)(wi, row(s), &mut want[h * n..(h + 1) * n]);
-                    }
-                    for (g, w) in got.iter().zip(&want) {
-                        let tol = 1e-5 * w.abs().max(1.0) * count as f32;
-                        assert!((g - w).abs() <= tol, "{isa:?} {format:?} axpy: {g} vs {w}");
-                    }
+                    let row = |s: usize| plane[s * stride + n * elem..][..n * elem].to_vec();
+                    check_by_rows(heads, rows, run, &row, group, &format!("{isa:?} {format:?}"));
                 }
             }
         }
@@ -182,25 +197,7 @@ mod tests {
                 let f32_row = |s: usize| -> Vec<u8> {
                     wide[s].iter().flat_map(|v| v.to_le_bytes()).collect()
                 };
-                let q = pseudo_random(n * group, 7);
-                let mut got = vec![0.0; group * count];
-                (heads.dot)(run, &q, &mut got);
-                for (i, g) in got.iter().enumerate() {
-                    let (h, s) = (i / count, i % count);
-                    let want = (f32_rows.dot)(&f32_row(s), &q[h * n..(h + 1) * n]);
-                    assert!((g - want).abs() <= 1e-5 * n as f32, "{isa:?} int8 dot: {g} vs {want}");
-                }
-                let w: Vec<f32> = (0..group * count).map(|i| 0.3 - 0.01 * i as f32).collect();
-                let (mut got, mut want) = (q.clone(), q.clone());
-                (heads.axpy)(&w, run, &mut got);
-                for (i, &wi) in w.iter().enumerate() {
-                    let (h, s) = (i / count, i % count);
-                    (f32_rows.axpy)(wi, &f32_row(s), &mut want[h * n..(h + 1) * n]);
-                }
-                for (g, w) in got.iter().zip(&want) {
-                    let tol = 1e-5 * w.abs().max(1.0) * count as f32;
-                    assert!((g - w).abs() <= tol, "{isa:?} int8 axpy: {g} vs {w}");
-                }
+                check_by_rows(heads, f32_rows, run, &f32_row, group, &format!("{isa:?} int8"));
             }
         }
     }
