@@ -291,11 +291,11 @@ SPAN_SCRIPT = """
 import sys
 import numpy as np
 from cellm import _core
-engine = _core.Engine(sys.argv[1], kv_encoding="f32", backend="vulkan")
+engine = _core.Engine(sys.argv[1], kv_encoding="f32", backend=sys.argv[2])
 s = engine.create_session()
 ids = [int(t) for t in np.random.default_rng(2).integers(0, 1000, 80)]
 rows = [engine.step([(s, ids[:8])])] + [engine.step([(s, [t])]) for t in ids[8:]]
-np.save(sys.argv[2], np.concatenate(rows))
+np.save(sys.argv[3], np.concatenate(rows))
 """
 
 
@@ -305,27 +305,24 @@ def test_spinning_wait_and_span_profile(gpu, converted, tmp_path):
     one-token steps, the first 64 of which the span profile (two timestamps a step, steps
     recorded ahead) reports on."""
     path = str(converted("qwen3", "f32"))
-    out = tmp_path / "logits.npy"
     env = {**os.environ, "CELLM_GPU_SPIN": "1", "CELLM_GPU_PROFILE": "span"}
-    run = subprocess.run(
-        [sys.executable, "-c", SPAN_SCRIPT, path, str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    assert run.returncode == 0, run.stderr
-    report = [line for line in run.stderr.splitlines() if "one-token steps" in line]
-    assert len(report) == 1, run.stderr
+    runs = {}
+    for backend in ("vulkan", "cpu"):
+        out = tmp_path / f"{backend}.npy"
+        run = subprocess.run(
+            [sys.executable, "-c", SPAN_SCRIPT, path, backend, str(out)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert run.returncode == 0, run.stderr
+        runs[backend] = (np.load(out), run.stderr)
+    report = [line for line in runs["vulkan"][1].splitlines() if "one-token steps" in line]
+    assert len(report) == 1, runs["vulkan"][1]
     assert "wait" in report[0] and "read" in report[0], report[0]
     # Lavapipe (CI) and NVIDIA's driver have timestamp queries.
     assert "GPU busy" in report[0] and "idle between steps" in report[0], report[0]
-    engine = _core.Engine(path, kv_encoding="f32", backend="cpu")
-    s = engine.create_session()
-    ids = [int(t) for t in np.random.default_rng(2).integers(0, 1000, 80)]
-    want = np.concatenate(
-        [engine.step([(s, ids[:8])])] + [engine.step([(s, [t])]) for t in ids[8:]]
-    )
-    got = np.load(out)
+    got, want = runs["vulkan"][0], runs["cpu"][0]
     assert got.shape == want.shape == (73, want.shape[1])
     assert max_err(got, want) < ATOL
 

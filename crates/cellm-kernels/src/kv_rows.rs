@@ -68,9 +68,12 @@ const I4_STEPS: [f32; 256] = {
     steps
 };
 
+/// Bytes before an int8 row's values: its f16 scale.
+pub const I8_SCALE_BYTES: usize = 2;
+
 /// Bytes of an int8 row of `dim` values.
 pub fn i8_row_bytes(dim: usize) -> usize {
-    2 + dim
+    I8_SCALE_BYTES + dim
 }
 
 /// Bytes of an int4 row of `dim` values.
@@ -289,6 +292,9 @@ fn decode_i4(row: &[u8], out: &mut [f32]) {
 }
 
 #[cfg(target_arch = "x86_64")]
+pub(crate) use avx2::scale_f16c;
+
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
@@ -321,7 +327,7 @@ mod avx2 {
     /// The row's f16 scale through F16C (the same bits as `scale`, without `half`'s
     /// run-time dispatch: a call per row was 7% of an int8 attention step).
     #[inline(always)]
-    unsafe fn scale_f16c(row: &[u8]) -> f32 {
+    pub(crate) unsafe fn scale_f16c(row: &[u8]) -> f32 {
         let bits = u16::from_le_bytes([row[0], row[1]]);
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
     }

@@ -281,12 +281,12 @@ impl KvEncoding {
         match self {
             Self::F16 => PageReader::Stored(path.head_kernels(TensorFormat::F16)),
             Self::F32 => PageReader::Stored(path.head_kernels(TensorFormat::F32)),
-            Self::Int8 if path.int8_head_kernels().is_some() => {
-                PageReader::Stored(path.int8_head_kernels().expect("checked"))
-            }
-            Self::Int8 | Self::Int4 => PageReader::Widened {
-                decode: self.decoder(),
-                f32: path.head_kernels(TensorFormat::F32),
+            Self::Int8 | Self::Int4 => match path.int8_head_kernels() {
+                Some(k) if self == Self::Int8 => PageReader::Stored(k),
+                _ => PageReader::Widened {
+                    decode: self.decoder(),
+                    f32: path.head_kernels(TensorFormat::F32),
+                },
             },
         }
     }

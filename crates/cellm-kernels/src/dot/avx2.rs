@@ -6,6 +6,7 @@ use cellm_format::TensorFormat;
 
 use super::floats::cast;
 use super::kinds::{head_passes, CachedRows, DotTileFn, DotTokensFn, HeadKernels, PanelFn};
+use crate::kv_rows::{scale_f16c, I8_SCALE_BYTES};
 
 float_row_kernels!(assert!(
     crate::Isa::Avx2.supported(),
@@ -957,9 +958,6 @@ fn axpy_heads16_bf16(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
     unsafe { axpy_heads16::<Bf16>(weights, rows, acc) }
 }
 
-/// Bytes before an int8 KV row's values: its f16 scale.
-const I8_SCALE_BYTES: usize = 2;
-
 /// Rows of a page whose int8 scales (and scaled weights) the head kernels keep on the stack.
 const I8_STACK_ROWS: usize = 64;
 
@@ -967,9 +965,7 @@ const I8_STACK_ROWS: usize = 64;
 #[target_feature(enable = "f16c")]
 unsafe fn i8_scales(rows: CachedRows, out: &mut [f32]) {
     for (s, d) in out.iter_mut().enumerate().take(rows.count) {
-        let at = s * rows.stride;
-        let bits = u16::from_le_bytes([rows.bytes[at], rows.bytes[at + 1]]);
-        *d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))));
+        *d = scale_f16c(&rows.bytes[s * rows.stride..]);
     }
 }
 
