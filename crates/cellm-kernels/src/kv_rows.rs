@@ -20,7 +20,7 @@
 
 use half::f16;
 
-use crate::dot::DecodeFn;
+use crate::dot::kinds::DecodeFn;
 use crate::isa::Isa;
 
 /// Values per int4 group.

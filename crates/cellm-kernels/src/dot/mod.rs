@@ -20,7 +20,7 @@ mod int_avx2;
 #[cfg(target_arch = "aarch64")]
 mod int_neon;
 mod int_scalar;
-mod kinds;
+pub(crate) mod kinds;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod paths;
