@@ -79,6 +79,9 @@ pub struct Gpu {
     /// Whether prefill's GEMM runs on cooperative matrices (tensor cores): 16x16x16 tiles of
     /// f16 inputs accumulated in f32, on Vulkan with subgroups of 32 (see `coopmat_ok`).
     pub coopmat: bool,
+    /// Whether prefill's GEMM runs on NVIDIA's workgroup-scope cooperative matrices
+    /// (`nv_coopmat2`, through `split_gemm`).
+    pub coopmat2: bool,
     /// Whether kernels take their 64 bytes of parameters as immediates (Vulkan push
     /// constants, set with each launch) instead of from a uniform buffer.
     pub immediates: bool,
@@ -143,14 +146,31 @@ impl Gpu {
         if immediates {
             required_features |= wgpu::Features::IMMEDIATES;
         }
-        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+        // NVIDIA's workgroup-scope cooperative matrices for prefill's GEMM, where the
+        // cooperative GEMM runs and parameters are immediates (its SPIR-V takes them so).
+        // Opt-in (CELLM_GPU_COOPMAT2=1) until it has run in the engine on hardware: the one
+        // H200 run so far did not finish a 512-token step (docs/benchmarks.md).
+        let coopmat2 = coopmat
+            && immediates
+            && adapter.features().contains(wgpu::Features::PASSTHROUGH_SHADERS)
+            && std::env::var("CELLM_GPU_COOPMAT2").is_ok_and(|v| v == "1")
+            && crate::nv_coopmat2::supported(&adapter);
+        if coopmat2 {
+            required_features |= wgpu::Features::PASSTHROUGH_SHADERS;
+        }
+        let desc = wgpu::DeviceDescriptor {
             label: Some("cellm"),
             required_features,
             required_limits: limits.clone(),
             experimental_features,
             ..Default::default()
-        }))
-        .map_err(|e| Error::Device(format!("cannot open {}: {e}", info.name)))?;
+        };
+        let opened = match coopmat2 {
+            true => crate::nv_coopmat2::open(&adapter, &desc),
+            false => pollster::block_on(adapter.request_device(&desc)).map_err(|e| e.to_string()),
+        };
+        let (device, queue) =
+            opened.map_err(|e| Error::Device(format!("cannot open {}: {e}", info.name)))?;
         let failure: Arc<Mutex<Option<String>>> = Arc::default();
         let slot = failure.clone();
         device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
@@ -177,6 +197,7 @@ impl Gpu {
             subgroups,
             timestamps,
             coopmat,
+            coopmat2,
             immediates,
             spin,
             failure,

@@ -21,6 +21,7 @@ const ATTN_COMBINE: &str = include_str!("shaders/attn_combine.wgsl");
 const ATTN_PREFILL: &str = include_str!("shaders/attn_prefill.wgsl");
 const ATTN_PREFILL_COOP: &str = include_str!("shaders/attn_prefill_coop.wgsl");
 const NORM_ADD: &str = include_str!("shaders/norm_add.wgsl");
+const SPLIT_GEMM: &str = include_str!("shaders/split_gemm.wgsl");
 
 /// How a kernel binds one buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +54,15 @@ pub enum KernelId {
     /// them; `attn_prefill::coop_head_dim_ok`).
     AttnPrefillCoop(u32),
     NormAdd,
+    /// The split GEMM's passes (`split_gemm`): the inputs in f16 and their sums of squares,
+    /// a matrix in f16, the f16 GEMM in WGSL, and the epilogue (the GLU's where true).
+    SplitPrep,
+    SplitDequant(Layout),
+    SplitGemm,
+    SplitEpilogue(bool),
+    /// The split GEMM on NVIDIA's cooperative matrices at this unroll (SPIR-V,
+    /// `nv_coopmat2`; not WGSL).
+    Coopmat2Gemm(u32),
 }
 
 impl KernelId {
@@ -75,6 +85,10 @@ impl KernelId {
             KernelId::AttentionFused,
             KernelId::AttnCombine,
             KernelId::NormAdd,
+            KernelId::SplitPrep,
+            KernelId::SplitGemm,
+            KernelId::SplitEpilogue(false),
+            KernelId::SplitEpilogue(true),
         ];
         all.extend([16, 64, 80, 96, 128, 256].map(KernelId::AttnPrefill));
         for l in layouts {
@@ -84,6 +98,7 @@ impl KernelId {
                 KernelId::MatvecRope2(l, Layout::Q6K),
                 KernelId::Glu(l),
                 KernelId::Embed(l),
+                KernelId::SplitDequant(l),
             ]);
         }
         all
@@ -145,6 +160,18 @@ impl KernelId {
                 vec![(0, Uniform), (1, Read), (2, Write), (5, Read)]
             }
             KernelId::NormAdd => vec![(0, Uniform), (1, Read), (2, Write), (3, Read)],
+            KernelId::SplitPrep => {
+                vec![(0, Uniform), (1, Read), (3, Read), (12, Write), (13, Write)]
+            }
+            KernelId::SplitDequant(l) => {
+                [vec![(0, Uniform), (12, Write)], weights(l, 5, 6)].concat()
+            }
+            KernelId::SplitGemm | KernelId::Coopmat2Gemm(_) => {
+                vec![(0, Uniform), (5, Read), (12, Read), (14, Write)]
+            }
+            KernelId::SplitEpilogue(_) => {
+                vec![(0, Uniform), (2, Write), (4, Read), (13, Read), (14, Read)]
+            }
         };
         b.push((7, Read));
         b
@@ -158,6 +185,17 @@ impl KernelId {
                 | KernelId::MatvecRope(_)
                 | KernelId::MatvecRope2(..)
                 | KernelId::Glu(_)
+        )
+    }
+
+    /// Whether the kernel is one of the split GEMM's WGSL passes.
+    pub fn is_split(self) -> bool {
+        matches!(
+            self,
+            KernelId::SplitPrep
+                | KernelId::SplitDequant(_)
+                | KernelId::SplitGemm
+                | KernelId::SplitEpilogue(_)
         )
     }
 
@@ -226,6 +264,10 @@ impl KernelId {
             KernelId::AttnCombine => (ATTN_COMBINE, None, false),
             KernelId::AttnPrefill(_) | KernelId::AttnPrefillCoop(_) => (&prefill, None, false),
             KernelId::NormAdd => (NORM_ADD, None, false),
+            KernelId::SplitPrep | KernelId::SplitGemm => (SPLIT_GEMM, None, false),
+            KernelId::SplitDequant(l) => (SPLIT_GEMM, Some(l), false),
+            KernelId::SplitEpilogue(glu) => (SPLIT_GEMM, None, glu),
+            KernelId::Coopmat2Gemm(_) => ("", None, false),
         };
         let mut src = String::new();
         if coop || matches!(self, KernelId::AttnPrefillCoop(_)) {
@@ -250,7 +292,7 @@ impl KernelId {
         if attention || rope {
             src.push_str(KV);
         }
-        if self.per_token_count() {
+        if self.per_token_count() || self.is_split() {
             src.push_str(LINEAR);
         }
         let rpw = if tokens == 1 && !rope { one.rows } else { 4 };
@@ -299,6 +341,10 @@ impl KernelId {
             "nosg" => !subgroups,
             "pf" => pipe.prefetch_for(weights),
             "nopf" => !pipe.prefetch_for(weights),
+            "prep" => self == KernelId::SplitPrep,
+            "dequant" => matches!(self, KernelId::SplitDequant(_)),
+            "gemm" => self == KernelId::SplitGemm,
+            "epilogue" => matches!(self, KernelId::SplitEpilogue(_)),
             _ => false,
         }));
         if let Some(l) = weights {
@@ -836,6 +882,28 @@ pub struct Kernel {
 }
 
 impl Kernel {
+    /// A kernel of one build.
+    fn plain(
+        name: String,
+        pipeline: wgpu::ComputePipeline,
+        layout: wgpu::BindGroupLayout,
+        immediates: bool,
+    ) -> Self {
+        Kernel {
+            name,
+            pipeline,
+            single: None,
+            single_split: 1,
+            single64: None,
+            single_r4: None,
+            wide: None,
+            gemm: None,
+            coop: None,
+            layout,
+            immediates,
+        }
+    }
+
     /// The pipeline for a launch over `tokens` tokens of
     /// `rows` x `cols` (the GEMM is `gemm_for`'s), and the factor on its grid's z (the
     /// one-token build's `single_split`, else 1).
@@ -962,6 +1030,10 @@ fn build(
         bind_group_layouts: &[Some(&layout)],
         immediate_size: if immediates { PARAMS_BYTES } else { 0 },
     });
+    if let KernelId::Coopmat2Gemm(un) = id {
+        let pipeline = crate::nv_coopmat2::pipeline(device, &pipeline_layout, un, &label);
+        return Kernel::plain("Coopmat2Gemm".into(), pipeline, layout, immediates);
+    }
     let pipeline_shape = |tokens: u32, wg: u32, shape: OneShape| {
         let desc = wgpu::ShaderModuleDescriptor {
             label: Some(&label),

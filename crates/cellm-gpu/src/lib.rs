@@ -7,9 +7,11 @@ mod attn_prefill;
 mod device;
 pub mod kernels;
 mod model;
+mod nv_coopmat2;
 mod ops;
 mod profile;
 pub mod repack;
+mod split_gemm;
 mod step;
 mod weights;
 

@@ -15,9 +15,10 @@ use cellm_models::{
 
 use crate::attn_prefill;
 use crate::device::Gpu;
-use crate::kernels::{KernelId, Kernels, GEMM_MIN_TOKENS, ROWS_PER_GROUP};
+use crate::kernels::{KernelId, Kernels, ROWS_PER_GROUP};
 use crate::ops::{Buf, Dims, Grid, Op, When};
 use crate::profile::{Profile, Span, Stamps};
+use crate::split_gemm::{self, Gemm as SplitGemm, Scratch};
 use crate::step::{HostStep, StepBuffers, Token};
 use crate::weights::{as_bytes, Matrix, Uploader};
 use crate::GpuOptions;
@@ -240,10 +241,24 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
         kv_f16: opts.kv_encoding == KvEncoding::F16,
         max_half: ropes.iter().map(|r| r.inv_freq.len()).max().unwrap_or(0),
         ropes: ropes.len(),
+        split: Scratch::default(),
     };
     let mut kernels = Kernels::new(&gpu);
-    let ops =
-        plan(&gpu, &mut kernels, &cfg, &dims, &embed, &layers, &final_norm, &head, page_size)?;
+    let mut split =
+        SplitPlan { gemm: SplitGemm::for_device(&gpu), max_binding, scratch: Scratch::default() };
+    let ops = plan(
+        &gpu,
+        &mut kernels,
+        &mut split,
+        &cfg,
+        &dims,
+        &embed,
+        &layers,
+        &final_norm,
+        &head,
+        page_size,
+    )?;
+    let dims = Dims { split: split.scratch, ..dims };
     let bufs = StepBuffers::new(&gpu, &dims, page_size, &ops)?;
     let layout = CacheLayout {
         kv_layers: cfg.num_layers,
@@ -271,6 +286,19 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
             }
             false => "f32".to_string(),
         };
+        let passes = ops.iter().filter(|o| o.when == When::Split).count();
+        let gemm = match split.gemm {
+            Some(g) if passes > 0 => format!(
+                "{gemm}; from {} tokens in passes ({passes} launches) through {}",
+                split_gemm::MIN_TOKENS,
+                match g {
+                    SplitGemm::Coopmat2 =>
+                        "NVIDIA's cooperative matrices (VK_NV_cooperative_matrix2)",
+                    SplitGemm::Wgsl => "the WGSL f16 GEMM",
+                }
+            ),
+            _ => gemm,
+        };
         eprintln!(
             "cellm-gpu: {} ({:?}, {:?}), {} dispatches per one-token step ({} more with \
              several attention splits; {} planned in all), one submit per step \
@@ -278,9 +306,7 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
             gpu.info.name,
             gpu.info.backend,
             gpu.info.device_type,
-            ops.iter()
-                .filter(|o| matches!(o.when, When::Always | When::Matvec | When::Decode))
-                .count(),
+            ops.iter().filter(|o| o.when.runs(1, false, 1)).count(),
             ops.iter().filter(|o| o.when == When::Splits).count(),
             ops.len(),
             gpu.subgroups,
@@ -293,6 +319,22 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
     let runner =
         Runner { gpu, dims, ops, ropes, bufs, profile, ahead: None, prerecord, has_prefill };
     Ok(Box::new(GpuModel { cfg, layout, runner: Mutex::new(runner) }))
+}
+
+/// The split GEMM's planning (`split_gemm`): its GEMM (none: the fused kernels only), the
+/// largest binding, and the scratch its passes take so far.
+struct SplitPlan {
+    gemm: Option<SplitGemm>,
+    max_binding: u64,
+    scratch: Scratch,
+}
+
+impl SplitPlan {
+    /// The GEMM for `mats` (one matrix or the GLU's pair) of `cols` columns where they take
+    /// the passes.
+    fn takes(&self, mats: &[&Matrix], cols: usize) -> Option<SplitGemm> {
+        self.gemm.filter(|g| g.takes(mats[0], cols, mats.len(), self.max_binding))
+    }
 }
 
 /// The params of one matvec launch over one part.
@@ -337,6 +379,7 @@ pub(crate) fn matvec_params(a: &MatvecArgs) -> ([u32; 16], u32, u32) {
 fn matvec_ops(
     gpu: &Gpu,
     kernels: &mut Kernels,
+    split: &mut SplitPlan,
     m: &Matrix,
     offset: usize,
     (x, y): (Buf, Buf),
@@ -352,14 +395,31 @@ fn matvec_ops(
         None => KernelId::Matvec(m.layout),
     };
     let kernel = kernels.get(&gpu.device, id);
+    // Prefill in passes where the matrix takes them (never the logits' rows).
+    let passes = split.takes(&[m], args.cols).filter(|_| args.flags & HEAD == 0);
+    let flags =
+        args.flags | if gamma.is_some() { NORM } else { 0 } | if bias.is_some() { BIAS } else { 0 };
+    if let Some(gemm) = passes {
+        let (params, _, _) =
+            matvec_params(&MatvecArgs { rows: m.rows, row0: offset, flags, ..args });
+        let lin = split_gemm::Linear {
+            mats: &[m],
+            input: x.clone(),
+            gamma,
+            bias,
+            out: y.clone(),
+            params,
+            // (A matrix stacked on another shares its input.)
+            prep: offset == 0,
+        };
+        split_gemm::push(gemm, kernels, &gpu.device, lin, &mut split.scratch, ops);
+    }
+    let when = if passes.is_some() { split_gemm::below(when) } else { when };
     for part in &m.parts {
         let (mut params, groups_x, groups) = matvec_params(&MatvecArgs {
             rows: part.rows,
             row0: offset + part.row0,
-            flags: args.flags
-                | if gamma.is_some() { NORM } else { 0 }
-                | if bias.is_some() { BIAS } else { 0 }
-                | if rope.is_some() { ROPE } else { 0 },
+            flags: flags | if rope.is_some() { ROPE } else { 0 },
             ..args
         });
         let mut binds = vec![
@@ -426,6 +486,7 @@ fn qkv_two_formats(
 fn plan(
     gpu: &Gpu,
     kernels: &mut Kernels,
+    split: &mut SplitPlan,
     cfg: &ModelConfig,
     d: &Dims,
     embed: &Matrix,
@@ -516,6 +577,7 @@ fn plan(
             matvec_ops(
                 gpu,
                 kernels,
+                split,
                 m,
                 offset,
                 (Buf::X, Buf::Qkv),
@@ -605,6 +667,7 @@ fn plan(
         matvec_ops(
             gpu,
             kernels,
+            split,
             &l.o,
             0,
             (Buf::Ctx, out),
@@ -622,14 +685,24 @@ fn plan(
         let mlp_norm = l.pre_mlp_norm.as_ref().unwrap_or(&l.post_attn_norm);
         let glu = kernels.get(&gpu.device, KernelId::Glu(l.gate.layout));
         let gelu = if cfg.hidden_act == Activation::GeluTanh { GELU } else { 0 };
+        let glu_args = MatvecArgs { y_stride: d.inter, flags: NORM | gelu, ..base };
+        let passes = split.takes(&[&l.gate, &l.up], glu_args.cols);
+        if let Some(gemm) = passes {
+            let (params, _, _) = matvec_params(&MatvecArgs { rows: l.gate.rows, ..glu_args });
+            let lin = split_gemm::Linear {
+                mats: &[&l.gate, &l.up],
+                input: Buf::X,
+                gamma: Some(mlp_norm),
+                bias: None,
+                out: Buf::Act,
+                params,
+                prep: true,
+            };
+            split_gemm::push(gemm, kernels, &gpu.device, lin, &mut split.scratch, &mut ops);
+        }
         for (g, u) in l.gate.parts.iter().zip(&l.up.parts) {
-            let (params, groups_x, groups) = matvec_params(&MatvecArgs {
-                rows: g.rows,
-                row0: g.row0,
-                y_stride: d.inter,
-                flags: NORM | gelu,
-                ..base
-            });
+            let (params, groups_x, groups) =
+                matvec_params(&MatvecArgs { rows: g.rows, row0: g.row0, ..glu_args });
             let mut binds = vec![
                 (1, Buf::X),
                 (2, Buf::Act),
@@ -646,7 +719,7 @@ fn plan(
                 params,
                 binds,
                 grid: Grid::Rows { groups, groups_x },
-                when: When::Always,
+                when: if passes.is_some() { When::Unsplit } else { When::Always },
             });
         }
         let down_args = MatvecArgs { cols: d.inter, x_stride: d.inter, ..base };
@@ -654,6 +727,7 @@ fn plan(
             matvec_ops(
                 gpu,
                 kernels,
+                split,
                 &l.down,
                 0,
                 (Buf::Act, Buf::Tmp),
@@ -670,6 +744,7 @@ fn plan(
             matvec_ops(
                 gpu,
                 kernels,
+                split,
                 &l.down,
                 0,
                 (Buf::Act, Buf::X),
@@ -697,6 +772,7 @@ fn plan(
     matvec_ops(
         gpu,
         kernels,
+        split,
         head,
         0,
         (Buf::X, Buf::Logits),
@@ -792,15 +868,7 @@ impl Runner {
                 timestamp_writes: span.map(|(s, k)| s.writes(k)),
             });
             for (op, group) in self.ops.iter().zip(self.bufs.groups()) {
-                let skip = match op.when {
-                    When::Always => false,
-                    When::Gemm => t < GEMM_MIN_TOKENS,
-                    When::Matvec => t >= GEMM_MIN_TOKENS,
-                    When::Decode => prefill,
-                    When::Splits => prefill || splits <= 1,
-                    When::Prefill => !prefill,
-                };
-                if skip {
+                if !op.when.runs(t, prefill, splits) {
                     continue;
                 }
                 // Row groups of ROWS_PER_GROUP, over `count` tokens: a tiled GEMM
@@ -832,6 +900,8 @@ impl Runner {
                     Grid::Splits(n) => ((n, t, splits), t),
                     Grid::QueryTiles { heads, block } => ((heads, t.div_ceil(block), 1), t),
                     Grid::Columns(c) => ((c.div_ceil(64), t, 1), t),
+                    Grid::Tiles { rows, tile } => ((t.div_ceil(tile), rows.div_ceil(tile), 1), t),
+                    Grid::Fixed(x, y) => ((x, y, 1), t),
                 };
                 if x * y * z == 0 {
                     continue;

@@ -21,6 +21,14 @@ pub enum Buf {
     /// The attention's count of finished splits per (token, head) (`AttentionFused`).
     Done,
     Dummy,
+    /// The split GEMM's f16 inputs (split_gemm.rs): one row per token, rounded up to a tile.
+    Half,
+    /// The split GEMM's dequantized weights (f16 rows).
+    WHalf,
+    /// The split GEMM's f32 sums.
+    Acc,
+    /// Each token's sum of squares of its input (the split GEMM's norm).
+    Sums,
     W(wgpu::Buffer),
 }
 
@@ -40,6 +48,10 @@ pub enum Grid {
     PerToken(u32),
     /// 64 columns of 4 per workgroup, per token.
     Columns(u32),
+    /// Tiles of `tile` tokens (x) by `tile` of `rows` rows (y).
+    Tiles { rows: u32, tile: u32 },
+    /// A grid that does not depend on the step.
+    Fixed(u32, u32),
 }
 
 /// One kernel launch of a step.
@@ -67,6 +79,32 @@ pub enum When {
     Splits,
     /// Steps that run the prefill attention.
     Prefill,
+    /// Steps that run the split GEMM's passes (from `split_gemm::MIN_TOKENS` tokens).
+    Split,
+    /// `Always`, except where the split GEMM runs instead.
+    Unsplit,
+    /// `Gemm`, except where the split GEMM runs instead.
+    GemmUnsplit,
+}
+
+impl When {
+    /// Whether a step of `t` tokens launches the op (`prefill`: it runs the prefill attention;
+    /// `splits`: the decode attention's splits).
+    pub fn runs(self, t: u32, prefill: bool, splits: u32) -> bool {
+        use crate::kernels::GEMM_MIN_TOKENS;
+        let split = t >= crate::split_gemm::MIN_TOKENS;
+        match self {
+            When::Always => true,
+            When::Gemm => t >= GEMM_MIN_TOKENS,
+            When::Matvec => t < GEMM_MIN_TOKENS,
+            When::Decode => !prefill,
+            When::Splits => !prefill && splits > 1,
+            When::Prefill => prefill,
+            When::Split => split,
+            When::Unsplit => !split,
+            When::GemmUnsplit => t >= GEMM_MIN_TOKENS && !split,
+        }
+    }
 }
 
 /// Static sizes every step shares.
@@ -85,4 +123,6 @@ pub struct Dims {
     /// Rotated pairs of the widest RoPE (the cos/sin table's row).
     pub max_half: usize,
     pub ropes: usize,
+    /// The split GEMM's scratch (split_gemm.rs), zero where no launch takes it.
+    pub split: crate::split_gemm::Scratch,
 }

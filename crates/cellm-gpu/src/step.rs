@@ -10,6 +10,7 @@ use cellm_models::{RopeConfig, Step};
 
 use crate::device::Gpu;
 use crate::ops::{Buf, Dims, Op};
+use crate::split_gemm::TILE;
 use crate::weights::as_bytes;
 
 /// Words before the per-token records (`shaders/step.wgsl`).
@@ -115,6 +116,11 @@ struct Buffers {
     pool: wgpu::Buffer,
     part: wgpu::Buffer,
     done: wgpu::Buffer,
+    /// The split GEMM's scratch (`split_gemm::Scratch`).
+    half: wgpu::Buffer,
+    whalf: wgpu::Buffer,
+    acc: wgpu::Buffer,
+    sums: wgpu::Buffer,
 }
 
 pub struct StepBuffers {
@@ -190,7 +196,7 @@ impl StepBuffers {
     /// within one binding.
     pub fn max_chunk(&self, gpu: &Gpu, d: &Dims) -> (usize, usize) {
         let limit = gpu.max_binding() as usize;
-        let widest = d.hidden.max(d.qkv).max(d.inter).max(self.part_row()) * 4;
+        let widest = d.hidden.max(d.qkv).max(d.inter).max(self.part_row()).max(d.split.acc) * 4;
         let tokens = (limit / widest).clamp(1, MAX_CHUNK);
         let rows = (limit / (d.vocab * 4)).clamp(1, MAX_CHUNK);
         (tokens, rows)
@@ -273,6 +279,16 @@ impl StepBuffers {
             part: storage(gpu, "attention splits", part_slots as u64 * row_bytes, none),
             // Zeroed at creation; the last split of each (token, head) zeroes its count.
             done: storage(gpu, "attention counts", f(t * d.heads), none),
+            // f16 inputs: token rows up to a whole tile of the cooperative GEMM.
+            half: storage(
+                gpu,
+                "f16 inputs",
+                (t.next_multiple_of(TILE as usize) * d.split.cols * 2) as u64,
+                none,
+            ),
+            whalf: storage(gpu, "f16 weights", (d.split.weights * 2) as u64, none),
+            acc: storage(gpu, "gemm sums", f(t * d.split.acc), none),
+            sums: storage(gpu, "sums of squares", f(t), none),
         };
         self.part_slots = part_slots;
         self.groups = ops.iter().enumerate().map(|(i, op)| self.group(gpu, &bufs, i, op)).collect();
@@ -310,6 +326,10 @@ impl StepBuffers {
                 Buf::Part => &b.part,
                 Buf::Done => &b.done,
                 Buf::Dummy => &self.dummy,
+                Buf::Half => &b.half,
+                Buf::WHalf => &b.whalf,
+                Buf::Acc => &b.acc,
+                Buf::Sums => &b.sums,
                 Buf::W(w) => w,
             };
             entries.push(whole(*binding, buffer));

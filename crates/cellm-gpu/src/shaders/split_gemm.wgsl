@@ -1,0 +1,128 @@
+// Prefill's GEMM in passes (split_gemm.rs), around a plain f16 GEMM that runs where the
+// adapter has a fast one (gemm_cm2.comp on NVIDIA's cooperative matrices): `prep` rounds the
+// tokens' inputs to f16 (times the norm's gamma) and sums their squares, `dequant` writes a
+// block-format matrix as f16 rows, `gemm` is the f16 GEMM in WGSL (the same sums, for
+// adapters without the fast one: tests run the passes on lavapipe through it), and
+// `epilogue` applies linear.wgsl's epilogue and store (the GLU's gate and product too) to
+// the f32 sums. Each pass takes linear.wgsl's Params; the f16 tensors are packed two to a
+// word. Sections are kept by kernels.rs.
+
+//# prep
+// xh[t] = f16(x[t] * gamma) (clamped to f16's range, as gemm_coop.wgsl does), ss[t] = the
+// sum of x[t]^2; one workgroup a token.
+@group(0) @binding(12) var<storage, read_write> xh: array<vec2<u32>>;
+@group(0) @binding(13) var<storage, read_write> ss: array<f32>;
+var<workgroup> partial: array<f32, 64>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let t = wg.y;
+    if (t >= n_tokens()) {
+        return;
+    }
+    let c4 = p.cols / 4u;
+    var sum = 0.0;
+    for (var i = li; i < c4; i += 64u) {
+        var v = x[t * (p.x_stride / 4u) + i];
+        sum += dot(v, v);
+        if ((p.flags & NORM) != 0u) {
+            v = v * gamma[i];
+        }
+        v = clamp(v, vec4<f32>(-65504.0), vec4<f32>(65504.0));
+        xh[t * c4 + i] = vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw));
+    }
+    partial[li] = sum;
+    workgroupBarrier();
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            partial[li] += partial[li + s];
+        }
+        workgroupBarrier();
+    }
+    if (li == 0u) {
+        ss[t] = partial[0];
+    }
+}
+//# end
+
+//# dequant
+// wh[y_col + r cols + c] = w[r][c] as f16, 8 columns an invocation: workgroups of 64 along
+// a row (x), one row per y.
+@group(0) @binding(12) var<storage, read_write> wh: array<vec4<u32>>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {
+    let r = id.y;
+    let i = id.x;
+    if (i >= p.cols / 8u) {
+        return;
+    }
+    let v = w8(r, i);
+    wh[(p.y_col + r * p.cols) / 8u + i] = vec4<u32>(
+        pack2x16float(v[0].xy), pack2x16float(v[0].zw),
+        pack2x16float(v[1].xy), pack2x16float(v[1].zw));
+}
+//# end
+
+//# gemm
+// acc[t][y_col + r] = sum_k w[r][k] xh[t][k] in f32, w f16 rows of p.cols (gemm_cm2.comp's
+// contract, plainly: a 16 x 16 tile of tokens (x) by rows (y) a workgroup).
+@group(0) @binding(5) var<storage, read> wf: array<u32>;
+@group(0) @binding(12) var<storage, read> xf: array<u32>;
+@group(0) @binding(14) var<storage, read_write> acc: array<f32>;
+
+@compute @workgroup_size(16, 16)
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {
+    let t = id.x;
+    let r = id.y;
+    if (r >= p.rows || t >= n_tokens()) {
+        return;
+    }
+    let half = p.cols / 2u;
+    var sum = 0.0;
+    for (var k = 0u; k < half; k++) {
+        let a = unpack2x16float(wf[r * half + k]);
+        let b = unpack2x16float(xf[t * half + k]);
+        sum += a.x * b.x + a.y * b.y;
+    }
+    acc[t * p.y_stride + p.y_col + r] = sum;
+}
+//# end
+
+//# epilogue
+// y[t][rows r .. r + 3] from acc[t * stride + r ..] (acc_stride(); the GLU's up sums
+// up_col() further on): 64 invocations a workgroup, 4 rows each, one token per y.
+@group(0) @binding(13) var<storage, read> ss: array<f32>;
+@group(0) @binding(14) var<storage, read> acc: array<vec4<f32>>;
+
+// Floats of an acc row, and where the GLU's up sums start in it (Params' RoPE words, which
+// the split passes do not use).
+fn acc_stride() -> u32 {
+    return p.q_dim;
+}
+fn up_col() -> u32 {
+    return p.kv_dim;
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {
+    let r = 4u * id.x;
+    let t = id.y;
+    if (r >= p.rows || t >= n_tokens()) {
+        return;
+    }
+    let s = ss[t];
+    let base = t * acc_stride() + r;
+    let v = acc[base / 4u];
+    //# glu
+    let u = acc[(base + up_col()) / 4u];
+    //# end
+    for (var e = 0u; e < 4u; e++) {
+        var o = epilogue(v[e], s, r + e);
+        //# glu
+        o = act(o) * epilogue(u[e], s, r + e);
+        //# end
+        store(t, r + e, o);
+    }
+}
+//# end

@@ -1,0 +1,212 @@
+//! Prefill's GEMM in passes, where the device has an f16 GEMM faster than the fused
+//! `gemm_coop.wgsl`: NVIDIA's workgroup-scope cooperative matrices (`nv_coopmat2`). A
+//! matrix's launch becomes (`shaders/split_gemm.wgsl`):
+//! 1. `prep`: the tokens' inputs times the norm's gamma, rounded to f16, and each token's sum
+//!    of squares (once per input: a stack of matrices shares it);
+//! 2. `dequant`: block formats written out as f16 rows (f16 files are read in place);
+//! 3. the GEMM: f16 x f16 into f32 sums (`gemm_cm2.comp`; the GLU's gate and up as one
+//!    matrix where they were dequantized together);
+//! 4. `epilogue`: linear.wgsl's epilogue and store (norm scale, bias, GLU, scale, soft-cap,
+//!    residual) from the sums.
+//!
+//! The sums are the fused kernel's (f16 inputs, f32 sums, the same rounding of x and w); only
+//! their order differs. Steps from `MIN_TOKENS` tokens take the passes; fewer keep the fused
+//! kernels. `CELLM_GPU_SPLIT=1` runs the passes through the GEMM in WGSL (`gemm` in the same
+//! file) on any device, so that tests check every pass but the fast GEMM on lavapipe.
+
+use crate::kernels::{KernelId, Kernels};
+use crate::nv_coopmat2;
+use crate::ops::{Buf, Grid, Op, When};
+use crate::repack::Layout;
+use crate::weights::Matrix;
+
+/// Tokens from which a step runs the passes: a tile of the cooperative GEMM.
+pub const MIN_TOKENS: u32 = 128;
+/// Rows and tokens of the cooperative GEMM's tile, and the columns of its loads.
+pub const TILE: u32 = 128;
+const LOAD_COLS: usize = 64;
+/// Rows and tokens of the WGSL GEMM's workgroup.
+const WGSL_TILE: u32 = 16;
+
+/// The GEMM the passes go through.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Gemm {
+    Coopmat2,
+    Wgsl,
+}
+
+impl Gemm {
+    /// The GEMM on this device: NVIDIA's cooperative matrices where it opened with them;
+    /// the WGSL one where `CELLM_GPU_SPLIT=1` (tests); else none (the fused kernels).
+    /// `CELLM_GPU_SPLIT=0` turns the passes off.
+    pub fn for_device(gpu: &crate::device::Gpu) -> Option<Self> {
+        match std::env::var("CELLM_GPU_SPLIT").as_deref() {
+            Ok("0") => None,
+            _ if gpu.coopmat2 => Some(Gemm::Coopmat2),
+            Ok("1") => Some(Gemm::Wgsl),
+            _ => None,
+        }
+    }
+
+    /// Whether `count` matrices like `m`, of `cols` columns and uploaded in one part, take
+    /// the passes: columns
+    /// a multiple of the loads, rows of the cooperative GEMM's tile (its loads are not
+    /// clamped), and the dequantized f16 rows (the GLU's two matrices: `count`) within one
+    /// binding.
+    pub fn takes(self, m: &Matrix, cols: usize, count: usize, max_binding: u64) -> bool {
+        let rows_ok = self == Gemm::Wgsl || (m.rows as u32).is_multiple_of(TILE);
+        m.parts.len() == 1
+            && cols.is_multiple_of(LOAD_COLS)
+            && rows_ok
+            && (count * m.rows * cols * 2) as u64 <= max_binding
+    }
+
+    /// Whether the GEMM reads `layout` in place (else `dequant` writes it as f16 first).
+    fn reads(self, layout: Layout) -> bool {
+        layout == Layout::F16
+    }
+
+    fn kernel(self, kernels: &mut Kernels, device: &wgpu::Device, cols: usize) -> GemmKernel {
+        let (id, tile) = match self {
+            Gemm::Coopmat2 => (KernelId::Coopmat2Gemm(nv_coopmat2::unroll(cols as u32)), TILE),
+            Gemm::Wgsl => (KernelId::SplitGemm, WGSL_TILE),
+        };
+        GemmKernel { kernel: kernels.get(device, id), tile }
+    }
+}
+
+/// A GEMM kernel and its tile.
+struct GemmKernel {
+    kernel: std::sync::Arc<crate::kernels::Kernel>,
+    tile: u32,
+}
+
+/// Sizes of the passes' scratch buffers (`Buf::Half`, `Buf::WHalf`, `Buf::Acc`), the most
+/// any launch takes: f16 input columns per token, f16 weights, f32 sums per token.
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
+pub struct Scratch {
+    pub cols: usize,
+    pub weights: usize,
+    pub acc: usize,
+}
+
+/// One output's launch in passes: `mats` (one, or the GLU's gate and up) of the same rows,
+/// columns and layout over `input` (times `gamma` where normed) into `out`. `params` is the
+/// fused launch's (matvec_params: its rows, columns, strides, flags, scale).
+pub struct Linear<'a> {
+    pub mats: &'a [&'a Matrix],
+    pub input: Buf,
+    pub gamma: Option<&'a wgpu::Buffer>,
+    pub bias: Option<&'a wgpu::Buffer>,
+    pub out: Buf,
+    pub params: [u32; 16],
+    /// Whether to run `prep` (not for a matrix stacked on one that already did).
+    pub prep: bool,
+}
+
+/// Appends `lin`'s passes to `ops` and grows `scratch` to take them.
+pub fn push(
+    gemm: Gemm,
+    kernels: &mut Kernels,
+    device: &wgpu::Device,
+    lin: Linear<'_>,
+    scratch: &mut Scratch,
+    ops: &mut Vec<Op>,
+) {
+    let first = lin.mats[0];
+    let (rows, cols, layout) = (first.rows, lin.params[1] as usize, first.layout);
+    let when = When::Split;
+    let words = |p: &[(usize, u32)]| {
+        let mut words = [0u32; 16];
+        for &(i, v) in p {
+            words[i] = v;
+        }
+        words
+    };
+    if lin.prep {
+        ops.push(Op {
+            kernel: kernels.get(device, KernelId::SplitPrep),
+            // rows, cols, x_stride, flags (NORM where a gamma is bound).
+            params: words(&[
+                (1, cols as u32),
+                (2, lin.params[2]),
+                (6, u32::from(lin.gamma.is_some())),
+            ]),
+            binds: vec![
+                (1, lin.input.clone()),
+                (3, lin.gamma.map_or(Buf::Dummy, |g| Buf::W(g.clone()))),
+                (12, Buf::Half),
+                (13, Buf::Sums),
+            ],
+            grid: Grid::PerToken(1),
+            when,
+        });
+        scratch.cols = scratch.cols.max(cols);
+    }
+    // The sums: a row of every matrix's rows per token (the GLU's up after its gate).
+    let acc_stride = rows * lin.mats.len();
+    scratch.acc = scratch.acc.max(acc_stride);
+    let kernel = gemm.kernel(kernels, device, cols);
+    // GEMM params: rows, cols, -, sums per token, first column of the sums.
+    let gemm_op = |a: Buf, rows: usize, col: usize| Op {
+        kernel: kernel.kernel.clone(),
+        params: words(&[
+            (0, rows as u32),
+            (1, cols as u32),
+            (3, acc_stride as u32),
+            (4, col as u32),
+        ]),
+        binds: vec![(5, a), (12, Buf::Half), (14, Buf::Acc)],
+        grid: Grid::Tiles { rows: rows as u32, tile: kernel.tile },
+        when,
+    };
+    if gemm.reads(layout) {
+        for (i, m) in lin.mats.iter().enumerate() {
+            ops.push(gemm_op(Buf::W(m.parts[0].quants.clone()), rows, i * rows));
+        }
+    } else {
+        let dequant = kernels.get(device, KernelId::SplitDequant(layout));
+        for (i, m) in lin.mats.iter().enumerate() {
+            let part = &m.parts[0];
+            let mut binds = vec![(5, Buf::W(part.quants.clone())), (12, Buf::WHalf)];
+            if let Some(s) = &part.scales {
+                binds.push((6, Buf::W(s.clone())));
+            }
+            ops.push(Op {
+                kernel: dequant.clone(),
+                // rows, cols, first element of the f16 rows.
+                params: words(&[(0, rows as u32), (1, cols as u32), (4, (i * rows * cols) as u32)]),
+                binds,
+                grid: Grid::Fixed((cols / 8).div_ceil(64) as u32, rows as u32),
+                when,
+            });
+        }
+        scratch.weights = scratch.weights.max(acc_stride * cols);
+        ops.push(gemm_op(Buf::WHalf, acc_stride, 0));
+    }
+    let mut params = lin.params;
+    // (split_gemm.wgsl's `acc_stride()` and `up_col()`.)
+    params[11] = acc_stride as u32;
+    params[12] = rows as u32;
+    ops.push(Op {
+        kernel: kernels.get(device, KernelId::SplitEpilogue(lin.mats.len() == 2)),
+        params,
+        binds: vec![
+            (2, lin.out),
+            (4, lin.bias.map_or(Buf::Dummy, |b| Buf::W(b.clone()))),
+            (13, Buf::Sums),
+            (14, Buf::Acc),
+        ],
+        grid: Grid::Columns((rows / 4) as u32),
+        when,
+    });
+}
+
+/// The fused launch's `when` where the passes take over from `MIN_TOKENS` tokens.
+pub fn below(when: When) -> When {
+    match when {
+        When::Always => When::Unsplit,
+        When::Gemm => When::GemmUnsplit,
+        other => other,
+    }
+}
