@@ -92,7 +92,7 @@ impl When {
     /// `splits`: the decode attention's splits).
     pub fn runs(self, t: u32, prefill: bool, splits: u32) -> bool {
         use crate::kernels::GEMM_MIN_TOKENS;
-        let split = t >= crate::split_gemm::MIN_TOKENS;
+        let split = t >= SPLIT_MIN_TOKENS;
         match self {
             When::Always => true,
             When::Gemm => t >= GEMM_MIN_TOKENS,
@@ -124,5 +124,18 @@ pub struct Dims {
     pub max_half: usize,
     pub ropes: usize,
     /// The split GEMM's scratch (split_gemm.rs), zero where no launch takes it.
-    pub split: crate::split_gemm::Scratch,
+    pub split: Scratch,
+}
+
+/// Tokens from which a step runs the split GEMM's passes (split_gemm.rs): a tile of the
+/// cooperative GEMM.
+pub const SPLIT_MIN_TOKENS: u32 = 128;
+
+/// Sizes of the passes' scratch buffers (`Buf::Half`, `Buf::WHalf`, `Buf::Acc`), the most
+/// any launch takes: f16 input columns per token, f16 weights, f32 sums per token.
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
+pub struct Scratch {
+    pub cols: usize,
+    pub weights: usize,
+    pub acc: usize,
 }

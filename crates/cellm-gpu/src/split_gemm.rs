@@ -20,8 +20,7 @@ use crate::ops::{Buf, Grid, Op, When};
 use crate::repack::Layout;
 use crate::weights::Matrix;
 
-/// Tokens from which a step runs the passes: a tile of the cooperative GEMM.
-pub const MIN_TOKENS: u32 = 128;
+pub use crate::ops::{Scratch, SPLIT_MIN_TOKENS as MIN_TOKENS};
 /// Rows and tokens of the cooperative GEMM's tile, and the columns of its loads.
 pub const TILE: u32 = 128;
 const LOAD_COLS: usize = 64;
@@ -79,15 +78,6 @@ impl Gemm {
 struct GemmKernel {
     kernel: std::sync::Arc<crate::kernels::Kernel>,
     tile: u32,
-}
-
-/// Sizes of the passes' scratch buffers (`Buf::Half`, `Buf::WHalf`, `Buf::Acc`), the most
-/// any launch takes: f16 input columns per token, f16 weights, f32 sums per token.
-#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
-pub struct Scratch {
-    pub cols: usize,
-    pub weights: usize,
-    pub acc: usize,
 }
 
 /// One output's launch in passes: `mats` (one, or the GLU's gate and up) of the same rows,
