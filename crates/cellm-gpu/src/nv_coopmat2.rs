@@ -64,17 +64,15 @@ impl Features {
 const WORKGROUP: u32 = 256;
 const SIDE: u32 = 128;
 
-/// Whether `adapter` (Vulkan) has what `shaders/gemm_cm2.comp` needs: the extension with
-/// workgroup scope, flexible dimensions and tensor addressing, workgroups of 256 and
-/// matrices of 128 a side. (The f16 x f16 -> f32 configurations at 256 invocations are the
-/// driver's to check when the pipeline is made; NVIDIA's list them.)
-pub fn supported(adapter: &wgpu::Adapter) -> bool {
+/// The extension's features `adapter` (Vulkan) reports, where it has what
+/// `shaders/gemm_cm2.comp` needs: workgroup scope, flexible dimensions and tensor addressing,
+/// workgroups of 256 and matrices of 128 a side. (The f16 x f16 -> f32 configurations at 256
+/// invocations are the driver's to check when the pipeline is made; NVIDIA's list them.)
+fn features(adapter: &wgpu::Adapter) -> Option<Features> {
     // SAFETY: the hal adapter is only read, while `adapter` is alive.
-    let Some(hal_adapter) = (unsafe { adapter.as_hal::<hal::api::Vulkan>() }) else {
-        return false;
-    };
+    let hal_adapter = unsafe { adapter.as_hal::<hal::api::Vulkan>() }?;
     if !hal_adapter.physical_device_capabilities().supports_extension(EXTENSION) {
-        return false;
+        return None;
     }
     let instance = hal_adapter.shared_instance().raw_instance();
     let device = hal_adapter.raw_physical_device();
@@ -100,29 +98,30 @@ pub fn supported(adapter: &wgpu::Adapter) -> bool {
         instance.get_physical_device_features2(device, &mut features);
         instance.get_physical_device_properties2(device, &mut properties);
     }
-    have.workgroup_scope == vk::TRUE
+    let usable = have.workgroup_scope == vk::TRUE
         && have.flexible_dimensions == vk::TRUE
         && have.tensor_addressing == vk::TRUE
         && props.workgroup_scope_max_workgroup_size >= WORKGROUP
-        && props.flexible_dimensions_max_dimension >= SIDE
+        && props.flexible_dimensions_max_dimension >= SIDE;
+    usable.then_some(Features { p_next: std::ptr::null_mut(), ..have })
 }
 
-/// Opens `adapter` with `desc`'s features and limits plus the extension's workgroup scope,
-/// flexible dimensions and tensor addressing (`supported` said it has them).
+/// Whether `adapter` has what the GEMM needs (`features`).
+pub fn supported(adapter: &wgpu::Adapter) -> bool {
+    features(adapter).is_some()
+}
+
+/// Opens `adapter` with `desc`'s features and limits plus every feature of the extension it
+/// reports (as the standalone probe that ran on the H200 did).
 pub fn open(
     adapter: &wgpu::Adapter,
     desc: &wgpu::DeviceDescriptor<'_>,
 ) -> Result<(wgpu::Device, wgpu::Queue), String> {
     // The structure must outlive vkCreateDevice, which runs inside `open_with_callback`.
-    let mut enable = Box::new(Features {
-        workgroup_scope: vk::TRUE,
-        flexible_dimensions: vk::TRUE,
-        tensor_addressing: vk::TRUE,
-        ..Features::none()
-    });
+    let mut enable = Box::new(features(adapter).ok_or("no VK_NV_cooperative_matrix2")?);
     let enable_ptr: *mut Features = &mut *enable;
     let opened = {
-        // SAFETY: as in `supported`.
+        // SAFETY: as in `features`.
         let hal_adapter =
             unsafe { adapter.as_hal::<hal::api::Vulkan>() }.ok_or("not a Vulkan adapter")?;
         let callback = move |args: hal::vulkan::CreateDeviceCallbackArgs<'_, '_, '_>| {
@@ -135,7 +134,7 @@ pub fn open(
             }
         };
         // SAFETY: the callback only adds an extension the adapter has and its features
-        // structure; wgpu's own features and limits are `desc`'s.
+        // structure as the adapter reported it; wgpu's own features and limits are `desc`'s.
         unsafe {
             hal_adapter.open_with_callback(
                 desc.required_features,
