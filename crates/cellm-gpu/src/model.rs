@@ -409,8 +409,6 @@ fn matvec_ops(
             bias,
             out: y.clone(),
             params,
-            // (A matrix stacked on another shares its input.)
-            prep: offset == 0,
         };
         split_gemm::push(gemm, kernels, &gpu.device, lin, &mut split.scratch, ops);
     }
@@ -696,7 +694,6 @@ fn plan(
                 bias: None,
                 out: Buf::Act,
                 params,
-                prep: true,
             };
             split_gemm::push(gemm, kernels, &gpu.device, lin, &mut split.scratch, &mut ops);
         }

@@ -2,7 +2,7 @@
 //! `gemm_coop.wgsl`: NVIDIA's workgroup-scope cooperative matrices (`nv_coopmat2`). A
 //! matrix's launch becomes (`shaders/split_gemm.wgsl`):
 //! 1. `prep`: the tokens' inputs times the norm's gamma, rounded to f16, and each token's sum
-//!    of squares (once per input: a stack of matrices shares it);
+//!    of squares;
 //! 2. `dequant`: block formats written out as f16 rows (f16 files are read in place);
 //! 3. the GEMM: f16 x f16 into f32 sums (`gemm_cm2.comp`; the GLU's gate and up as one
 //!    matrix where they were dequantized together);
@@ -90,8 +90,6 @@ pub struct Linear<'a> {
     pub bias: Option<&'a wgpu::Buffer>,
     pub out: Buf,
     pub params: [u32; 16],
-    /// Whether to run `prep` (not for a matrix stacked on one that already did).
-    pub prep: bool,
 }
 
 /// Appends `lin`'s passes to `ops` and grows `scratch` to take them.
@@ -113,26 +111,22 @@ pub fn push(
         }
         words
     };
-    if lin.prep {
-        ops.push(Op {
-            kernel: kernels.get(device, KernelId::SplitPrep),
-            // rows, cols, x_stride, flags (NORM where a gamma is bound).
-            params: words(&[
-                (1, cols as u32),
-                (2, lin.params[2]),
-                (6, u32::from(lin.gamma.is_some())),
-            ]),
-            binds: vec![
-                (1, lin.input.clone()),
-                (3, lin.gamma.map_or(Buf::Dummy, |g| Buf::W(g.clone()))),
-                (12, Buf::Half),
-                (13, Buf::Sums),
-            ],
-            grid: Grid::PerToken(1),
-            when,
-        });
-        scratch.cols = scratch.cols.max(cols);
-    }
+    // (Each launch preps its own input: q|k and v stored apart may take the passes one
+    // without the other.)
+    ops.push(Op {
+        kernel: kernels.get(device, KernelId::SplitPrep),
+        // rows, cols, x_stride, flags (NORM where a gamma is bound).
+        params: words(&[(1, cols as u32), (2, lin.params[2]), (6, u32::from(lin.gamma.is_some()))]),
+        binds: vec![
+            (1, lin.input.clone()),
+            (3, lin.gamma.map_or(Buf::Dummy, |g| Buf::W(g.clone()))),
+            (12, Buf::Half),
+            (13, Buf::Sums),
+        ],
+        grid: Grid::PerToken(1),
+        when,
+    });
+    scratch.cols = scratch.cols.max(cols);
     // The sums: a row of every matrix's rows per token (the GLU's up after its gate).
     let acc_stride = rows * lin.mats.len();
     scratch.acc = scratch.acc.max(acc_stride);
