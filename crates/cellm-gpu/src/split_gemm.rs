@@ -48,12 +48,14 @@ impl Gemm {
     }
 
     /// Whether `count` matrices like `m`, of `cols` columns and uploaded in one part, take
-    /// the passes: columns
-    /// a multiple of the loads, rows of the cooperative GEMM's tile (its loads are not
-    /// clamped), and the dequantized f16 rows (the GLU's two matrices: `count`) within one
+    /// the passes: columns a multiple of the loads, rows of the cooperative GEMM's tile (its
+    /// loads are not clamped; the WGSL GEMM's epilogue needs a multiple of 4), and the
+    /// dequantized f16 rows (the GLU's two matrices: `count`) within one
     /// binding.
     pub fn takes(self, m: &Matrix, cols: usize, count: usize, max_binding: u64) -> bool {
-        let rows_ok = self == Gemm::Wgsl || (m.rows as u32).is_multiple_of(TILE);
+        // (The epilogue takes 4 rows an invocation, as vec4s of the sums.)
+        let tile = if self == Gemm::Wgsl { 4 } else { TILE as usize };
+        let rows_ok = m.rows.is_multiple_of(tile);
         m.parts.len() == 1
             && cols.is_multiple_of(LOAD_COLS)
             && rows_ok
