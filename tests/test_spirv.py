@@ -15,8 +15,12 @@ SHADERS = Path(__file__).resolve().parents[1] / "crates" / "cellm-gpu" / "src" /
 SPIRV = SHADERS / "spirv"
 UNROLLS = (1, 2, 4, 8)
 # Opcodes and decorations read below (SPIR-V 1.6 specification).
-OP_EXTENSION, OP_ENTRY_POINT, OP_EXECUTION_MODE, OP_DECORATE = 10, 15, 16, 71
+OP_NAME, OP_EXTENSION, OP_ENTRY_POINT, OP_EXECUTION_MODE = 5, 10, 15, 16
+OP_TYPE_POINTER, OP_VARIABLE, OP_DECORATE = 32, 59, 71
 LOCAL_SIZE, BINDING = 17, 33
+# KernelId::Coopmat2Gemm's bindings in the crate (kernels.rs; step 7 is every kernel's), by
+# the GLSL block that reads each.
+CRATE_BINDINGS = {"W": 5, "Step": 7, "XH": 12, "Acc": 14}
 
 
 def instructions(path: Path):
@@ -44,10 +48,13 @@ def test_spirv_was_compiled_from_the_committed_source():
 @pytest.mark.parametrize("unroll", UNROLLS)
 def test_gemm_cm2_declares_what_the_crate_binds(unroll):
     """Vulkan 1.3's SPIR-V (1.6), the cooperative-matrix extensions the device is opened
-    with, one `main` of 256 invocations (the workgroup scope the driver lists), and the
-    bindings of KernelId::Coopmat2Gemm: weights 5, step 7, inputs 12, sums 14."""
-    extensions, bindings, local = set(), set(), None
-    entry = []
+    with, one `main` of 256 invocations (the workgroup scope the driver lists), and each
+    block at the binding wgpu-hal's Vulkan backend gives the crate's: a layout's entries
+    numbered densely from 0 in binding order (weights 5 -> 0, step 7 -> 1, inputs 12 -> 2,
+    sums 14 -> 3). The crate's own numbers there left every block unbound and hung the
+    H200 (the Khronos validation layer named them)."""
+    extensions, local, entry = set(), None, []
+    names, pointee, var_type, binding = {}, {}, {}, {}
     for op, words in instructions(SPIRV / f"gemm_cm2_un{unroll}.spv"):
         if op == "version":
             assert words == 0x00010600
@@ -57,9 +64,20 @@ def test_gemm_cm2_declares_what_the_crate_binds(unroll):
             entry.append(literal(words[2:]))
         elif op == OP_EXECUTION_MODE and words[1] == LOCAL_SIZE:
             local = tuple(words[2:5])
+        elif op == OP_NAME:
+            names[words[0]] = literal(words[1:])
+        elif op == OP_TYPE_POINTER:
+            pointee[words[0]] = words[2]
+        elif op == OP_VARIABLE:
+            var_type[words[1]] = words[0]
         elif op == OP_DECORATE and words[1] == BINDING:
-            bindings.add(words[2])
+            binding[words[0]] = words[2]
     assert {"SPV_KHR_cooperative_matrix", "SPV_NV_cooperative_matrix2"} <= extensions
     assert entry == ["main"]
     assert local == (256, 1, 1)
-    assert bindings == {5, 7, 12, 14}
+    blocks = {names[pointee[var_type[v]]]: b for v, b in binding.items()}
+    dense = {
+        name: rank
+        for rank, (name, _) in enumerate(sorted(CRATE_BINDINGS.items(), key=lambda kv: kv[1]))
+    }
+    assert blocks == dense

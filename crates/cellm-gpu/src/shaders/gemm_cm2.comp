@@ -30,10 +30,12 @@ layout(push_constant) uniform Params {
     uint y_col;
     uint rest[11];
 } p;
-layout(binding = 5) readonly buffer W { float16_t w[]; };
-layout(binding = 7) readonly buffer Step { uint st[]; };
-layout(binding = 12) readonly buffer XH { float16_t xh[]; };
-layout(binding = 14) writeonly buffer Acc { float acc[]; };
+// KernelId::Coopmat2Gemm's bindings 5 (w), 7 (step), 12 (xh) and 14 (acc), as wgpu-hal's
+// Vulkan backend numbers them: a layout's entries densely, 0 up, in binding order.
+layout(binding = 0) readonly buffer W { float16_t w[]; };
+layout(binding = 1) readonly buffer Step { uint st[]; };
+layout(binding = 2) readonly buffer XH { float16_t xh[]; };
+layout(binding = 3) writeonly buffer Acc { float acc[]; };
 
 void main() {
     const uint n = st[0];
