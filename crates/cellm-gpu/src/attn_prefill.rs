@@ -141,7 +141,7 @@ pub fn coop_source(head_dim: u32, attention: &str, kernel: &str) -> String {
     for d in 0..nd {
         store.push(format!("coopStore(o{d}, &ss[sg * 512u], 16u);"));
         store.push("workgroupBarrier();".into());
-        store.push(format!("emit(sg * 512u, lane, sg, t0, rows, h, {}u);", 16 * d));
+        store.push(format!("emit(sg * 512u, lane, sg, t0, rows, h, {}u, wg.z);", 16 * d));
         store.push("workgroupBarrier();".into());
     }
     let body = kernel

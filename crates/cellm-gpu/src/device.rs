@@ -148,12 +148,12 @@ impl Gpu {
         }
         // NVIDIA's workgroup-scope cooperative matrices for prefill's GEMM, where the
         // cooperative GEMM runs and parameters are immediates (its SPIR-V takes them so).
-        // Opt-in (CELLM_GPU_COOPMAT2=1) until it has run in the engine on hardware: the one
-        // H200 run so far did not finish a 512-token step (docs/benchmarks.md).
+        // On an H200 it made pp512 1.05-1.5x faster on every shape measured, none slower
+        // (docs/benchmarks.md); CELLM_GPU_COOPMAT2=0 keeps the fused kernels.
         let coopmat2 = coopmat
             && immediates
             && adapter.features().contains(wgpu::Features::PASSTHROUGH_SHADERS)
-            && std::env::var("CELLM_GPU_COOPMAT2").is_ok_and(|v| v == "1")
+            && !std::env::var("CELLM_GPU_COOPMAT2").is_ok_and(|v| v == "0")
             && crate::nv_coopmat2::supported(&adapter);
         if coopmat2 {
             required_features |= wgpu::Features::PASSTHROUGH_SHADERS;
@@ -165,9 +165,22 @@ impl Gpu {
             experimental_features,
             ..Default::default()
         };
-        let opened = match coopmat2 {
-            true => crate::nv_coopmat2::open(&adapter, &desc),
-            false => pollster::block_on(adapter.request_device(&desc)).map_err(|e| e.to_string()),
+        let plain = |desc: &wgpu::DeviceDescriptor<'_>| {
+            pollster::block_on(adapter.request_device(desc)).map_err(|e| e.to_string())
+        };
+        // (Where the driver refuses the extension, the device opens without it.)
+        let (opened, coopmat2) = match coopmat2 {
+            true => match crate::nv_coopmat2::open(&adapter, &desc) {
+                Ok(opened) => (Ok(opened), true),
+                Err(_) => {
+                    let desc = wgpu::DeviceDescriptor {
+                        required_features: required_features - wgpu::Features::PASSTHROUGH_SHADERS,
+                        ..desc.clone()
+                    };
+                    (plain(&desc), false)
+                }
+            },
+            false => (plain(&desc), false),
         };
         let (device, queue) =
             opened.map_err(|e| Error::Device(format!("cannot open {}: {e}", info.name)))?;

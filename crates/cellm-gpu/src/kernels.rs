@@ -156,8 +156,9 @@ impl KernelId {
                 (6, Read),
             ],
             KernelId::AttnCombine => vec![(0, Uniform), (1, Read), (2, Write)],
-            KernelId::AttnPrefill(_) | KernelId::AttnPrefillCoop(_) => {
-                vec![(0, Uniform), (1, Read), (2, Write), (5, Read)]
+            KernelId::AttnPrefill(_) => vec![(0, Uniform), (1, Read), (2, Write), (5, Read)],
+            KernelId::AttnPrefillCoop(_) => {
+                vec![(0, Uniform), (1, Read), (2, Write), (3, Write), (5, Read)]
             }
             KernelId::NormAdd => vec![(0, Uniform), (1, Read), (2, Write), (3, Read)],
             KernelId::SplitPrep => {

@@ -19,7 +19,7 @@ use crate::kernels::{KernelId, Kernels, ROWS_PER_GROUP};
 use crate::ops::{Buf, Dims, Grid, Op, When};
 use crate::profile::{Profile, Span, Stamps};
 use crate::split_gemm::{self, Gemm as SplitGemm, Scratch};
-use crate::step::{HostStep, StepBuffers, Token};
+use crate::step::{Attention, HostStep, StepBuffers, Token};
 use crate::weights::{as_bytes, Matrix, Uploader};
 use crate::GpuOptions;
 
@@ -62,6 +62,8 @@ pub struct Runner {
     prerecord: bool,
     /// Whether the plan has the prefill attention (its head dim has a tile that fits).
     has_prefill: bool,
+    /// Whether its kernel splits the positions (the cooperative one; then a combine runs).
+    prefill_splits: bool,
 }
 
 /// Refuses what this backend does not run yet, naming it.
@@ -316,8 +318,19 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
     let profile = Profile::from_env(&gpu, ops.len());
     let prerecord = std::env::var_os("CELLM_GPU_NO_AHEAD").is_none();
     let has_prefill = ops.iter().any(|op| op.when == When::Prefill);
-    let runner =
-        Runner { gpu, dims, ops, ropes, bufs, profile, ahead: None, prerecord, has_prefill };
+    let prefill_splits = ops.iter().any(|op| op.when == When::PrefillSplits);
+    let runner = Runner {
+        gpu,
+        dims,
+        ops,
+        ropes,
+        bufs,
+        profile,
+        ahead: None,
+        prerecord,
+        has_prefill,
+        prefill_splits,
+    };
     Ok(Box::new(GpuModel { cfg, layout, runner: Mutex::new(runner) }))
 }
 
@@ -627,7 +640,14 @@ fn plan(
             cfg.attention_scale().to_bits(),
             cfg.attn_logit_softcap.unwrap_or(0.0).to_bits(),
         ]);
-        ops.extend(prefill_attention_op(gpu, kernels, cfg.head_dim, cfg.num_heads, p));
+        if let Some((op, splits)) =
+            prefill_attention_op(gpu, kernels, cfg.head_dim, cfg.num_heads, p)
+        {
+            ops.push(op);
+            if splits {
+                ops.push(combine_op(kernels, &gpu.device, cfg, When::PrefillSplits));
+            }
+        }
         let mut binds =
             vec![(1, Buf::Qkv), (2, Buf::Part), (3, Buf::Ctx), (5, Buf::Pool), (6, Buf::Pool)];
         if fuse_combine {
@@ -644,15 +664,7 @@ fn plan(
             when: When::Decode,
         });
         if !fuse_combine {
-            let mut p = [0u32; 16];
-            p[..2].copy_from_slice(&[cfg.num_heads as u32, cfg.head_dim as u32]);
-            ops.push(Op {
-                kernel: kernels.get(&gpu.device, KernelId::AttnCombine),
-                params: p,
-                binds: vec![(1, Buf::Part), (2, Buf::Ctx)],
-                grid: Grid::PerToken(cfg.num_heads as u32),
-                when: When::Splits,
-            });
+            ops.push(combine_op(kernels, &gpu.device, cfg, When::Splits));
         }
         // x += o(ctx); Gemma writes o(ctx) aside and adds it through its post-attention norm.
         let o_args = MatvecArgs { cols: d.q_dim, x_stride: d.q_dim, ..base };
@@ -895,7 +907,7 @@ impl Runner {
                     }
                     Grid::PerToken(n) => ((n, t, 1), t),
                     Grid::Splits(n) => ((n, t, splits), t),
-                    Grid::QueryTiles { heads, block } => ((heads, t.div_ceil(block), 1), t),
+                    Grid::QueryTiles { heads, block } => ((heads, t.div_ceil(block), splits), t),
                     Grid::Columns(c) => ((c.div_ceil(64), t, 1), t),
                     Grid::Tiles { rows, tile } => ((t.div_ceil(tile), rows.div_ceil(tile), 1), t),
                     Grid::Fixed(x, y) => ((x, y, 1), t),
@@ -945,16 +957,21 @@ impl Runner {
             let rows = chunk.logit_rows.len();
             let need = (chunk.tokens.len(), rows, host.tables.len(), kv.pages_allocated());
             self.bufs.fit(&self.gpu, &self.dims, &self.ops, need)?;
-            let splits = self.bufs.write(&self.gpu, &chunk, &host, &self.ropes);
+            // Prefill attention where the model has it and the chunk's sessions bring many
+            // tokens each (else the decode attention and its combine).
+            let prefill = self.has_prefill && prefill_attention_wanted(&chunk.tokens);
+            let attention = match (prefill, self.prefill_splits) {
+                (false, _) => Attention::Decode,
+                (true, false) => Attention::Prefill,
+                (true, true) => Attention::PrefillSplit,
+            };
+            let splits = self.bufs.write(&self.gpu, &chunk, &host, &self.ropes, attention);
             marks[1] = now();
             let (t, r) = (chunk.tokens.len() as u32, rows as u32);
             let stamped = self.profile.as_ref().is_some_and(|p| p.stamps_launches(t));
             // The span profile's window index of this step and of the next (one-token steps).
             let span_steps =
                 self.profile.as_ref().filter(|p| p.times(t)).and_then(Profile::span_steps);
-            // Prefill attention where the model has it and the chunk's sessions bring many
-            // tokens each (else the decode attention and its combine).
-            let prefill = self.has_prefill && prefill_attention_wanted(&chunk.tokens);
             let key = (t, r, splits, prefill, self.bufs.generation(), span_steps.map(|k| k.0));
             let ahead = self.ahead.take().filter(|a| a.key == key && !stamped);
             let commands = match ahead {
@@ -1009,16 +1026,31 @@ impl Runner {
     }
 }
 
-/// The prefill attention (`attn_prefill`) launch of one layer, taking the decode attention's `params`: None where the
-/// head dim has no tile or the device lacks the shared memory, and under
-/// `CELLM_GPU_NO_PREFILL_ATTN=1` (prefill then runs the decode attention; for measuring).
+/// The launch merging the attention's splits (`attn_combine.wgsl`) on steps `when`.
+fn combine_op(kernels: &mut Kernels, device: &wgpu::Device, cfg: &ModelConfig, when: When) -> Op {
+    let mut p = [0u32; 16];
+    p[..2].copy_from_slice(&[cfg.num_heads as u32, cfg.head_dim as u32]);
+    Op {
+        kernel: kernels.get(device, KernelId::AttnCombine),
+        params: p,
+        binds: vec![(1, Buf::Part), (2, Buf::Ctx)],
+        grid: Grid::PerToken(cfg.num_heads as u32),
+        when,
+    }
+}
+
+/// The prefill attention (`attn_prefill`) launch of one layer, taking the decode attention's
+/// `params`, and whether it splits the positions (the cooperative kernel: then a combine
+/// follows it): None where the head dim has no tile or the device lacks the shared memory,
+/// and under `CELLM_GPU_NO_PREFILL_ATTN=1` (prefill then runs the decode attention; for
+/// measuring).
 fn prefill_attention_op(
     gpu: &crate::device::Gpu,
     kernels: &mut Kernels,
     head_dim: usize,
     heads: usize,
     params: [u32; 16],
-) -> Option<Op> {
+) -> Option<(Op, bool)> {
     let hd = head_dim as u32;
     let limit = gpu.limits.max_compute_workgroup_storage_size;
     if std::env::var_os("CELLM_GPU_NO_PREFILL_ATTN").is_some() {
@@ -1040,13 +1072,18 @@ fn prefill_attention_op(
         (KernelId::AttnPrefill(hd), attn_prefill::BQ)
     };
     let kernel = kernels.get(&gpu.device, id);
-    Some(Op {
+    let mut binds = vec![(1, Buf::Qkv), (2, Buf::Ctx), (5, Buf::Pool)];
+    if coop {
+        binds.push((3, Buf::Part));
+    }
+    let op = Op {
         kernel,
         params,
-        binds: vec![(1, Buf::Qkv), (2, Buf::Ctx), (5, Buf::Pool)],
+        binds,
         grid: Grid::QueryTiles { heads: heads as u32, block },
         when: When::Prefill,
-    })
+    };
+    Some((op, coop))
 }
 
 /// Whether a chunk of `tokens` runs the prefill attention: enough tokens per session (a

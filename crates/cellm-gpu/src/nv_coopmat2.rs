@@ -4,9 +4,9 @@
 //! time (`shaders/gemm_cm2.comp`, `tools/compile_spirv.sh`), passed through as is. The driver
 //! tiles the matrices and stages them in shared memory itself. On an H200 a standalone probe
 //! of the same GEMM (unclamped loads, 8 a loop) ran the Llama-3.2-3B shapes at 146-231
-//! TFLOP/s, against 77-125 for `gemm_coop.wgsl` in the engine; in the engine this kernel
-//! has not yet finished a step there, so the device opens with it only on request
-//! (`CELLM_GPU_COOPMAT2=1`; docs/benchmarks.md).
+//! TFLOP/s, against 77-125 for `gemm_coop.wgsl` in the engine, and in the engine it made
+//! pp512 1.5x faster on the Llama-3.2-1B and 3B F16 shapes (docs/benchmarks.md). The device
+//! opens with it wherever the adapter has it (`CELLM_GPU_COOPMAT2=0`: not).
 
 use std::ffi::{c_void, CStr};
 

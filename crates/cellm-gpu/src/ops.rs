@@ -42,7 +42,7 @@ pub enum Grid {
     HeadRows { groups: u32, groups_x: u32 },
     /// `n` per token per attention split.
     Splits(u32),
-    /// `heads` per block of `block` tokens.
+    /// `heads` per block of `block` tokens, per split of the positions.
     QueryTiles { heads: u32, block: u32 },
     /// `n` per token.
     PerToken(u32),
@@ -79,6 +79,8 @@ pub enum When {
     Splits,
     /// Steps that run the prefill attention.
     Prefill,
+    /// Steps that run the prefill attention with more than one split (the combine).
+    PrefillSplits,
     /// Steps that run the split GEMM's passes (from `split_gemm::MIN_TOKENS` tokens).
     Split,
     /// `Always`, except where the split GEMM runs instead.
@@ -100,6 +102,7 @@ impl When {
             When::Decode => !prefill,
             When::Splits => !prefill && splits > 1,
             When::Prefill => prefill,
+            When::PrefillSplits => prefill && splits > 1,
             When::Split => split,
             When::Unsplit => !split,
             When::GemmUnsplit => t >= GEMM_MIN_TOKENS && !split,

@@ -17,6 +17,24 @@ use crate::weights::as_bytes;
 const HEADER: usize = 8;
 /// Tokens one submission takes at most (a longer prefill is split).
 const MAX_CHUNK: usize = 512;
+/// The cooperative prefill attention's shortest split of the positions (`prefill_splits`).
+const PREFILL_SPLIT_MIN: usize = 128;
+/// Workgroups of its unsplit launch under which it splits. On an H200 (132 SMs), pp512 with
+/// splits of 128: SmolLM2-135M's shape (9 heads, 72 workgroups) 1.10x; Qwen2.5-0.5B's (112)
+/// 0.99x; Llama-3.2-1B's and 3B's (256, 192) 0.88-0.93x, the combine included
+/// (docs/benchmarks.md).
+const PREFILL_SPLIT_BELOW: usize = 96;
+
+/// The attention a step runs, which decides how it splits the positions.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Attention {
+    /// The decode attention (and its combine).
+    Decode,
+    /// The prefill attention, one launch over all positions.
+    Prefill,
+    /// The cooperative prefill attention, split (`prefill_splits`), then the combine.
+    PrefillSplit,
+}
 
 /// One token of a step: id, position, offset of its session's page table.
 #[derive(Clone, Copy)]
@@ -360,13 +378,45 @@ impl StepBuffers {
         (len, ctx.div_ceil(len).max(1))
     }
 
+    /// How the cooperative prefill attention splits the positions of a chunk of `t` tokens
+    /// whose longest context is `ctx`: (positions per split, splits). Only where its
+    /// unsplit launch has fewer than `PREFILL_SPLIT_BELOW` workgroups (heads by query blocks
+    /// of `block`); then splits of at least `PREFILL_SPLIT_MIN` positions (a multiple of its
+    /// 32-position tiles), as many as the partial-sum buffer holds (4 a token).
+    /// `CELLM_GPU_PREFILL_SPLIT=positions` (0: none) overrides both, for measuring.
+    pub fn prefill_splits(&self, t: usize, ctx: usize, block: usize) -> (usize, usize) {
+        let knob = std::env::var("CELLM_GPU_PREFILL_SPLIT").ok().and_then(|v| v.parse().ok());
+        let least = match knob {
+            Some(0) => ctx,
+            Some(n) => n,
+            None if self.dims.heads * t.div_ceil(block) >= PREFILL_SPLIT_BELOW => ctx,
+            None => PREFILL_SPLIT_MIN,
+        };
+        let most = (self.part_slots / t).max(1);
+        let len = ctx.div_ceil(most).max(least).next_multiple_of(32);
+        (len, ctx.div_ceil(len).max(1))
+    }
+
     /// Writes the chunk's step buffer and cos/sin tables (queued before the next submit);
-    /// returns the attention's splits.
-    pub fn write(&self, gpu: &Gpu, chunk: &Chunk, host: &HostStep, ropes: &[RopeConfig]) -> u32 {
+    /// returns the splits of the step's `attention`.
+    pub fn write(
+        &self,
+        gpu: &Gpu,
+        chunk: &Chunk,
+        host: &HostStep,
+        ropes: &[RopeConfig],
+        attention: Attention,
+    ) -> u32 {
         let b = self.bufs.as_ref().expect("fit first");
         let (t, caps) = (chunk.tokens.len(), self.caps);
         let ctx = chunk.tokens.iter().map(|k| k.pos + 1).max().unwrap_or(1);
-        let (split_len, splits) = self.splits(t.max(1), ctx);
+        let (split_len, splits) = match attention {
+            Attention::Decode => self.splits(t.max(1), ctx),
+            Attention::Prefill => (ctx, 1),
+            Attention::PrefillSplit => {
+                self.prefill_splits(t.max(1), ctx, crate::attn_prefill::coop_block() as usize)
+            }
+        };
         let mut words = vec![0u32; HEADER + 4 * caps.tokens + caps.rows];
         words[..8].copy_from_slice(&[
             t as u32,

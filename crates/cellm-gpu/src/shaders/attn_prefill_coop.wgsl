@@ -10,11 +10,16 @@
 // a third more multiplies and saves a rescale per tile. Rows of different sessions in one
 // block run as segments, as in `attn_prefill.wgsl`; the loop bounds come through
 // `workgroupUniformLoad` (cooperative operations need uniform control flow). `Params` and
-// bindings are `attn_prefill.wgsl`'s. Prepended: HD (a multiple of 16), NSG (2 or more).
+// bindings 1, 2 and 5 are `attn_prefill.wgsl`'s. Where the step splits the positions (the
+// step buffer's `n_splits`, z the split), a workgroup takes the positions of its split
+// only and writes its rows' unnormalized sums, max and sum of exp to `part` in the decode
+// attention's layout, for `attn_combine.wgsl`: a long causal range then runs in parallel
+// rather than one tile after another. Prepended: HD (a multiple of 16), NSG (2 or more).
 // `//@` lines are filled in by attn_prefill.rs.
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> qkv: array<f32>;
 @group(0) @binding(2) var<storage, read_write> ctx: array<f32>;
+@group(0) @binding(3) var<storage, read_write> part: array<f32>;
 @group(0) @binding(5) var<storage, read> pool: array<u32>;
 
 const BQ: u32 = 16u * NSG;
@@ -32,6 +37,7 @@ var<workgroup> vt: array<vec4<f16>, BK * LDK>;
 var<workgroup> ss: array<f32, NSG * 512u>;
 var<workgroup> pt: array<vec4<f16>, NSG * 16u * LDP>;
 var<workgroup> lrow: array<f32, BQ>;
+var<workgroup> mrow: array<f32, BQ>;
 struct Seg {
     rows: u32,
     s1: u32,
@@ -86,6 +92,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
     // The last blocks (the longest causal ranges) first, so the short ones fill the tail.
     let t0 = (nwg.y - 1u - wg.y) * BQ;
     let kvh = h / (p.n_heads / p.n_kv_heads);
+    // This split's positions.
+    let split_lo = wg.z * split_len();
+    let split_hi = split_lo + split_len();
     if (li == 0u) {
         let nt = n_tokens();
         seg.rows = select(0u, min(BQ, nt - t0), t0 < nt);
@@ -136,8 +145,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
                 s1++;
             }
             seg.s1 = s1;
-            seg.lo = lo;
-            seg.hi = hi;
+            seg.lo = max(lo, split_lo);
+            seg.hi = min(hi, split_hi);
         }
         let sgm = workgroupUniformLoad(&seg);
         let mine = r >= s0 && r < sgm.s1;
@@ -156,7 +165,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
             for (var k = 0u; k < 16u; k++) {
                 let q = start + 16u * half + k;
                 x[k] = score(ss[sbase + 16u * k]);
-                if (mine && q >= first && q <= pos) {
+                if (mine && q >= first && q <= pos && q < sgm.hi) {
                     mt = max(mt, x[k]);
                 }
             }
@@ -164,7 +173,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
             var sum = 0.0;
             for (var k = 0u; k < 16u; k++) {
                 let q = start + 16u * half + k;
-                if (mine && q >= first && q <= pos) {
+                if (mine && q >= first && q <= pos && q < sgm.hi) {
                     sum += exp(x[k] - m_new);
                 }
             }
@@ -177,6 +186,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
         let lsum = l * exp(m - mx) + l_o * exp(m_o - mx);
         if (mine && half == 0u) {
             lrow[r] = lsum;
+            mrow[r] = mx;
         }
         // Pass 2: P = exp(S - max) times the values.
         for (var start = sgm.lo; start < sgm.hi; start += BK) {
@@ -190,7 +200,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
             for (var k = 0u; k < 16u; k++) {
                 let q = start + 16u * half + k;
                 let x = score(ss[sbase + 16u * k]);
-                if (mine && q >= first && q <= pos) {
+                if (mine && q >= first && q <= pos && q < sgm.hi) {
                     pv[k] = exp(x - mx);
                 }
             }
@@ -216,8 +226,10 @@ fn score(s: f32) -> f32 {
 }
 
 // This lane's 8 values of the 16 x 16 output tile staged at `base` (rows of the subgroup's,
-// dims d0 ..), divided by their rows' sums, to ctx.
-fn emit(base: u32, lane: u32, sg: u32, t0: u32, rows: u32, h: u32, d0: u32) {
+// dims d0 ..): divided by their rows' sums, to ctx; or, where the step splits the
+// positions, as they are to split `s` of `part`, each row's max and sum after its HD sums.
+fn emit(base: u32, lane: u32, sg: u32, t0: u32, rows: u32, h: u32, d0: u32, s: u32) {
+    let ns = n_splits();
     for (var e = 0u; e < 8u; e++) {
         let i = lane + 32u * e;
         let r = sg * 16u + i % 16u;
@@ -225,10 +237,20 @@ fn emit(base: u32, lane: u32, sg: u32, t0: u32, rows: u32, h: u32, d0: u32) {
             continue;
         }
         let l = lrow[r];
+        let d = d0 + i / 16u;
+        if (ns > 1u) {
+            let at = (((t0 + r) * p.n_heads + h) * ns + s) * (HD + 2u);
+            part[at + d] = ss[base + i];
+            if (d == 0u) {
+                part[at + HD] = mrow[r];
+                part[at + HD + 1u] = l;
+            }
+            continue;
+        }
         var o = 0.0;
         if (l > 0.0) {
             o = ss[base + i] / l;
         }
-        ctx[((t0 + r) * p.n_heads + h) * HD + d0 + i / 16u] = o;
+        ctx[((t0 + r) * p.n_heads + h) * HD + d] = o;
     }
 }
