@@ -11,14 +11,23 @@ OPT=${SPIRV_TOOLS:+$SPIRV_TOOLS/}spirv-opt
 VAL=${SPIRV_TOOLS:+$SPIRV_TOOLS/}spirv-val
 cd "$(dirname "$0")/../crates/cellm-gpu/src/shaders"
 mkdir -p spirv
-# gemm_cm2: one build per unroll (loads of 64 columns per loop iteration).
-for un in 1 2 4 8; do
-  out=spirv/gemm_cm2_un$un.spv
-  "$GLSLANG" -V --target-env vulkan1.3 -S comp -DUN=$un gemm_cm2.comp -o "$out.raw" >/dev/null
+build() {  # source output defines...
+  local src=$1 out=$2; shift 2
+  "$GLSLANG" -V --target-env vulkan1.3 -S comp "$@" "$src" -o "$out.raw" >/dev/null
   "$OPT" -O --target-env=vulkan1.3 "$out.raw" -o "$out"
   "$VAL" --target-env vulkan1.3 "$out"
   rm "$out.raw"
+}
+# gemm_cm2: one build per unroll (loads of 64 columns per loop iteration).
+for un in 1 2 4 8; do
+  build gemm_cm2.comp spirv/gemm_cm2_un$un.spv -DUN=$un
 done
-sha256sum gemm_cm2.comp | cut -d' ' -f1 > spirv/gemm_cm2.comp.sha256
+# attn_prefill_cm2: one build per head dim.
+for hd in 64 128; do
+  build attn_prefill_cm2.comp spirv/attn_prefill_cm2_hd$hd.spv -DHD=$hd
+done
+for src in gemm_cm2.comp attn_prefill_cm2.comp; do
+  sha256sum $src | cut -d' ' -f1 > spirv/$src.sha256
+done
 { "$GLSLANG" --version | head -1; "$OPT" --version 2>&1 | head -1; } > spirv/compiler.txt
 ls -l spirv

@@ -63,6 +63,9 @@ pub enum KernelId {
     /// The split GEMM on NVIDIA's cooperative matrices at this unroll (SPIR-V,
     /// `nv_coopmat2`; not WGSL).
     Coopmat2Gemm(u32),
+    /// The prefill attention on NVIDIA's cooperative matrices for this head dim (SPIR-V,
+    /// `nv_coopmat2`; not WGSL).
+    Coopmat2Attn(u32),
 }
 
 impl KernelId {
@@ -156,7 +159,9 @@ impl KernelId {
                 (6, Read),
             ],
             KernelId::AttnCombine => vec![(0, Uniform), (1, Read), (2, Write)],
-            KernelId::AttnPrefill(_) => vec![(0, Uniform), (1, Read), (2, Write), (5, Read)],
+            KernelId::AttnPrefill(_) | KernelId::Coopmat2Attn(_) => {
+                vec![(0, Uniform), (1, Read), (2, Write), (5, Read)]
+            }
             KernelId::AttnPrefillCoop(_) => {
                 vec![(0, Uniform), (1, Read), (2, Write), (3, Write), (5, Read)]
             }
@@ -268,7 +273,7 @@ impl KernelId {
             KernelId::SplitPrep | KernelId::SplitGemm => (SPLIT_GEMM, None, false),
             KernelId::SplitDequant(l) => (SPLIT_GEMM, Some(l), false),
             KernelId::SplitEpilogue(glu) => (SPLIT_GEMM, None, glu),
-            KernelId::Coopmat2Gemm(_) => ("", None, false),
+            KernelId::Coopmat2Gemm(_) | KernelId::Coopmat2Attn(_) => ("", None, false),
         };
         let mut src = String::new();
         if coop || matches!(self, KernelId::AttnPrefillCoop(_)) {
@@ -1032,8 +1037,12 @@ fn build(
         immediate_size: if immediates { PARAMS_BYTES } else { 0 },
     });
     if let KernelId::Coopmat2Gemm(un) = id {
-        let pipeline = crate::nv_coopmat2::pipeline(device, &pipeline_layout, un, &label);
+        let pipeline = crate::nv_coopmat2::gemm_pipeline(device, &pipeline_layout, un, &label);
         return Kernel::plain("Coopmat2Gemm".into(), pipeline, layout, immediates);
+    }
+    if let KernelId::Coopmat2Attn(hd) = id {
+        let pipeline = crate::nv_coopmat2::attention_pipeline(device, &pipeline_layout, hd, &label);
+        return Kernel::plain("Coopmat2Attn".into(), pipeline, layout, immediates);
     }
     let pipeline_shape = |tokens: u32, wg: u32, shape: OneShape| {
         let desc = wgpu::ShaderModuleDescriptor {

@@ -1056,6 +1056,23 @@ fn prefill_attention_op(
     if std::env::var_os("CELLM_GPU_NO_PREFILL_ATTN").is_some() {
         return None;
     }
+    // On NVIDIA's workgroup-scope cooperative matrices, one pass over f16 KV pages of the
+    // size it assumes. Opt-in (CELLM_GPU_ATTN_CM2=1) until it has run on hardware.
+    let cm2 = gpu.coopmat2
+        && crate::nv_coopmat2::attention_head_dim(hd)
+        && params[0] == crate::nv_coopmat2::ATTN_PAGE
+        && params[2] != 0
+        && std::env::var("CELLM_GPU_ATTN_CM2").is_ok_and(|v| v == "1");
+    if cm2 {
+        let op = Op {
+            kernel: kernels.get(&gpu.device, KernelId::Coopmat2Attn(hd)),
+            params,
+            binds: vec![(1, Buf::Qkv), (2, Buf::Ctx), (5, Buf::Pool)],
+            grid: Grid::QueryTiles { heads: heads as u32, block: crate::nv_coopmat2::ATTN_BLOCK },
+            when: When::Prefill,
+        };
+        return Some((op, false));
+    }
     // On cooperative matrices where the GEMM runs on them and the head dim fits
     // (`CELLM_GPU_NO_COOP_ATTN=1`: the f32 kernel, for measuring).
     let coop = kernels.coopmat()

@@ -151,38 +151,78 @@ pub fn open(
 }
 
 /// The SPIR-V of `gemm_cm2.comp`, one build per unroll (64-column loads per iteration).
-const SPIRV: [(u32, &[u8]); 4] = [
+const GEMM_SPIRV: [(u32, &[u8]); 4] = [
     (8, include_bytes!("shaders/spirv/gemm_cm2_un8.spv")),
     (4, include_bytes!("shaders/spirv/gemm_cm2_un4.spv")),
     (2, include_bytes!("shaders/spirv/gemm_cm2_un2.spv")),
     (1, include_bytes!("shaders/spirv/gemm_cm2_un1.spv")),
 ];
 
+/// The SPIR-V of `attn_prefill_cm2.comp`, one build per head dim.
+const ATTN_SPIRV: [(u32, &[u8]); 2] = [
+    (64, include_bytes!("shaders/spirv/attn_prefill_cm2_hd64.spv")),
+    (128, include_bytes!("shaders/spirv/attn_prefill_cm2_hd128.spv")),
+];
+/// The attention's workgroup (invocations) and query tokens per workgroup.
+const ATTN_WORKGROUP: u32 = 128;
+pub const ATTN_BLOCK: u32 = 64;
+/// KV positions per page the attention assumes (the engine's page size).
+pub const ATTN_PAGE: u32 = 16;
+
 /// The largest unroll whose loads divide `cols` (a multiple of 64).
 pub fn unroll(cols: u32) -> u32 {
-    SPIRV.iter().map(|&(un, _)| un).find(|&un| cols.is_multiple_of(64 * un)).unwrap_or(1)
+    GEMM_SPIRV.iter().map(|&(un, _)| un).find(|&un| cols.is_multiple_of(64 * un)).unwrap_or(1)
+}
+
+/// Whether the attention has a build for heads of `head_dim`.
+pub fn attention_head_dim(head_dim: u32) -> bool {
+    ATTN_SPIRV.iter().any(|&(hd, _)| hd == head_dim)
 }
 
 /// The GEMM's pipeline at unroll `un`, on `layout` (its bindings and 64 bytes of
 /// immediates: `split_gemm.wgsl`'s gemm pass's).
-pub fn pipeline(
+pub fn gemm_pipeline(
     device: &wgpu::Device,
     layout: &wgpu::PipelineLayout,
     un: u32,
     label: &str,
 ) -> wgpu::ComputePipeline {
-    let bytes = SPIRV.iter().find(|&&(u, _)| u == un).expect("a built unroll").1;
+    let bytes = GEMM_SPIRV.iter().find(|&&(u, _)| u == un).expect("a built unroll").1;
+    pipeline(device, layout, bytes, WORKGROUP, label)
+}
+
+/// The prefill attention's pipeline for heads of `head_dim`, on `layout` (the prefill
+/// attention's bindings and immediates).
+pub fn attention_pipeline(
+    device: &wgpu::Device,
+    layout: &wgpu::PipelineLayout,
+    head_dim: u32,
+    label: &str,
+) -> wgpu::ComputePipeline {
+    let bytes = ATTN_SPIRV.iter().find(|&&(hd, _)| hd == head_dim).expect("a built head dim").1;
+    pipeline(device, layout, bytes, ATTN_WORKGROUP, label)
+}
+
+/// A compute pipeline from SPIR-V `bytes` whose `main` has `workgroup` invocations.
+fn pipeline(
+    device: &wgpu::Device,
+    layout: &wgpu::PipelineLayout,
+    bytes: &[u8],
+    workgroup: u32,
+    label: &str,
+) -> wgpu::ComputePipeline {
     let words: Vec<u32> =
         bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    // SAFETY: the module is the SPIR-V tools/compile_spirv.sh made from gemm_cm2.comp (its
-    // source hash is checked by the tests), on a device opened with the extension and
-    // features it declares (`open`); its bindings and immediates are the layout's.
+    // SAFETY: the module is SPIR-V tools/compile_spirv.sh made from the sources in shaders/
+    // (their hashes and declared bindings are checked by tests/test_spirv.py), on a device
+    // opened with the extension and features it declares (`open`); its bindings and
+    // immediates are the layout's.
     let module = unsafe {
         device.create_shader_module_passthrough(wgpu::ShaderModuleDescriptorPassthrough {
             label: Some(label),
             entry_points: std::borrow::Cow::Owned(vec![wgpu::PassthroughShaderEntryPoint {
                 name: "main".into(),
-                workgroup_size: (WORKGROUP, 1, 1),
+                workgroup_size: (workgroup, 1, 1),
             }]),
             spirv: Some(std::borrow::Cow::Owned(words)),
             ..Default::default()
