@@ -383,7 +383,8 @@ impl StepBuffers {
     /// unsplit launch has fewer than `PREFILL_SPLIT_BELOW` workgroups (heads by query blocks
     /// of `block`); then splits of at least `PREFILL_SPLIT_MIN` positions (a multiple of its
     /// 32-position tiles), as many as the partial-sum buffer holds (4 a token).
-    /// `CELLM_GPU_PREFILL_SPLIT=positions` (0: none) overrides both, for measuring.
+    /// `CELLM_GPU_PREFILL_SPLIT=positions` (0: none) overrides both, for measuring (read at
+    /// each step, so that one engine can time the variants alternately).
     pub fn prefill_splits(&self, t: usize, ctx: usize, block: usize) -> (usize, usize) {
         let knob = std::env::var("CELLM_GPU_PREFILL_SPLIT").ok().and_then(|v| v.parse().ok());
         let least = match knob {
