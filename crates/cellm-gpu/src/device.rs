@@ -82,6 +82,9 @@ pub struct Gpu {
     /// Whether prefill's GEMM runs on NVIDIA's workgroup-scope cooperative matrices
     /// (`nv_coopmat2`, through `split_gemm`).
     pub coopmat2: bool,
+    /// Whether the driver also lists the configurations the coopmat2 prefill attention
+    /// takes (workgroups of 128).
+    pub coopmat2_attention: bool,
     /// Whether kernels take their 64 bytes of parameters as immediates (Vulkan push
     /// constants, set with each launch) instead of from a uniform buffer.
     pub immediates: bool,
@@ -150,11 +153,12 @@ impl Gpu {
         // cooperative GEMM runs and parameters are immediates (its SPIR-V takes them so).
         // On an H200 it made pp512 1.05-1.5x faster on every shape measured, none slower
         // (docs/benchmarks.md); CELLM_GPU_COOPMAT2=0 keeps the fused kernels.
-        let coopmat2 = coopmat
+        let wanted = coopmat
             && immediates
             && adapter.features().contains(wgpu::Features::PASSTHROUGH_SHADERS)
-            && !std::env::var("CELLM_GPU_COOPMAT2").is_ok_and(|v| v == "0")
-            && crate::nv_coopmat2::supported(&adapter);
+            && !std::env::var("CELLM_GPU_COOPMAT2").is_ok_and(|v| v == "0");
+        let cm2_attention = wanted.then(|| crate::nv_coopmat2::supported(&adapter)).flatten();
+        let coopmat2 = cm2_attention.is_some();
         if coopmat2 {
             required_features |= wgpu::Features::PASSTHROUGH_SHADERS;
         }
@@ -184,6 +188,7 @@ impl Gpu {
         };
         let (device, queue) =
             opened.map_err(|e| Error::Device(format!("cannot open {}: {e}", info.name)))?;
+        let coopmat2_attention = coopmat2 && cm2_attention == Some(true);
         let failure: Arc<Mutex<Option<String>>> = Arc::default();
         let slot = failure.clone();
         device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
@@ -211,6 +216,7 @@ impl Gpu {
             timestamps,
             coopmat,
             coopmat2,
+            coopmat2_attention,
             immediates,
             spin,
             failure,

@@ -301,10 +301,15 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
             ),
             _ => gemm,
         };
+        let attention = ops
+            .iter()
+            .find(|o| o.when == When::Prefill)
+            .map_or_else(|| "the decode kernel".to_string(), |o| o.kernel.name.clone());
         eprintln!(
             "cellm-gpu: {} ({:?}, {:?}), {} dispatches per one-token step ({} more with \
              several attention splits; {} planned in all), one submit per step \
-             (subgroups {}, parameters as {}), prefill GEMM: {gemm}",
+             (subgroups {}, parameters as {}), prefill GEMM: {gemm}; prefill attention: \
+             {attention}",
             gpu.info.name,
             gpu.info.backend,
             gpu.info.device_type,
@@ -1058,7 +1063,7 @@ fn prefill_attention_op(
     }
     // On NVIDIA's workgroup-scope cooperative matrices, one pass over f16 KV pages of the
     // size it assumes. Opt-in (CELLM_GPU_ATTN_CM2=1) until it has run on hardware.
-    let cm2 = gpu.coopmat2
+    let cm2 = gpu.coopmat2_attention
         && crate::nv_coopmat2::attention_head_dim(hd)
         && params[0] == crate::nv_coopmat2::ATTN_PAGE
         && params[2] != 0

@@ -60,21 +60,112 @@ impl Features {
     }
 }
 
+/// `VkCooperativeMatrixFlexibleDimensionsPropertiesNV`: one configuration of
+/// workgroup-scope matrices the driver runs, its sides multiples of the granularities.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Flexible {
+    s_type: vk::StructureType,
+    p_next: *mut c_void,
+    m_granularity: u32,
+    n_granularity: u32,
+    k_granularity: u32,
+    a_type: vk::ComponentTypeKHR,
+    b_type: vk::ComponentTypeKHR,
+    c_type: vk::ComponentTypeKHR,
+    result_type: vk::ComponentTypeKHR,
+    saturating_accumulation: vk::Bool32,
+    scope: vk::ScopeKHR,
+    workgroup_invocations: u32,
+}
+const FLEXIBLE: vk::StructureType = vk::StructureType::from_raw(1_000_593_001);
+type FlexibleFn =
+    unsafe extern "system" fn(vk::PhysicalDevice, *mut u32, *mut Flexible) -> vk::Result;
+
 /// The GEMM's workgroup (256 invocations) and its largest matrix side (128).
 const WORKGROUP: u32 = 256;
 const SIDE: u32 = 128;
+/// The (M, N, K) of every product a kernel takes, at its workgroup's invocations: the
+/// GEMM's 128 x 64 weight tiles by 64 x 128 token tiles; the attention's query tile by a
+/// page's keys (head dims 64 and 128), its weights by a page's values, and by ones.
+const GEMM_SHAPES: (u32, &[(u32, u32, u32)]) = (WORKGROUP, &[(128, 128, 64)]);
+const ATTN_SHAPES: (u32, &[(u32, u32, u32)]) =
+    (ATTN_WORKGROUP, &[(64, 16, 64), (64, 16, 128), (64, 64, 16), (64, 128, 16), (64, 16, 16)]);
 
-/// The extension's features `adapter` (Vulkan) reports, where it has what
-/// `shaders/gemm_cm2.comp` needs: workgroup scope, flexible dimensions and tensor addressing,
-/// workgroups of 256 and matrices of 128 a side. (The f16 x f16 -> f32 configurations at 256
-/// invocations are the driver's to check when the pipeline is made; NVIDIA's list them.)
-fn features(adapter: &wgpu::Adapter) -> Option<Features> {
+/// The f16 x f16 -> f32 workgroup-scope configurations `device` lists.
+fn flexible(shared: &hal::vulkan::InstanceShared, device: vk::PhysicalDevice) -> Vec<Flexible> {
+    let name = c"vkGetPhysicalDeviceCooperativeMatrixFlexibleDimensionsPropertiesNV";
+    let instance = shared.raw_instance().handle();
+    // SAFETY: a lookup by name in a live instance.
+    let Some(f) = (unsafe { shared.entry().get_instance_proc_addr(instance, name.as_ptr()) })
+    else {
+        return Vec::new();
+    };
+    // SAFETY: the extension's entry point has this signature (vulkan_core.h).
+    let f: FlexibleFn = unsafe { std::mem::transmute(f) };
+    let blank = Flexible {
+        s_type: FLEXIBLE,
+        p_next: std::ptr::null_mut(),
+        m_granularity: 0,
+        n_granularity: 0,
+        k_granularity: 0,
+        a_type: vk::ComponentTypeKHR::FLOAT16,
+        b_type: vk::ComponentTypeKHR::FLOAT16,
+        c_type: vk::ComponentTypeKHR::FLOAT16,
+        result_type: vk::ComponentTypeKHR::FLOAT16,
+        saturating_accumulation: 0,
+        scope: vk::ScopeKHR::DEVICE,
+        workgroup_invocations: 0,
+    };
+    let mut count = 0u32;
+    // SAFETY: the usual two calls: the count, then that many structures, each typed.
+    let mut all = unsafe {
+        if f(device, &mut count, std::ptr::null_mut()) != vk::Result::SUCCESS {
+            return Vec::new();
+        }
+        let mut all = vec![blank; count as usize];
+        if f(device, &mut count, all.as_mut_ptr()) != vk::Result::SUCCESS {
+            return Vec::new();
+        }
+        all
+    };
+    all.truncate(count as usize);
+    all.retain(|c| {
+        c.a_type == vk::ComponentTypeKHR::FLOAT16
+            && c.b_type == vk::ComponentTypeKHR::FLOAT16
+            && c.c_type == vk::ComponentTypeKHR::FLOAT32
+            && c.result_type == vk::ComponentTypeKHR::FLOAT32
+            && c.scope == vk::ScopeKHR::WORKGROUP
+    });
+    all
+}
+
+/// Whether one of `configs` takes every product of `shapes` at its invocations. (RADV lists
+/// workgroup scope at 256 invocations only; NVIDIA's at 128 and 256, with granularities of
+/// 32 x 16 x 16 at 128.)
+fn runs(configs: &[Flexible], (invocations, shapes): (u32, &[(u32, u32, u32)])) -> bool {
+    configs.iter().any(|c| {
+        c.workgroup_invocations == invocations
+            && shapes.iter().all(|&(m, n, k)| {
+                m.is_multiple_of(c.m_granularity.max(1))
+                    && n.is_multiple_of(c.n_granularity.max(1))
+                    && k.is_multiple_of(c.k_granularity.max(1))
+            })
+    })
+}
+
+/// What the extension on `adapter` runs of ours: (the features to open the device with,
+/// whether the prefill attention runs too), where the GEMM does: workgroup scope, flexible
+/// dimensions and tensor addressing, workgroups of 256, matrices of 128 a side, and a
+/// listed f16 x f16 -> f32 configuration for each kernel's shapes.
+fn features(adapter: &wgpu::Adapter) -> Option<(Features, bool)> {
     // SAFETY: the hal adapter is only read, while `adapter` is alive.
     let hal_adapter = unsafe { adapter.as_hal::<hal::api::Vulkan>() }?;
     if !hal_adapter.physical_device_capabilities().supports_extension(EXTENSION) {
         return None;
     }
-    let instance = hal_adapter.shared_instance().raw_instance();
+    let shared = hal_adapter.shared_instance();
+    let instance = shared.raw_instance();
     let device = hal_adapter.raw_physical_device();
     let mut have = Features::none();
     let mut features = vk::PhysicalDeviceFeatures2 {
@@ -98,17 +189,22 @@ fn features(adapter: &wgpu::Adapter) -> Option<Features> {
         instance.get_physical_device_features2(device, &mut features);
         instance.get_physical_device_properties2(device, &mut properties);
     }
+    let configs = flexible(shared, device);
     let usable = have.workgroup_scope == vk::TRUE
         && have.flexible_dimensions == vk::TRUE
         && have.tensor_addressing == vk::TRUE
         && props.workgroup_scope_max_workgroup_size >= WORKGROUP
-        && props.flexible_dimensions_max_dimension >= SIDE;
-    usable.then_some(Features { p_next: std::ptr::null_mut(), ..have })
+        && props.flexible_dimensions_max_dimension >= SIDE
+        // (Where the list cannot be read, the GEMM is still tried, as it ran on the H200
+        // before this check; the attention is not.)
+        && (configs.is_empty() || runs(&configs, GEMM_SHAPES));
+    let attention = runs(&configs, ATTN_SHAPES);
+    usable.then_some((Features { p_next: std::ptr::null_mut(), ..have }, attention))
 }
 
-/// Whether `adapter` has what the GEMM needs (`features`).
-pub fn supported(adapter: &wgpu::Adapter) -> bool {
-    features(adapter).is_some()
+/// Whether `adapter` runs the GEMM (`features`), and whether the prefill attention too.
+pub fn supported(adapter: &wgpu::Adapter) -> Option<bool> {
+    features(adapter).map(|(_, attention)| attention)
 }
 
 /// Opens `adapter` with `desc`'s features and limits plus every feature of the extension it
@@ -118,7 +214,7 @@ pub fn open(
     desc: &wgpu::DeviceDescriptor<'_>,
 ) -> Result<(wgpu::Device, wgpu::Queue), String> {
     // The structure must outlive vkCreateDevice, which runs inside `open_with_callback`.
-    let mut enable = Box::new(features(adapter).ok_or("no VK_NV_cooperative_matrix2")?);
+    let mut enable = Box::new(features(adapter).ok_or("no VK_NV_cooperative_matrix2")?.0);
     let enable_ptr: *mut Features = &mut *enable;
     let opened = {
         // SAFETY: as in `features`.
