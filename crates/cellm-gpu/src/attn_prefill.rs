@@ -88,7 +88,8 @@ pub fn coop_head_dim_ok(head_dim: u32) -> bool {
 pub(crate) fn coop_shared_bytes(head_dim: u32) -> u32 {
     let nsg = coop_subgroups();
     let (bq, bk, ldk, ldp) = (16 * nsg, 32, head_dim / 4 + 2, 32 / 4 + 2);
-    8 * bq * ldk + 8 * bk * ldk + 4 * nsg * 512 + 8 * nsg * 16 * ldp + 4 * bq + 16
+    // (The two per-row arrays: each row's sum and max.)
+    8 * bq * ldk + 8 * bk * ldk + 4 * nsg * 512 + 8 * nsg * 16 * ldp + 8 * bq + 16
 }
 
 /// The cooperative-matrix kernel's WGSL for heads of `head_dim` (after the step and KV
