@@ -151,7 +151,7 @@ impl Gpu {
         }
         // NVIDIA's workgroup-scope cooperative matrices for prefill's GEMM, where the
         // cooperative GEMM runs and parameters are immediates (its SPIR-V takes them so).
-        // On an H200 it made pp512 1.05-1.5x faster on every shape measured, none slower
+        // On an H200 it made pp512 up to 1.5x faster, none of six shapes slower beyond noise
         // (docs/benchmarks.md); CELLM_GPU_COOPMAT2=0 keeps the fused kernels.
         let wanted = coopmat
             && immediates
