@@ -1068,23 +1068,16 @@ fn prefill_attention_op(
         && params[0] == crate::nv_coopmat2::ATTN_PAGE
         && params[2] != 0
         && std::env::var("CELLM_GPU_ATTN_CM2").is_ok_and(|v| v == "1");
-    if cm2 {
-        let op = Op {
-            kernel: kernels.get(&gpu.device, KernelId::Coopmat2Attn(hd)),
-            params,
-            binds: vec![(1, Buf::Qkv), (2, Buf::Ctx), (5, Buf::Pool)],
-            grid: Grid::QueryTiles { heads: heads as u32, block: crate::nv_coopmat2::ATTN_BLOCK },
-            when: When::Prefill,
-        };
-        return Some((op, false));
-    }
     // On cooperative matrices where the GEMM runs on them and the head dim fits
     // (`CELLM_GPU_NO_COOP_ATTN=1`: the f32 kernel, for measuring).
-    let coop = kernels.coopmat()
+    let coop = !cm2
+        && kernels.coopmat()
         && attn_prefill::coop_head_dim_ok(hd)
         && attn_prefill::coop_shared_bytes(hd) <= limit
         && std::env::var_os("CELLM_GPU_NO_COOP_ATTN").is_none();
-    let (id, block) = if coop {
+    let (id, block) = if cm2 {
+        (KernelId::Coopmat2Attn(hd), crate::nv_coopmat2::ATTN_BLOCK)
+    } else if coop {
         (KernelId::AttnPrefillCoop(hd), attn_prefill::coop_block())
     } else {
         let tile = attn_prefill::Tile::new(hd)?;
