@@ -1062,12 +1062,13 @@ fn prefill_attention_op(
         return None;
     }
     // On NVIDIA's workgroup-scope cooperative matrices, one pass over f16 KV pages of the
-    // size it assumes. Opt-in (CELLM_GPU_ATTN_CM2=1) until it has run on hardware.
+    // size it assumes: on an H200 it took 2.8 ms of the 3B F16 shape's pp512 step where the
+    // WGSL cooperative kernel took 7.5 (docs/benchmarks.md). CELLM_GPU_ATTN_CM2=0: not.
     let cm2 = gpu.coopmat2_attention
         && crate::nv_coopmat2::attention_head_dim(hd)
         && params[0] == crate::nv_coopmat2::ATTN_PAGE
         && params[2] != 0
-        && std::env::var("CELLM_GPU_ATTN_CM2").is_ok_and(|v| v == "1");
+        && !std::env::var("CELLM_GPU_ATTN_CM2").is_ok_and(|v| v == "0");
     // On cooperative matrices where the GEMM runs on them and the head dim fits
     // (`CELLM_GPU_NO_COOP_ATTN=1`: the f32 kernel, for measuring).
     let coop = !cm2
