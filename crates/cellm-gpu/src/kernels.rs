@@ -175,8 +175,12 @@ impl KernelId {
             KernelId::SplitGemm | KernelId::Coopmat2Gemm(_) => {
                 vec![(0, Uniform), (5, Read), (12, Read), (14, Write)]
             }
-            KernelId::SplitEpilogue(_) => {
-                vec![(0, Uniform), (2, Write), (4, Read), (13, Read), (14, Read)]
+            KernelId::SplitEpilogue(glu) => {
+                let mut b = vec![(0, Uniform), (2, Write), (4, Read), (13, Read), (14, Read)];
+                if glu {
+                    b.push((12, Write));
+                }
+                b
             }
         };
         b.push((7, Read));

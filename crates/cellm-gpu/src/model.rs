@@ -411,6 +411,7 @@ fn matvec_ops(
     args: MatvecArgs,
     rope: Option<[u32; 5]>,
     when: When,
+    handoff: split_gemm::Handoff,
     ops: &mut Vec<Op>,
 ) {
     let id = match rope {
@@ -432,6 +433,7 @@ fn matvec_ops(
             bias,
             out: y.clone(),
             params,
+            handoff,
         };
         split_gemm::push(gemm, kernels, &gpu.device, lin, &mut split.scratch, ops);
     }
@@ -607,6 +609,7 @@ fn plan(
                 qkv_args,
                 if two.is_some() { None } else { rope_words },
                 if two.is_some() { When::Gemm } else { When::Always },
+                split_gemm::Handoff::default(),
                 &mut ops,
             );
             offset += m.rows;
@@ -696,6 +699,7 @@ fn plan(
             args,
             None,
             always,
+            split_gemm::Handoff::default(),
             &mut ops,
         );
         if gemma {
@@ -707,6 +711,10 @@ fn plan(
         let gelu = if cfg.hidden_act == Activation::GeluTanh { GELU } else { 0 };
         let glu_args = MatvecArgs { y_stride: d.inter, flags: NORM | gelu, ..base };
         let passes = split.takes(&[&l.gate, &l.up], glu_args.cols);
+        // Where the down projection takes the passes too, the GLU's epilogue writes its
+        // f16 inputs and its prep is skipped.
+        let half = passes.is_some() && split.takes(&[&l.down], d.inter).is_some();
+        let down_handoff = split_gemm::Handoff { input_half: half, output_half: false };
         if let Some(gemm) = passes {
             let (params, _, _) = matvec_params(&MatvecArgs { rows: l.gate.rows, ..glu_args });
             let lin = split_gemm::Linear {
@@ -716,6 +724,7 @@ fn plan(
                 bias: None,
                 out: Buf::Act,
                 params,
+                handoff: split_gemm::Handoff { input_half: false, output_half: half },
             };
             split_gemm::push(gemm, kernels, &gpu.device, lin, &mut split.scratch, &mut ops);
         }
@@ -755,6 +764,7 @@ fn plan(
                 down_args,
                 None,
                 When::Always,
+                down_handoff,
                 &mut ops,
             );
             ops.push(norm_add(gpu, kernels, d, post, eps, res));
@@ -772,6 +782,7 @@ fn plan(
                 args,
                 None,
                 When::Always,
+                down_handoff,
                 &mut ops,
             );
         }
@@ -800,6 +811,7 @@ fn plan(
         args,
         None,
         When::Always,
+        split_gemm::Handoff::default(),
         &mut ops,
     );
     gpu.check()?;

@@ -7,7 +7,9 @@
 //! 3. the GEMM: f16 x f16 into f32 sums (`gemm_cm2.comp`; the GLU's gate and up as one
 //!    matrix where they were dequantized together);
 //! 4. `epilogue`: linear.wgsl's epilogue and store (norm scale, bias, GLU, scale, soft-cap,
-//!    residual) from the sums.
+//!    residual) from the sums. Where the down projection takes the passes too, the GLU's
+//!    epilogue writes its output as the down projection's f16 inputs, the same values its
+//!    prep would write, and that prep is skipped (`Handoff`).
 //!
 //! The sums are the fused kernel's (f16 inputs, f32 sums, the same rounding of x and w); only
 //! their order differs. Steps from `MIN_TOKENS` tokens take the passes; fewer keep the fused
@@ -92,7 +94,23 @@ pub struct Linear<'a> {
     pub bias: Option<&'a wgpu::Buffer>,
     pub out: Buf,
     pub params: [u32; 16],
+    /// How its input and output travel between launches in passes.
+    pub handoff: Handoff,
 }
+
+/// Whether a launch in passes takes its f16 inputs as the one before left them (the GLU's
+/// output as the down projection's input: that launch skips its prep), and whether it
+/// leaves its output so (the GLU, when the down projection takes the passes too).
+#[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
+pub struct Handoff {
+    pub input_half: bool,
+    pub output_half: bool,
+}
+
+/// The epilogue's flag for `Handoff::output_half` (split_gemm.wgsl's HALF_OUT).
+const HALF_OUT: u32 = 64;
+/// The word of the flags in the launch params (linear.wgsl's Params).
+const FLAGS: usize = 6;
 
 /// Appends `lin`'s passes to `ops` and grows `scratch` to take them.
 pub fn push(
@@ -106,28 +124,11 @@ pub fn push(
     let first = lin.mats[0];
     let (rows, cols, layout) = (first.rows, lin.params[1] as usize, first.layout);
     let when = When::Split;
-    let words = |p: &[(usize, u32)]| {
-        let mut words = [0u32; 16];
-        for &(i, v) in p {
-            words[i] = v;
-        }
-        words
-    };
     // (Each launch preps its own input: q|k and v stored apart may take the passes one
     // without the other.)
-    ops.push(Op {
-        kernel: kernels.get(device, KernelId::SplitPrep),
-        // rows, cols, x_stride, flags (NORM where a gamma is bound).
-        params: words(&[(1, cols as u32), (2, lin.params[2]), (6, u32::from(lin.gamma.is_some()))]),
-        binds: vec![
-            (1, lin.input.clone()),
-            (3, lin.gamma.map_or(Buf::Dummy, |g| Buf::W(g.clone()))),
-            (12, Buf::Half),
-            (13, Buf::Sums),
-        ],
-        grid: Grid::PerToken(1),
-        when,
-    });
+    if !lin.handoff.input_half {
+        ops.push(prep_op(kernels, device, &lin, cols));
+    }
     scratch.cols = scratch.cols.max(cols);
     // The sums: a row of every matrix's rows per token (the GLU's up after its gate).
     let acc_stride = rows * lin.mats.len();
@@ -174,18 +175,57 @@ pub fn push(
     // (split_gemm.wgsl's `acc_stride()` and `up_col()`.)
     params[11] = acc_stride as u32;
     params[12] = rows as u32;
+    let glu = lin.mats.len() == 2;
+    let mut binds = vec![
+        (2, lin.out),
+        (4, lin.bias.map_or(Buf::Dummy, |b| Buf::W(b.clone()))),
+        (13, Buf::Sums),
+        (14, Buf::Acc),
+    ];
+    if glu {
+        binds.push((12, Buf::Half));
+    }
+    if lin.handoff.output_half {
+        assert!(glu, "only the GLU's epilogue writes f16 inputs");
+        params[FLAGS] |= HALF_OUT;
+    }
     ops.push(Op {
-        kernel: kernels.get(device, KernelId::SplitEpilogue(lin.mats.len() == 2)),
+        kernel: kernels.get(device, KernelId::SplitEpilogue(glu)),
         params,
-        binds: vec![
-            (2, lin.out),
-            (4, lin.bias.map_or(Buf::Dummy, |b| Buf::W(b.clone()))),
-            (13, Buf::Sums),
-            (14, Buf::Acc),
-        ],
+        binds,
         grid: Grid::Columns((rows / 4) as u32),
         when,
     });
+}
+
+/// Launch params with `p`'s (index, word) set and the rest 0.
+fn words(p: &[(usize, u32)]) -> [u32; 16] {
+    let mut words = [0u32; 16];
+    for &(i, v) in p {
+        words[i] = v;
+    }
+    words
+}
+
+/// `lin`'s prep: its input of `cols` rounded to f16 (times the norm's gamma).
+fn prep_op(kernels: &mut Kernels, device: &wgpu::Device, lin: &Linear<'_>, cols: usize) -> Op {
+    Op {
+        kernel: kernels.get(device, KernelId::SplitPrep),
+        // rows, cols, x_stride, flags (NORM where a gamma is bound).
+        params: words(&[
+            (1, cols as u32),
+            (2, lin.params[2]),
+            (FLAGS, u32::from(lin.gamma.is_some())),
+        ]),
+        binds: vec![
+            (1, lin.input.clone()),
+            (3, lin.gamma.map_or(Buf::Dummy, |g| Buf::W(g.clone()))),
+            (12, Buf::Half),
+            (13, Buf::Sums),
+        ],
+        grid: Grid::PerToken(1),
+        when: When::Split,
+    }
 }
 
 /// The fused launch's `when` where the passes take over from `MIN_TOKENS` tokens.

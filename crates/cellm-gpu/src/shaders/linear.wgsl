@@ -62,12 +62,18 @@ fn epilogue(v: f32, ss: f32, r: u32) -> f32 {
     return o;
 }
 
-// Output row r of token t: scaled, soft-capped where asked, then stored or added (RESIDUAL).
-fn store(t: u32, r: u32, v0: f32) {
+// An output value as stored: scaled, soft-capped where asked.
+fn stored(v0: f32) -> f32 {
     var v = v0 * p.scale;
     if ((p.flags & SOFTCAP) != 0u) {
         v = p.softcap * tanh(clamp(v / p.softcap, -15.0, 15.0));
     }
+    return v;
+}
+
+// Output row r of token t: as `stored`, then stored or added (RESIDUAL).
+fn store(t: u32, r: u32, v0: f32) {
+    let v = stored(v0);
     let at = t * p.y_stride + p.y_col + p.row0 + r;
     if ((p.flags & RESIDUAL) != 0u) {
         y[at] += v;

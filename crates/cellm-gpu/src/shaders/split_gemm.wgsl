@@ -9,12 +9,13 @@
 
 //# prep
 // xh[t] = f16(x[t] * gamma) (clamped to f16's range, as gemm_coop.wgsl does), ss[t] = the
-// sum of x[t]^2; one workgroup a token.
+// sum of x[t]^2; one workgroup of 256 a token (64 left the H200's multiprocessors with too
+// few loads in flight: 1.7 ms of the 3B's 512-token step for about 1.4 GB).
 @group(0) @binding(12) var<storage, read_write> xh: array<vec2<u32>>;
 @group(0) @binding(13) var<storage, read_write> ss: array<f32>;
-var<workgroup> partial: array<f32, 64>;
+var<workgroup> partial: array<f32, 256>;
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let t = wg.y;
     if (t >= n_tokens()) {
@@ -22,7 +23,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     }
     let c4 = p.cols / 4u;
     var sum = 0.0;
-    for (var i = li; i < c4; i += 64u) {
+    for (var i = li; i < c4; i += 256u) {
         var v = x[t * (p.x_stride / 4u) + i];
         sum += dot(v, v);
         if ((p.flags & NORM) != 0u) {
@@ -33,7 +34,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     }
     partial[li] = sum;
     workgroupBarrier();
-    for (var s = 32u; s > 0u; s >>= 1u) {
+    for (var s = 128u; s > 0u; s >>= 1u) {
         if (li < s) {
             partial[li] += partial[li + s];
         }
@@ -94,6 +95,12 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {
 // up_col() further on): 64 invocations a workgroup, 4 rows each, one token per y.
 @group(0) @binding(13) var<storage, read> ss: array<f32>;
 @group(0) @binding(14) var<storage, read> acc: array<vec4<f32>>;
+//# glu
+// With HALF_OUT, the GLU's output goes straight to the next GEMM's f16 inputs (the down
+// projection's: rows of p.rows), as prep would write it, and not to y.
+@group(0) @binding(12) var<storage, read_write> xh: array<vec2<u32>>;
+const HALF_OUT: u32 = 64u;
+//# end
 
 // Floats of an acc row, and where the GLU's up sums start in it (Params' RoPE words, which
 // the split passes do not use).
@@ -116,6 +123,17 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {
     let v = acc[base / 4u];
     //# glu
     let u = acc[(base + up_col()) / 4u];
+    //# end
+    //# glu
+    if ((p.flags & HALF_OUT) != 0u) {
+        var h: vec4<f32>;
+        for (var e = 0u; e < 4u; e++) {
+            h[e] = stored(act(epilogue(v[e], s, r + e)) * epilogue(u[e], s, r + e));
+        }
+        h = clamp(h, vec4<f32>(-65504.0), vec4<f32>(65504.0));
+        xh[(t * p.rows + r) / 4u] = vec2<u32>(pack2x16float(h.xy), pack2x16float(h.zw));
+        return;
+    }
     //# end
     for (var e = 0u; e < 4u; e++) {
         var o = epilogue(v[e], s, r + e);
