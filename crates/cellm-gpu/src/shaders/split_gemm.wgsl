@@ -9,8 +9,9 @@
 
 //# prep
 // xh[t] = f16(x[t] * gamma) (clamped to f16's range, as gemm_coop.wgsl does), ss[t] = the
-// sum of x[t]^2; one workgroup of 256 a token (64 left the H200's multiprocessors with too
-// few loads in flight: 1.7 ms of the 3B's 512-token step for about 1.4 GB).
+// sum of x[t]^2; one workgroup of 256 a token. (With 64, the passes' preps took 1.7 ms of
+// the 3B's 512-token step on the H200 for about 1.4 GB: a quarter of the bandwidth. 256 is
+// not yet timed there.)
 @group(0) @binding(12) var<storage, read_write> xh: array<vec2<u32>>;
 @group(0) @binding(13) var<storage, read_write> ss: array<f32>;
 var<workgroup> partial: array<f32, 256>;
@@ -123,8 +124,6 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {
     let v = acc[base / 4u];
     //# glu
     let u = acc[(base + up_col()) / 4u];
-    //# end
-    //# glu
     if ((p.flags & HALF_OUT) != 0u) {
         var h: vec4<f32>;
         for (var e = 0u; e < 4u; e++) {
