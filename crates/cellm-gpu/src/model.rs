@@ -712,8 +712,11 @@ fn plan(
         let glu_args = MatvecArgs { y_stride: d.inter, flags: NORM | gelu, ..base };
         let passes = split.takes(&[&l.gate, &l.up], glu_args.cols);
         // Where the down projection takes the passes too, the GLU's epilogue writes its
-        // f16 inputs and its prep is skipped.
-        let half = passes.is_some() && split.takes(&[&l.down], d.inter).is_some();
+        // f16 inputs and its prep is skipped (with the wider prep, pp512 1.03-1.04x on the
+        // H200's 1B and 3B F16 shapes; CELLM_GPU_HANDOFF=0: not, for comparison).
+        let half = passes.is_some()
+            && split.takes(&[&l.down], d.inter).is_some()
+            && !std::env::var("CELLM_GPU_HANDOFF").is_ok_and(|v| v == "0");
         let down_handoff = split_gemm::Handoff { input_half: half, output_half: false };
         if let Some(gemm) = passes {
             let (params, _, _) = matvec_params(&MatvecArgs { rows: l.gate.rows, ..glu_args });
