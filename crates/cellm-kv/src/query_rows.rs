@@ -221,6 +221,7 @@ impl RowTasks<'_> {
         };
         for page in pages.start..(pages.start + AHEAD).min(pages.end) {
             prefetch_all_l2(self.pool.page_rows(query.seq, query.layer, page).0);
+            self.headers_ahead(query, page);
         }
         for b in 0..pages.len().div_ceil(per_block) {
             let block = block(b).expect("a block of the chunk");
@@ -287,6 +288,18 @@ impl RowTasks<'_> {
         let plane = if values { planes.1 } else { planes.0 };
         let share = plane.len() / self.shape.n_kv_heads;
         prefetch_all_l2(&plane[kv * share..(kv + 1) * share]);
+        if !values && kv == 0 {
+            self.headers_ahead(query, page);
+        }
+    }
+
+    /// Asks for `page`'s key headers (compressed encodings; none for f16 and f32): they lie
+    /// past both planes, a line or two that the first key kernel would otherwise wait for.
+    fn headers_ahead(&self, query: &Query, page: usize) {
+        let refs = self.pool.page_refs(query.seq, query.layer, page);
+        if !refs.is_empty() {
+            prefetch_all_l2(refs);
+        }
     }
 
     /// The query heads' scores against `page`'s keys of `slots`, `scores[h * count + slot]`.
