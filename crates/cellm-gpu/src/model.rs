@@ -1110,10 +1110,10 @@ fn prefill_attention_op(
         return None;
     }
     // On NVIDIA's workgroup-scope cooperative matrices, one pass over f16 KV pages of the
-    // size it assumes: on an H200 it took 2.8 ms of the 3B F16 shape's pp512 step where the
+    // size it assumes: on an H200 it took 2.7 ms of the 3B F16 shape's pp512 step where the
     // WGSL cooperative kernel took 7.5 (docs/benchmarks.md). CELLM_GPU_ATTN_CM2=0: not.
     let cm2 = gpu.coopmat2_attention
-        && crate::nv_coopmat2::attention_head_dim(hd)
+        && crate::nv_coopmat2::attention_fits(hd, limit)
         && params[0] == crate::nv_coopmat2::ATTN_PAGE
         && params[2] != 0
         && !std::env::var("CELLM_GPU_ATTN_CM2").is_ok_and(|v| v == "0");

@@ -86,11 +86,11 @@ type FlexibleFn =
 const WORKGROUP: u32 = 256;
 const SIDE: u32 = 128;
 /// The (M, N, K) of every product a kernel takes, at its workgroup's invocations: the
-/// GEMM's 128 x 64 weight tiles by 64 x 128 token tiles; the attention's query tile by a
-/// page's keys (head dims 64 and 128), its weights by a page's values, and by ones.
+/// GEMM's 128 x 64 weight tiles by 64 x 128 token tiles; the attention's query tile by an
+/// iteration's 64 keys (head dims 64 and 128), its weights by the 64 values, and by ones.
 const GEMM_SHAPES: (u32, &[(u32, u32, u32)]) = (WORKGROUP, &[(128, 128, 64)]);
 const ATTN_SHAPES: (u32, &[(u32, u32, u32)]) =
-    (ATTN_WORKGROUP, &[(64, 16, 64), (64, 16, 128), (64, 64, 16), (64, 128, 16), (64, 16, 16)]);
+    (ATTN_WORKGROUP, &[(64, 64, 64), (64, 64, 128), (64, 128, 64), (64, 16, 64)]);
 
 /// The f16 x f16 -> f32 workgroup-scope configurations `device` lists.
 fn flexible(shared: &hal::vulkan::InstanceShared, device: vk::PhysicalDevice) -> Vec<Flexible> {
@@ -262,17 +262,22 @@ const ATTN_SPIRV: [(u32, &[u8]); 2] = [
 /// The attention's workgroup (invocations) and query tokens per workgroup.
 const ATTN_WORKGROUP: u32 = 128;
 pub const ATTN_BLOCK: u32 = 64;
-/// KV positions per page the attention assumes (the engine's page size).
+/// KV positions per page the attention assumes (the engine's page size), and pages an
+/// iteration.
 pub const ATTN_PAGE: u32 = 16;
+const ATTN_PAGES: u32 = 4;
 
 /// The largest unroll whose loads divide `cols` (a multiple of 64).
 pub fn unroll(cols: u32) -> u32 {
     GEMM_SPIRV.iter().map(|&(un, _)| un).find(|&un| cols.is_multiple_of(64 * un)).unwrap_or(1)
 }
 
-/// Whether the attention has a build for heads of `head_dim`.
-pub fn attention_head_dim(head_dim: u32) -> bool {
-    ATTN_SPIRV.iter().any(|&(hd, _)| hd == head_dim)
+/// Whether the attention has a build for heads of `head_dim` whose shared memory fits in
+/// `limit` bytes: an iteration's keys and values (64 rows of f16 each), and six words a
+/// query row.
+pub fn attention_fits(head_dim: u32, limit: u32) -> bool {
+    let shared = 2 * (ATTN_PAGES * ATTN_PAGE) * head_dim * 2 + 6 * ATTN_BLOCK * 4;
+    ATTN_SPIRV.iter().any(|&(hd, _)| hd == head_dim) && shared <= limit
 }
 
 /// The GEMM's pipeline at unroll `un`, on `layout` (its bindings and 64 bytes of

@@ -2,11 +2,14 @@
 // Prefill attention on NVIDIA's workgroup-scope cooperative matrices
 // (VK_NV_cooperative_matrix2), one pass with an online softmax (flash attention), compiled
 // ahead of time like gemm_cm2.comp (tools/compile_spirv.sh, -DHD=64 or 128) and passed
-// through wgpu. A workgroup takes BR consecutive tokens of one query head; the keys and
-// values come straight from the f16 KV pages (16 positions a page: the engine's page size),
-// PAGES pages an iteration. Rows of different sessions in one block run as segments, each
-// over its own session's pages, the other rows masked. The per-row masks (causal, sliding
-// window, segment) read each row's position and first visible position from shared memory.
+// through wgpu. A workgroup takes BR consecutive tokens of one query head; an iteration
+// copies PAGES f16 KV pages (16 positions a page: the engine's page size) of keys and of
+// values side by side into shared memory, then takes them as one product of KB keys (one row
+// max, one conversion and one rescale an iteration: on an H200 the 3B's attention took 2.7
+// ms of pp512 where a product per page took 2.9; docs/benchmarks.md). Rows of different
+// sessions in one block run as segments, each over its own session's pages, the other rows
+// masked. The per-row masks (causal, sliding window, segment) read each row's position and
+// first visible position from shared memory, on the tiles that some row does not see whole.
 // Params are attention.wgsl's (immediates); bindings as attn_prefill_coop.wgsl's 1 (q|k|v),
 // 2 (ctx), 5 (the pool) and 7 (the step), numbered densely as wgpu-hal's Vulkan backend
 // numbers them (gemm_cm2.comp says why).
@@ -40,7 +43,14 @@ layout(push_constant) uniform Params {
 } p;
 layout(binding = 0) readonly buffer Qkv { float qkv[]; };
 layout(binding = 1) writeonly buffer Ctx { float ctx[]; };
-layout(binding = 2) readonly buffer Pool { float16_t pool[]; };
+// The f16 pool, 8 halves a load.
+layout(binding = 2) readonly buffer Pool { uvec4 pool8[]; };
+// An iteration's keys and values: KB rows of HD each.
+const uint KB = PAGES * PS;
+shared uvec4 k_sh[KB * HD / 8];
+shared uvec4 v_sh[KB * HD / 8];
+// Where each of the iteration's pages starts (its keys, this kv head's columns).
+shared uint page_base[PAGES];
 layout(binding = 3) readonly buffer Step { uint st[]; };
 
 // step.wgsl's accessors.
@@ -54,8 +64,13 @@ uint window_start(uint pos) { return p.window != 0 && pos + 1 > p.window ? pos +
 // Each row's last and first visible position in the current segment (first past last: none).
 shared uint row_last[BR];
 shared uint row_first[BR];
-// The segment: rows up to s1, positions [lo, hi) of one session.
-shared uint seg_s1, seg_lo, seg_hi;
+// Each row's page table and position, read once by its own invocation (one invocation
+// reading them in turn waited on 2 BR dependent loads).
+shared uint row_table[BR];
+shared uint row_pos[BR];
+// The segment: rows up to s1, positions [lo, hi) of one session; every row of it sees the
+// positions [all_lo, all_hi].
+shared uint seg_s1, seg_lo, seg_hi, seg_all_lo, seg_all_hi;
 
 const float NEG_INF = uintBitsToFloat(0xFF800000u);
 // The running max starts here, not at -inf: a fully masked tile's exp(-inf - m) is then 0.
@@ -100,91 +115,102 @@ void main() {
     coopmat<float16_t, gl_ScopeWorkgroup, BR, HD, gl_MatrixUseA> q =
         coopmat<float16_t, gl_ScopeWorkgroup, BR, HD, gl_MatrixUseA>(qf);
 
-    // A page's keys or values of this kv head: PS rows of HD, kv_dim apart.
-    tensorLayoutNV<2> lkv = createTensorLayoutNV(2);
-    lkv = setTensorLayoutDimensionNV(lkv, PS, p.kv_dim);
-    lkv = setTensorLayoutStrideNV(lkv, p.kv_dim & ~7u, 1);
-    tensorViewNV<2, false, 1, 0> transposed = createTensorViewNV(2, false, 1, 0);
+    // A page: PS rows of keys, then PS of values, kv_dim apart.
     const uint plane = PS * p.kv_dim;
-    coopmat<float16_t, gl_ScopeWorkgroup, PS, PS, gl_MatrixUseB> ones =
-        coopmat<float16_t, gl_ScopeWorkgroup, PS, PS, gl_MatrixUseB>(1.0);
+    coopmat<float16_t, gl_ScopeWorkgroup, KB, PS, gl_MatrixUseB> ones =
+        coopmat<float16_t, gl_ScopeWorkgroup, KB, PS, gl_MatrixUseB>(1.0);
 
     ACC(HD) o = ACC(HD)(0.0);
     ACC(PS) l = ACC(PS)(0.0);
     ACC(PS) m = ACC(PS)(NEG_HALF_MAX);
+    if (li < rows) {
+        row_table[li] = table_of(t0 + li);
+        row_pos[li] = token_pos(t0 + li);
+    }
     uint s0 = 0;
     while (s0 < rows) {
         barrier();
         if (li == 0) {
-            const uint table = table_of(t0 + s0);
-            uint lo = window_start(token_pos(t0 + s0));
-            uint hi = token_pos(t0 + s0) + 1;
+            const uint table = row_table[s0];
+            uint lo = window_start(row_pos[s0]);
+            uint hi = row_pos[s0] + 1;
+            uint all_lo = lo, all_hi = hi - 1;
             uint s1 = s0 + 1;
-            while (s1 < rows && table_of(t0 + s1) == table) {
-                lo = min(lo, window_start(token_pos(t0 + s1)));
-                hi = max(hi, token_pos(t0 + s1) + 1);
+            while (s1 < rows && row_table[s1] == table) {
+                const uint pos = row_pos[s1];
+                lo = min(lo, window_start(pos));
+                hi = max(hi, pos + 1);
+                all_lo = max(all_lo, window_start(pos));
+                all_hi = min(all_hi, pos);
                 s1++;
             }
             seg_s1 = s1;
             seg_lo = lo;
             seg_hi = hi;
+            seg_all_lo = all_lo;
+            seg_all_hi = all_hi;
         }
         barrier();
         const uint s1 = seg_s1;
         const uint hi = seg_hi;
         if (li < BR) {
             const bool mine = li >= s0 && li < s1;
-            const uint pos = mine ? token_pos(t0 + li) : 0;
+            const uint pos = mine ? row_pos[li] : 0;
             row_last[li] = pos;
             row_first[li] = mine ? window_start(pos) : 0xFFFFFFFFu;
         }
         barrier();
         const uint ts = t0 + s0;
         const uint last_page = (hi - 1) / PS;
+        // Where one segment holds every row (rows past n are dropped on the store), tiles
+        // that all rows see whole need no mask: all but the diagonal's in a causal prefill.
+        const bool one_segment = s0 == 0 && s1 == rows;
+        const uint all_lo = seg_all_lo, all_hi = seg_all_hi;
         for (uint pg = seg_lo / PS; pg <= last_page; pg += PAGES) {
-            ACC(PS) s[PAGES];
-            coopmat<float16_t, gl_ScopeWorkgroup, PS, HD, gl_MatrixUseB> v[PAGES];
-            [[unroll]] for (uint j = 0; j < PAGES; j++) {
-                // Pages past the last are read again from the last and masked whole.
-                const uint base = page_of(ts, min(pg + j, last_page)) * 2 * plane;
-                coopmat<float16_t, gl_ScopeWorkgroup, HD, PS, gl_MatrixUseB> kt;
-                coopMatLoadTensorNV(kt, pool, base, sliceTensorLayoutNV(lkv, 0, PS, kvh * HD, HD),
-                                    transposed);
-                coopMatLoadTensorNV(v[j], pool, base + plane,
-                                    sliceTensorLayoutNV(lkv, 0, PS, kvh * HD, HD));
-                s[j] = coopMatMulAdd(q, kt, ACC(PS)(0.0));
-                if (p.softcap != 0.0) {
-                    coopMatPerElementNV(s[j], s[j], capped, p.softcap);
-                }
-                coopMatPerElementNV(s[j], s[j], masked, (pg + j) * PS);
+            // Row i of the tile is page pg + i / PS's row i % PS (pages past the last: the
+            // last again, masked whole), HD / 8 loads a row.
+            barrier();
+            if (li < PAGES) {
+                page_base[li] = page_of(ts, min(pg + li, last_page)) * 2 * plane + kvh * HD;
             }
-            // m = max(m, the tile's row max); p = exp(s - m); l = l e^(m_old - m) + rowsum(p).
+            barrier();
+            [[unroll]] for (uint k = 0; k < KB * HD / 8 / WG; k++) {
+                const uint e = li + k * WG;
+                const uint i = e / (HD / 8), c = e % (HD / 8);
+                const uint at = (page_base[i / PS] + (i % PS) * p.kv_dim) / 8 + c;
+                k_sh[e] = pool8[at];
+                v_sh[e] = pool8[at + plane / 8];
+            }
+            barrier();
+            coopmat<float16_t, gl_ScopeWorkgroup, HD, KB, gl_MatrixUseB> kt;
+            coopMatLoad(kt, k_sh, 0, HD / 8, gl_CooperativeMatrixLayoutColumnMajor);
+            ACC(KB) sk = coopMatMulAdd(q, kt, ACC(KB)(0.0));
+            if (p.softcap != 0.0) {
+                coopMatPerElementNV(sk, sk, capped, p.softcap);
+            }
+            if (!one_segment || pg * PS < all_lo || (pg + PAGES) * PS - 1 > all_hi) {
+                coopMatPerElementNV(sk, sk, masked, pg * PS);
+            }
+            // m = max(m, the tile's row max); p = exp(s - m); l = l e^(m_old - m) + rowsum(p)
+            // (m and l: PS columns, each the row's value; m widened to KB for the exp.)
             ACC(PS) row_max;
-            coopMatReduceNV(row_max, s[0], gl_CooperativeMatrixReduceRowNV, max_of);
-            [[unroll]] for (uint j = 1; j < PAGES; j++) {
-                ACC(PS) mj;
-                coopMatReduceNV(mj, s[j], gl_CooperativeMatrixReduceRowNV, max_of);
-                coopMatPerElementNV(row_max, row_max, max2, mj);
-            }
+            coopMatReduceNV(row_max, sk, gl_CooperativeMatrixReduceRowNV, max_of);
             ACC(PS) m_old = m;
             coopMatPerElementNV(m, row_max, max2, m_old);
             ACC(PS) rescale;
             coopMatPerElementNV(rescale, m_old - m, exp_of);
-            ACC(PS) row_sum = ACC(PS)(0.0);
-            coopmat<float16_t, gl_ScopeWorkgroup, BR, PS, gl_MatrixUseA> pa[PAGES];
-            [[unroll]] for (uint j = 0; j < PAGES; j++) {
-                ACC(PS) pj;
-                coopMatPerElementNV(pj, s[j] - m, exp_of);
-                pa[j] = coopmat<float16_t, gl_ScopeWorkgroup, BR, PS, gl_MatrixUseA>(pj);
-                row_sum = coopMatMulAdd(pa[j], ones, row_sum);
-            }
-            l = rescale * l + row_sum;
+            ACC(KB) m_kb;
+            coopMatReduceNV(m_kb, m, gl_CooperativeMatrixReduceRowNV, first_of);
+            coopMatPerElementNV(sk, sk - m_kb, exp_of);
+            coopmat<float16_t, gl_ScopeWorkgroup, BR, KB, gl_MatrixUseA> pa =
+                coopmat<float16_t, gl_ScopeWorkgroup, BR, KB, gl_MatrixUseA>(sk);
+            l = rescale * l + coopMatMulAdd(pa, ones, ACC(PS)(0.0));
             ACC(HD) rescale_o;
             coopMatReduceNV(rescale_o, rescale, gl_CooperativeMatrixReduceRowNV, first_of);
             o *= rescale_o;
-            [[unroll]] for (uint j = 0; j < PAGES; j++) {
-                o = coopMatMulAdd(pa[j], v[j], o);
-            }
+            coopmat<float16_t, gl_ScopeWorkgroup, KB, HD, gl_MatrixUseB> v;
+            coopMatLoad(v, v_sh, 0, HD / 8, gl_CooperativeMatrixLayoutRowMajor);
+            o = coopMatMulAdd(pa, v, o);
         }
         s0 = s1;
     }
