@@ -1110,7 +1110,7 @@ fn prefill_attention_op(
         return None;
     }
     // On NVIDIA's workgroup-scope cooperative matrices, one pass over f16 KV pages of the
-    // size it assumes: on an H200 it took 2.7 ms of the 3B F16 shape's pp512 step where the
+    // size it assumes: on an H200 it took 2.55 ms of the 3B F16 shape's pp512 step where the
     // WGSL cooperative kernel took 7.5 (docs/benchmarks.md). CELLM_GPU_ATTN_CM2=0: not.
     let cm2 = gpu.coopmat2_attention
         && crate::nv_coopmat2::attention_fits(hd, limit)

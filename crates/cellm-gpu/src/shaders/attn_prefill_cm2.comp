@@ -5,8 +5,8 @@
 // through wgpu. A workgroup takes BR consecutive tokens of one query head; an iteration
 // copies PAGES f16 KV pages (16 positions a page: the engine's page size) of keys and of
 // values side by side into shared memory, then takes them as one product of KB keys (one row
-// max, one conversion and one rescale an iteration: on an H200 the 3B's attention took 2.7
-// ms of pp512 where a product per page took 2.9; docs/benchmarks.md). Rows of different
+// max, one conversion and one rescale an iteration: on an H200 the 3B's attention took 2.55
+// ms of pp512 where a product per page took 2.8; docs/benchmarks.md). Rows of different
 // sessions in one block run as segments, each over its own session's pages, the other rows
 // masked. The per-row masks (causal, sliding window, segment) read each row's position and
 // first visible position from shared memory, on the tiles that some row does not see whole.
