@@ -167,7 +167,7 @@ impl KernelId {
             }
             KernelId::NormAdd => vec![(0, Uniform), (1, Read), (2, Write), (3, Read)],
             KernelId::SplitPrep => {
-                vec![(0, Uniform), (1, Read), (3, Read), (12, Write), (13, Write)]
+                vec![(0, Uniform), (1, Read), (3, Read), (12, Write)]
             }
             KernelId::SplitDequant(l) => {
                 [vec![(0, Uniform), (12, Write)], weights(l, 5, 6)].concat()
@@ -176,7 +176,7 @@ impl KernelId {
                 vec![(0, Uniform), (5, Read), (12, Read), (14, Write)]
             }
             KernelId::SplitEpilogue(glu) => {
-                let mut b = vec![(0, Uniform), (2, Write), (4, Read), (13, Read), (14, Read)];
+                let mut b = vec![(0, Uniform), (2, Write), (4, Read), (14, Read)];
                 if glu {
                     b.push((12, Write));
                 }

@@ -29,10 +29,10 @@ pub const GPU_ARCHITECTURES: &[&str] = &["llama", "gemma3"];
 const MAX_HEAD_DIM: usize = 256;
 
 /// Matvec flags (`shaders/linear.wgsl`).
-const NORM: u32 = 1;
-const RESIDUAL: u32 = 2;
-const BIAS: u32 = 4;
-const SOFTCAP: u32 = 8;
+pub(crate) const NORM: u32 = 1;
+pub(crate) const RESIDUAL: u32 = 2;
+pub(crate) const BIAS: u32 = 4;
+pub(crate) const SOFTCAP: u32 = 8;
 const HEAD: u32 = 16;
 const GELU: u32 = 32;
 const ROPE: u32 = 64;

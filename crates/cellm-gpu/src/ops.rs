@@ -27,8 +27,6 @@ pub enum Buf {
     WHalf,
     /// The split GEMM's f32 sums.
     Acc,
-    /// Each token's sum of squares of its input (the split GEMM's norm).
-    Sums,
     W(wgpu::Buffer),
 }
 

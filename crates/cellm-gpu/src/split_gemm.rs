@@ -1,22 +1,26 @@
 //! Prefill's GEMM in passes, where the device has an f16 GEMM faster than the fused
 //! `gemm_coop.wgsl`: NVIDIA's workgroup-scope cooperative matrices (`nv_coopmat2`). A
 //! matrix's launch becomes (`shaders/split_gemm.wgsl`):
-//! 1. `prep`: the tokens' inputs times the norm's gamma, rounded to f16, and each token's sum
-//!    of squares;
+//! 1. `prep`: the tokens' inputs, normed (times the norm's gamma) where the launch has a
+//!    norm, rounded to f16;
 //! 2. `dequant`: block formats written out as f16 rows (f16 files are read in place);
 //! 3. the GEMM: f16 x f16 into f32 sums (`gemm_cm2.comp`; the GLU's gate and up as one
 //!    matrix where they were dequantized together);
-//! 4. `epilogue`: linear.wgsl's epilogue and store (norm scale, bias, GLU, scale, soft-cap,
-//!    residual) from the sums. Where the down projection takes the passes too, the GLU's
-//!    epilogue writes its output as the down projection's f16 inputs, the same values its
-//!    prep would write, and that prep is skipped (`Handoff`).
+//! 4. `epilogue`: linear.wgsl's epilogue and store (bias, GLU, scale, soft-cap, residual)
+//!    from the sums. Where the down projection takes the passes too, the GLU's epilogue
+//!    writes its output as the down projection's f16 inputs, the same values its prep would
+//!    write, and that prep is skipped (`Handoff`). Where a launch leaves its epilogue nothing
+//!    to do (q|k|v without a bias), the GEMM writes the output itself.
 //!
-//! The sums are the fused kernel's (f16 inputs, f32 sums, the same rounding of x and w); only
-//! their order differs. Steps from `MIN_TOKENS` tokens take the passes; fewer keep the fused
+//! The sums are the fused kernel's but for where the norm's scale is applied: the fused
+//! kernels scale f32 sums of f16(x gamma), the passes sum f16(x gamma / rms(x)) (the same
+//! rounding, of the normed value, which stays well inside f16's range); f32 sums either way,
+//! in another order. Steps from `MIN_TOKENS` tokens take the passes; fewer keep the fused
 //! kernels. `CELLM_GPU_SPLIT=1` runs the passes through the GEMM in WGSL (`gemm` in the same
 //! file) on any device, so that tests check every pass but the fast GEMM on lavapipe.
 
 use crate::kernels::{KernelId, Kernels};
+use crate::model::{BIAS, NORM, RESIDUAL, SOFTCAP};
 use crate::nv_coopmat2;
 use crate::ops::{Buf, Grid, Op, When};
 use crate::repack::Layout;
@@ -109,8 +113,11 @@ pub struct Handoff {
 
 /// The epilogue's flag for `Handoff::output_half` (split_gemm.wgsl's HALF_OUT).
 const HALF_OUT: u32 = 64;
-/// The word of the flags in the launch params (linear.wgsl's Params).
+/// The words of the flags, the norm's epsilon and the scale in the launch params
+/// (linear.wgsl's Params).
 const FLAGS: usize = 6;
+const EPS: usize = 8;
+const SCALE: usize = 9;
 
 /// Appends `lin`'s passes to `ops` and grows `scratch` to take them.
 pub fn push(
@@ -126,6 +133,8 @@ pub fn push(
     let when = When::Split;
     // (Each launch preps its own input: q|k and v stored apart may take the passes one
     // without the other.)
+    // (The norm is prep's: a launch taking its inputs as the one before left them has none.)
+    assert!(!(lin.handoff.input_half && lin.gamma.is_some()), "a handed-off input is not normed");
     if !lin.handoff.input_half {
         ops.push(prep_op(kernels, device, &lin, cols));
     }
@@ -134,16 +143,29 @@ pub fn push(
     let acc_stride = rows * lin.mats.len();
     scratch.acc = scratch.acc.max(acc_stride);
     let kernel = gemm.kernel(kernels, device, cols);
-    // GEMM params: rows, cols, -, sums per token, first column of the sums.
+    // The epilogue's params: the norm is prep's. Where nothing is left for it, the GEMM
+    // stores y (at the fused launch's stride and column) in place of the sums.
+    let mut params = lin.params;
+    params[FLAGS] &= !NORM;
+    let glu = lin.mats.len() == 2;
+    let direct = !glu
+        && !lin.handoff.output_half
+        && params[FLAGS] & (BIAS | RESIDUAL | SOFTCAP) == 0
+        && f32::from_bits(params[SCALE]) == 1.0;
+    let (out, out_stride, out_col) = match direct {
+        true => (lin.out.clone(), params[3] as usize, (params[4] + params[5]) as usize),
+        false => (Buf::Acc, acc_stride, 0),
+    };
+    // GEMM params: rows, cols, -, floats per token of its output, its first column there.
     let gemm_op = |a: Buf, rows: usize, col: usize| Op {
         kernel: kernel.kernel.clone(),
         params: words(&[
             (0, rows as u32),
             (1, cols as u32),
-            (3, acc_stride as u32),
-            (4, col as u32),
+            (3, out_stride as u32),
+            (4, (out_col + col) as u32),
         ]),
-        binds: vec![(5, a), (12, Buf::Half), (14, Buf::Acc)],
+        binds: vec![(5, a), (12, Buf::Half), (14, out.clone())],
         grid: Grid::Tiles { rows: rows as u32, tile: kernel.tile },
         when,
     };
@@ -171,17 +193,14 @@ pub fn push(
         scratch.weights = scratch.weights.max(acc_stride * cols);
         ops.push(gemm_op(Buf::WHalf, acc_stride, 0));
     }
-    let mut params = lin.params;
+    if direct {
+        return;
+    }
     // (split_gemm.wgsl's `acc_stride()` and `up_col()`.)
     params[11] = acc_stride as u32;
     params[12] = rows as u32;
-    let glu = lin.mats.len() == 2;
-    let mut binds = vec![
-        (2, lin.out),
-        (4, lin.bias.map_or(Buf::Dummy, |b| Buf::W(b.clone()))),
-        (13, Buf::Sums),
-        (14, Buf::Acc),
-    ];
+    let mut binds =
+        vec![(2, lin.out), (4, lin.bias.map_or(Buf::Dummy, |b| Buf::W(b.clone()))), (14, Buf::Acc)];
     if glu {
         binds.push((12, Buf::Half));
     }
@@ -207,21 +226,21 @@ fn words(p: &[(usize, u32)]) -> [u32; 16] {
     words
 }
 
-/// `lin`'s prep: its input of `cols` rounded to f16 (times the norm's gamma).
+/// `lin`'s prep: its input of `cols`, normed where a gamma is bound, rounded to f16.
 fn prep_op(kernels: &mut Kernels, device: &wgpu::Device, lin: &Linear<'_>, cols: usize) -> Op {
     Op {
         kernel: kernels.get(device, KernelId::SplitPrep),
-        // rows, cols, x_stride, flags (NORM where a gamma is bound).
+        // rows, cols, x_stride, flags (NORM where a gamma is bound), the norm's epsilon.
         params: words(&[
             (1, cols as u32),
             (2, lin.params[2]),
-            (FLAGS, u32::from(lin.gamma.is_some())),
+            (FLAGS, if lin.gamma.is_some() { NORM } else { 0 }),
+            (EPS, lin.params[EPS]),
         ]),
         binds: vec![
             (1, lin.input.clone()),
             (3, lin.gamma.map_or(Buf::Dummy, |g| Buf::W(g.clone()))),
             (12, Buf::Half),
-            (13, Buf::Sums),
         ],
         grid: Grid::PerToken(1),
         when: When::Split,

@@ -138,7 +138,6 @@ struct Buffers {
     half: wgpu::Buffer,
     whalf: wgpu::Buffer,
     acc: wgpu::Buffer,
-    sums: wgpu::Buffer,
 }
 
 pub struct StepBuffers {
@@ -306,7 +305,6 @@ impl StepBuffers {
             ),
             whalf: storage(gpu, "f16 weights", (d.split.weights * 2) as u64, none),
             acc: storage(gpu, "gemm sums", f(t * d.split.acc), none),
-            sums: storage(gpu, "sums of squares", f(t), none),
         };
         self.part_slots = part_slots;
         self.groups = ops.iter().enumerate().map(|(i, op)| self.group(gpu, &bufs, i, op)).collect();
@@ -347,7 +345,6 @@ impl StepBuffers {
                 Buf::Half => &b.half,
                 Buf::WHalf => &b.whalf,
                 Buf::Acc => &b.acc,
-                Buf::Sums => &b.sums,
                 Buf::W(w) => w,
             };
             entries.push(whole(*binding, buffer));

@@ -8,12 +8,13 @@
 // word. Sections are kept by kernels.rs.
 
 //# prep
-// xh[t] = f16(x[t] * gamma) (clamped to f16's range, as gemm_coop.wgsl does), ss[t] = the
-// sum of x[t]^2; one workgroup of 256 a token. (With 64, the passes' preps took 1.7 ms of
-// the 3B's 512-token step on the H200 over 112 launches; with 256, 0.87 ms over the 84 left
-// once the GLU's epilogue writes the down projection's inputs.)
+// xh[t] = f16(x[t]) or, with NORM, the normed row f16(x[t] / rms(x[t]) * gamma) (clamped to
+// f16's range, as gemm_coop.wgsl does), so that the epilogue need not scale the sums (and
+// where nothing else is left for it, the GEMM writes y itself); one workgroup of 256 a
+// token. (With 64, the passes' preps took 1.7 ms
+// of the 3B's 512-token step on the H200 over 112 launches; with 256, 0.87 ms over the 84
+// left once the GLU's epilogue writes the down projection's inputs.)
 @group(0) @binding(12) var<storage, read_write> xh: array<vec2<u32>>;
-@group(0) @binding(13) var<storage, read_write> ss: array<f32>;
 var<workgroup> partial: array<f32, 256>;
 
 @compute @workgroup_size(256)
@@ -23,26 +24,32 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         return;
     }
     let c4 = p.cols / 4u;
-    var sum = 0.0;
+    let row = t * (p.x_stride / 4u);
+    let normed = (p.flags & NORM) != 0u;
+    var inv = 1.0;
+    if (normed) {
+        var sum = 0.0;
+        for (var i = li; i < c4; i += 256u) {
+            let v = x[row + i];
+            sum += dot(v, v);
+        }
+        partial[li] = sum;
+        workgroupBarrier();
+        for (var s = 128u; s > 0u; s >>= 1u) {
+            if (li < s) {
+                partial[li] += partial[li + s];
+            }
+            workgroupBarrier();
+        }
+        inv = inverseSqrt(partial[0] / f32(p.cols) + p.eps);
+    }
     for (var i = li; i < c4; i += 256u) {
-        var v = x[t * (p.x_stride / 4u) + i];
-        sum += dot(v, v);
-        if ((p.flags & NORM) != 0u) {
+        var v = x[row + i] * inv;
+        if (normed) {
             v = v * gamma[i];
         }
         v = clamp(v, vec4<f32>(-65504.0), vec4<f32>(65504.0));
         xh[t * c4 + i] = vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw));
-    }
-    partial[li] = sum;
-    workgroupBarrier();
-    for (var s = 128u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            partial[li] += partial[li + s];
-        }
-        workgroupBarrier();
-    }
-    if (li == 0u) {
-        ss[t] = partial[0];
     }
 }
 //# end
@@ -94,7 +101,6 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {
 //# epilogue
 // y[t][rows r .. r + 3] from acc[t * stride + r ..] (acc_stride(); the GLU's up sums
 // up_col() further on): 64 invocations a workgroup, 4 rows each, one token per y.
-@group(0) @binding(13) var<storage, read> ss: array<f32>;
 @group(0) @binding(14) var<storage, read> acc: array<vec4<f32>>;
 //# glu
 // With HALF_OUT, the GLU's output goes straight to the next GEMM's f16 inputs (the down
@@ -119,7 +125,8 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {
     if (r >= p.rows || t >= n_tokens()) {
         return;
     }
-    let s = ss[t];
+    // (The norm was applied by prep: NORM is not among the epilogue's flags.)
+    let s = 0.0;
     let base = t * acc_stride() + r;
     let v = acc[base / 4u];
     //# glu
