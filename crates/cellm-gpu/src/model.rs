@@ -16,7 +16,7 @@ use cellm_models::{
 use crate::attn_prefill;
 use crate::device::Gpu;
 use crate::kernels::{KernelId, Kernels, ROWS_PER_GROUP};
-use crate::ops::{Buf, Dims, Grid, Op, When};
+use crate::ops::{Buf, Dims, Grid, Op, When, BIAS, NORM, RESIDUAL, SOFTCAP};
 use crate::profile::{Profile, Span, Stamps};
 use crate::split_gemm::{self, Gemm as SplitGemm, Scratch};
 use crate::step::{Attention, HostStep, StepBuffers, Token};
@@ -28,11 +28,7 @@ pub const GPU_ARCHITECTURES: &[&str] = &["llama", "gemma3"];
 /// The widest attention head the attention kernel holds.
 const MAX_HEAD_DIM: usize = 256;
 
-/// Matvec flags (`shaders/linear.wgsl`).
-pub(crate) const NORM: u32 = 1;
-pub(crate) const RESIDUAL: u32 = 2;
-pub(crate) const BIAS: u32 = 4;
-pub(crate) const SOFTCAP: u32 = 8;
+/// Matvec flags (`shaders/linear.wgsl`; the epilogue's in `ops`).
 const HEAD: u32 = 16;
 const GELU: u32 = 32;
 const ROPE: u32 = 64;

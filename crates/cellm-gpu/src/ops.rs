@@ -30,6 +30,12 @@ pub enum Buf {
     W(wgpu::Buffer),
 }
 
+/// The epilogue's matvec flags (`shaders/linear.wgsl`).
+pub const NORM: u32 = 1;
+pub const RESIDUAL: u32 = 2;
+pub const BIAS: u32 = 4;
+pub const SOFTCAP: u32 = 8;
+
 /// How many workgroups a launch runs, as a function of the step's tokens.
 #[derive(Clone, Copy)]
 pub enum Grid {

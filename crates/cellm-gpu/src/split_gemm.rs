@@ -20,9 +20,8 @@
 //! file) on any device, so that tests check every pass but the fast GEMM on lavapipe.
 
 use crate::kernels::{KernelId, Kernels};
-use crate::model::{BIAS, NORM, RESIDUAL, SOFTCAP};
 use crate::nv_coopmat2;
-use crate::ops::{Buf, Grid, Op, When};
+use crate::ops::{Buf, Grid, Op, When, BIAS, NORM, RESIDUAL, SOFTCAP};
 use crate::repack::Layout;
 use crate::weights::Matrix;
 
