@@ -11,9 +11,9 @@
 // xh[t] = f16(x[t]) or, with NORM, the normed row f16(x[t] / rms(x[t]) * gamma) (clamped to
 // f16's range, as gemm_coop.wgsl does), so that the epilogue need not scale the sums (and
 // where nothing else is left for it, the GEMM writes y itself); one workgroup of 256 a
-// token. (With 64, the passes' preps took 1.7 ms
-// of the 3B's 512-token step on the H200 over 112 launches; with 256, 0.87 ms over the 84
-// left once the GLU's epilogue writes the down projection's inputs.)
+// token. (With 64, the passes' preps took 1.7 ms of the 3B's 512-token step on the H200
+// over 112 launches; with 256, 0.87 ms over the 84 left once the GLU's epilogue writes the
+// down projection's inputs.)
 @group(0) @binding(12) var<storage, read_write> xh: array<vec2<u32>>;
 var<workgroup> partial: array<f32, 256>;
 
