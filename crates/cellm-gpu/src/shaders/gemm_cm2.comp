@@ -1,8 +1,8 @@
 #version 450
 // Prefill's GEMM on NVIDIA's workgroup-scope cooperative matrices (VK_NV_cooperative_matrix2),
 // compiled to SPIR-V ahead of time (WGSL cannot say it; tools/compile_spirv.sh) and passed
-// through wgpu as is (split_gemm.rs). f16 in, f32 out, no epilogue:
-//     acc[t][y_col + r] = sum_k w[r][k] xh[t][k]
+// through wgpu as is (split_gemm.rs). f16 in, f32 out, no epilogue but a residual add:
+//     acc[t][y_col + r] (+)= sum_k w[r][k] xh[t][k]
 // for rows r < p.rows, tokens t < n (the step buffer's count), k < p.cols. w (the weights,
 // f16 rows of p.cols) and xh (the tokens' inputs, f16 rows of p.cols, rows up to n rounded
 // up to BN readable) come from split_gemm.wgsl's passes, or w straight from an f16 file;
@@ -28,14 +28,18 @@ layout(push_constant) uniform Params {
     uint x_stride;
     uint y_stride;
     uint y_col;
-    uint rest[11];
+    uint row0;
+    uint flags;
+    uint rest[9];
 } p;
+// linear.wgsl's RESIDUAL: the sums start from the output tile (y += W x).
+const uint RESIDUAL = 2;
 // KernelId::Coopmat2Gemm's bindings 5 (w), 7 (step), 12 (xh) and 14 (acc), as wgpu-hal's
 // Vulkan backend numbers them: a layout's entries densely, 0 up, in binding order.
 layout(binding = 0) readonly buffer W { float16_t w[]; };
 layout(binding = 1) readonly buffer Step { uint st[]; };
 layout(binding = 2) readonly buffer XH { float16_t xh[]; };
-layout(binding = 3) writeonly buffer Acc { float acc[]; };
+layout(binding = 3) buffer Acc { float acc[]; };
 
 void main() {
     const uint n = st[0];
@@ -57,6 +61,10 @@ void main() {
     tensorViewNV<2, false, 1, 0> transposed = createTensorViewNV(2, false, 1, 0);
     coopmat<float, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator> sum =
         coopmat<float, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator>(0.0);
+    if ((p.flags & RESIDUAL) != 0) {
+        coopMatLoadTensorNV(sum, acc, 0, sliceTensorLayoutNV(la, t0, BN, p.y_col + r0, BM),
+                            transposed);
+    }
     for (uint k = 0; k < p.cols; k += UN * BK) {
         [[unroll]] for (uint u = 0; u < UN; u++) {
             coopmat<float16_t, gl_ScopeWorkgroup, BM, BK, gl_MatrixUseA> a;

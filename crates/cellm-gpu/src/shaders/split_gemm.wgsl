@@ -74,8 +74,9 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {
 //# end
 
 //# gemm
-// acc[t][y_col + r] = sum_k w[r][k] xh[t][k] in f32, w f16 rows of p.cols (gemm_cm2.comp's
-// contract, plainly: a 16 x 16 tile of tokens (x) by rows (y) a workgroup).
+// acc[t][y_col + r] = sum_k w[r][k] xh[t][k] in f32 (+= with RESIDUAL: the output is then the
+// residual stream), w f16 rows of p.cols (gemm_cm2.comp's contract, plainly: a 16 x 16 tile
+// of tokens (x) by rows (y) a workgroup).
 @group(0) @binding(5) var<storage, read> wf: array<u32>;
 @group(0) @binding(12) var<storage, read> xf: array<u32>;
 @group(0) @binding(14) var<storage, read_write> acc: array<f32>;
@@ -94,7 +95,12 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {
         let b = unpack2x16float(xf[t * half + k]);
         sum += a.x * b.x + a.y * b.y;
     }
-    acc[t * p.y_stride + p.y_col + r] = sum;
+    let at = t * p.y_stride + p.y_col + r;
+    if ((p.flags & RESIDUAL) != 0u) {
+        acc[at] += sum;
+    } else {
+        acc[at] = sum;
+    }
 }
 //# end
 
