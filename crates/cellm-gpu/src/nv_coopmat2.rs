@@ -254,10 +254,13 @@ const GEMM_SPIRV: [(u32, &[u8]); 4] = [
     (1, include_bytes!("shaders/spirv/gemm_cm2_un1.spv")),
 ];
 
-/// The SPIR-V of `attn_prefill_cm2.comp`, one build per head dim.
-const ATTN_SPIRV: [(u32, &[u8]); 2] = [
-    (64, include_bytes!("shaders/spirv/attn_prefill_cm2_hd64.spv")),
-    (128, include_bytes!("shaders/spirv/attn_prefill_cm2_hd128.spv")),
+/// The SPIR-V of `attn_prefill_cm2.comp`, one build per head dim, unsplit and split (true:
+/// a trial, `CELLM_GPU_ATTN_CM2_SPLIT=1`).
+const ATTN_SPIRV: [(u32, bool, &[u8]); 4] = [
+    (64, false, include_bytes!("shaders/spirv/attn_prefill_cm2_hd64.spv")),
+    (128, false, include_bytes!("shaders/spirv/attn_prefill_cm2_hd128.spv")),
+    (64, true, include_bytes!("shaders/spirv/attn_prefill_cm2_split_hd64.spv")),
+    (128, true, include_bytes!("shaders/spirv/attn_prefill_cm2_split_hd128.spv")),
 ];
 /// The attention's workgroup (invocations) and query tokens per workgroup.
 const ATTN_WORKGROUP: u32 = 128;
@@ -277,7 +280,7 @@ pub fn unroll(cols: u32) -> u32 {
 /// query row.
 pub fn attention_fits(head_dim: u32, limit: u32) -> bool {
     let shared = 2 * (ATTN_PAGES * ATTN_PAGE) * head_dim * 2 + 6 * ATTN_BLOCK * 4;
-    ATTN_SPIRV.iter().any(|&(hd, _)| hd == head_dim) && shared <= limit
+    ATTN_SPIRV.iter().any(|&(hd, _, _)| hd == head_dim) && shared <= limit
 }
 
 /// The GEMM's pipeline at unroll `un`, on `layout` (its bindings and 64 bytes of
@@ -292,15 +295,17 @@ pub fn gemm_pipeline(
     pipeline(device, layout, bytes, WORKGROUP, label)
 }
 
-/// The prefill attention's pipeline for heads of `head_dim`, on `layout` (the prefill
-/// attention's bindings and immediates).
+/// The prefill attention's pipeline for heads of `head_dim` (the split build where `split`),
+/// on `layout` (the prefill attention's bindings and immediates).
 pub fn attention_pipeline(
     device: &wgpu::Device,
     layout: &wgpu::PipelineLayout,
     head_dim: u32,
+    split: bool,
     label: &str,
 ) -> wgpu::ComputePipeline {
-    let bytes = ATTN_SPIRV.iter().find(|&&(hd, _)| hd == head_dim).expect("a built head dim").1;
+    let build = ATTN_SPIRV.iter().find(|&&(hd, s, _)| hd == head_dim && s == split);
+    let bytes = build.expect("a built head dim").2;
     pipeline(device, layout, bytes, ATTN_WORKGROUP, label)
 }
 
