@@ -8,7 +8,9 @@ usage: python benches/gpu_prefill_ab.py MODEL VARIANTS [ROUNDS]
             defaults). Knobs before @ are set while the variant loads (most CELLM_GPU_*
             knobs are read then); knobs after @ are set around each of its steps (those read
             at each step: CELLM_GPU_PREFILL_SPLIT). E.g.
-            base=,split=CELLM_GPU_ATTN_CM2_SPLIT:1,split128=CELLM_GPU_ATTN_CM2_SPLIT:1@CELLM_GPU_PREFILL_SPLIT:128
+            base=,split128=@CELLM_GPU_PREFILL_SPLIT:128,trial=CELLM_GPU_SPIRV_DIR:/abs/dir
+            (the last: coopmat2 kernels compiled elsewhere, the files of that directory
+            named as tools/compile_spirv.sh names its outputs replacing the embedded ones)
   ROUNDS    alternating rounds (default 12), after 3 warm-up steps per engine
 
 Reported: the median pp512 without the fastest and slowest round, every round's tok/s, the

@@ -18,10 +18,8 @@ SPIRV = SHADERS / "spirv"
 # KernelId::Coopmat2Gemm and Coopmat2Attn; step 7 is every kernel's).
 GEMM_BINDINGS = {"W": 5, "Step": 7, "XH": 12, "Acc": 14}
 ATTN_BINDINGS = {"Qkv": 1, "Ctx": 2, "Pool": 5, "Step": 7}
-ATTN_SPLIT_BINDINGS = {"Qkv": 1, "Ctx": 2, "Part": 3, "Pool": 5, "Step": 7}
 MODULES = [(f"gemm_cm2_un{u}.spv", "gemm_cm2.comp", 256, GEMM_BINDINGS) for u in (1, 2, 4, 8)] + [
-    (f"attn_prefill_cm2{build}_hd{hd}.spv", "attn_prefill_cm2.comp", 128, bindings)
-    for build, bindings in (("", ATTN_BINDINGS), ("_split", ATTN_SPLIT_BINDINGS))
+    (f"attn_prefill_cm2_hd{hd}.spv", "attn_prefill_cm2.comp", 128, ATTN_BINDINGS)
     for hd in (64, 128)
 ]
 # Opcodes and decorations read below (SPIR-V 1.6 specification).

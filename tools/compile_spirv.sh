@@ -22,10 +22,9 @@ build() {  # source output defines...
 for un in 1 2 4 8; do
   build gemm_cm2.comp spirv/gemm_cm2_un$un.spv -DUN=$un
 done
-# attn_prefill_cm2: one build per head dim, and one whose positions split (a trial).
+# attn_prefill_cm2: one build per head dim.
 for hd in 64 128; do
   build attn_prefill_cm2.comp spirv/attn_prefill_cm2_hd$hd.spv -DHD=$hd
-  build attn_prefill_cm2.comp spirv/attn_prefill_cm2_split_hd$hd.spv -DHD=$hd -DSPLIT
 done
 for src in gemm_cm2.comp attn_prefill_cm2.comp; do
   sha256sum $src | cut -d' ' -f1 > spirv/$src.sha256

@@ -63,9 +63,9 @@ pub enum KernelId {
     /// The split GEMM on NVIDIA's cooperative matrices at this unroll (SPIR-V,
     /// `nv_coopmat2`; not WGSL).
     Coopmat2Gemm(u32),
-    /// The prefill attention on NVIDIA's cooperative matrices for this head dim, unsplit or
-    /// with its positions split (a trial; SPIR-V, `nv_coopmat2`; not WGSL).
-    Coopmat2Attn(u32, bool),
+    /// The prefill attention on NVIDIA's cooperative matrices for this head dim (SPIR-V,
+    /// `nv_coopmat2`; not WGSL).
+    Coopmat2Attn(u32),
 }
 
 impl KernelId {
@@ -159,10 +159,10 @@ impl KernelId {
                 (6, Read),
             ],
             KernelId::AttnCombine => vec![(0, Uniform), (1, Read), (2, Write)],
-            KernelId::AttnPrefill(_) | KernelId::Coopmat2Attn(_, false) => {
+            KernelId::AttnPrefill(_) | KernelId::Coopmat2Attn(_) => {
                 vec![(0, Uniform), (1, Read), (2, Write), (5, Read)]
             }
-            KernelId::AttnPrefillCoop(_) | KernelId::Coopmat2Attn(_, true) => {
+            KernelId::AttnPrefillCoop(_) => {
                 vec![(0, Uniform), (1, Read), (2, Write), (3, Write), (5, Read)]
             }
             KernelId::NormAdd => vec![(0, Uniform), (1, Read), (2, Write), (3, Read)],
@@ -277,7 +277,7 @@ impl KernelId {
             KernelId::SplitPrep | KernelId::SplitGemm => (SPLIT_GEMM, None, false),
             KernelId::SplitDequant(l) => (SPLIT_GEMM, Some(l), false),
             KernelId::SplitEpilogue(glu) => (SPLIT_GEMM, None, glu),
-            KernelId::Coopmat2Gemm(_) | KernelId::Coopmat2Attn(..) => ("", None, false),
+            KernelId::Coopmat2Gemm(_) | KernelId::Coopmat2Attn(_) => ("", None, false),
         };
         let mut src = String::new();
         if coop || matches!(self, KernelId::AttnPrefillCoop(_)) {
@@ -1044,9 +1044,8 @@ fn build(
         let pipeline = crate::nv_coopmat2::gemm_pipeline(device, &pipeline_layout, un, &label);
         return Kernel::plain("Coopmat2Gemm".into(), pipeline, layout, immediates);
     }
-    if let KernelId::Coopmat2Attn(hd, split) = id {
-        let pipeline =
-            crate::nv_coopmat2::attention_pipeline(device, &pipeline_layout, hd, split, &label);
+    if let KernelId::Coopmat2Attn(hd) = id {
+        let pipeline = crate::nv_coopmat2::attention_pipeline(device, &pipeline_layout, hd, &label);
         return Kernel::plain("Coopmat2Attn".into(), pipeline, layout, immediates);
     }
     let pipeline_shape = |tokens: u32, wg: u32, shape: OneShape| {

@@ -1120,12 +1120,8 @@ fn prefill_attention_op(
         && attn_prefill::coop_head_dim_ok(hd)
         && attn_prefill::coop_shared_bytes(hd) <= limit
         && std::env::var_os("CELLM_GPU_NO_COOP_ATTN").is_none();
-    // (A trial: the coopmat2 kernel with its positions split as the cooperative one's are,
-    // then the combine; CELLM_GPU_PREFILL_SPLIT=positions, read at each step, splits
-    // 512-token steps.)
-    let cm2_split = cm2 && std::env::var("CELLM_GPU_ATTN_CM2_SPLIT").is_ok_and(|v| v == "1");
     let (id, block) = if cm2 {
-        (KernelId::Coopmat2Attn(hd, cm2_split), crate::nv_coopmat2::ATTN_BLOCK)
+        (KernelId::Coopmat2Attn(hd), crate::nv_coopmat2::ATTN_BLOCK)
     } else if coop {
         (KernelId::AttnPrefillCoop(hd), attn_prefill::coop_block())
     } else {
@@ -1137,7 +1133,7 @@ fn prefill_attention_op(
     };
     let kernel = kernels.get(&gpu.device, id);
     let mut binds = vec![(1, Buf::Qkv), (2, Buf::Ctx), (5, Buf::Pool)];
-    if coop || cm2_split {
+    if coop {
         binds.push((3, Buf::Part));
     }
     let op = Op {
@@ -1147,7 +1143,7 @@ fn prefill_attention_op(
         grid: Grid::QueryTiles { heads: heads as u32, block },
         when: When::Prefill,
     };
-    Some((op, coop || cm2_split))
+    Some((op, coop))
 }
 
 /// Whether a chunk of `tokens` runs the prefill attention: enough tokens per session (a

@@ -254,13 +254,10 @@ const GEMM_SPIRV: [(u32, &[u8]); 4] = [
     (1, include_bytes!("shaders/spirv/gemm_cm2_un1.spv")),
 ];
 
-/// The SPIR-V of `attn_prefill_cm2.comp`, one build per head dim, unsplit and split (true:
-/// a trial, `CELLM_GPU_ATTN_CM2_SPLIT=1`).
-const ATTN_SPIRV: [(u32, bool, &[u8]); 4] = [
-    (64, false, include_bytes!("shaders/spirv/attn_prefill_cm2_hd64.spv")),
-    (128, false, include_bytes!("shaders/spirv/attn_prefill_cm2_hd128.spv")),
-    (64, true, include_bytes!("shaders/spirv/attn_prefill_cm2_split_hd64.spv")),
-    (128, true, include_bytes!("shaders/spirv/attn_prefill_cm2_split_hd128.spv")),
+/// The SPIR-V of `attn_prefill_cm2.comp`, one build per head dim.
+const ATTN_SPIRV: [(u32, &[u8]); 2] = [
+    (64, include_bytes!("shaders/spirv/attn_prefill_cm2_hd64.spv")),
+    (128, include_bytes!("shaders/spirv/attn_prefill_cm2_hd128.spv")),
 ];
 /// The attention's workgroup (invocations) and query tokens per workgroup.
 const ATTN_WORKGROUP: u32 = 128;
@@ -276,11 +273,11 @@ pub fn unroll(cols: u32) -> u32 {
 }
 
 /// Whether the attention has a build for heads of `head_dim` whose shared memory fits in
-/// `limit` bytes: an iteration's keys and values (64 rows of f16 each), and six words a
-/// query row.
+/// `limit` bytes: an iteration's keys and values (64 rows of f16 each and 16 bytes of
+/// padding), and six words a query row.
 pub fn attention_fits(head_dim: u32, limit: u32) -> bool {
-    let shared = 2 * (ATTN_PAGES * ATTN_PAGE) * head_dim * 2 + 6 * ATTN_BLOCK * 4;
-    ATTN_SPIRV.iter().any(|&(hd, _, _)| hd == head_dim) && shared <= limit
+    let shared = 2 * (ATTN_PAGES * ATTN_PAGE) * (head_dim * 2 + 16) + 6 * ATTN_BLOCK * 4;
+    ATTN_SPIRV.iter().any(|&(hd, _)| hd == head_dim) && shared <= limit
 }
 
 /// The GEMM's pipeline at unroll `un`, on `layout` (its bindings and 64 bytes of
@@ -292,21 +289,32 @@ pub fn gemm_pipeline(
     label: &str,
 ) -> wgpu::ComputePipeline {
     let bytes = GEMM_SPIRV.iter().find(|&&(u, _)| u == un).expect("a built unroll").1;
-    pipeline(device, layout, bytes, WORKGROUP, label)
+    let bytes = trial_build(&format!("gemm_cm2_un{un}.spv")).unwrap_or(bytes.to_vec());
+    pipeline(device, layout, &bytes, WORKGROUP, label)
 }
 
-/// The prefill attention's pipeline for heads of `head_dim` (the split build where `split`),
-/// on `layout` (the prefill attention's bindings and immediates).
+/// The prefill attention's pipeline for heads of `head_dim`, on `layout` (the prefill
+/// attention's bindings and immediates).
 pub fn attention_pipeline(
     device: &wgpu::Device,
     layout: &wgpu::PipelineLayout,
     head_dim: u32,
-    split: bool,
     label: &str,
 ) -> wgpu::ComputePipeline {
-    let build = ATTN_SPIRV.iter().find(|&&(hd, s, _)| hd == head_dim && s == split);
-    let bytes = build.expect("a built head dim").2;
-    pipeline(device, layout, bytes, ATTN_WORKGROUP, label)
+    let bytes = ATTN_SPIRV.iter().find(|&&(hd, _)| hd == head_dim).expect("a built head dim").1;
+    let bytes =
+        trial_build(&format!("attn_prefill_cm2_hd{head_dim}.spv")).unwrap_or(bytes.to_vec());
+    pipeline(device, layout, &bytes, ATTN_WORKGROUP, label)
+}
+
+/// For kernel trials on the GPU machine, which has no Rust toolchain: where
+/// `CELLM_GPU_SPIRV_DIR` holds a file of the build's name (a variant compiled by
+/// tools/compile_spirv.sh's recipe with the same bindings, immediates and workgroup), it
+/// replaces the embedded build, read at load. Unchecked: a module that does not match the
+/// layout is undefined behaviour in the driver, so this is for experiments only.
+fn trial_build(name: &str) -> Option<Vec<u8>> {
+    let dir = std::env::var_os("CELLM_GPU_SPIRV_DIR")?;
+    std::fs::read(std::path::Path::new(&dir).join(name)).ok()
 }
 
 /// A compute pipeline from SPIR-V `bytes` whose `main` has `workgroup` invocations.
@@ -320,9 +328,9 @@ fn pipeline(
     let words: Vec<u32> =
         bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     // SAFETY: the module is SPIR-V tools/compile_spirv.sh made from the sources in shaders/
-    // (their hashes and declared bindings are checked by tests/test_spirv.py), on a device
-    // opened with the extension and features it declares (`open`); its bindings and
-    // immediates are the layout's.
+    // (their hashes and declared bindings are checked by tests/test_spirv.py; a trial build's
+    // are its user's to match), on a device opened with the extension and features it
+    // declares (`open`); its bindings and immediates are the layout's.
     let module = unsafe {
         device.create_shader_module_passthrough(wgpu::ShaderModuleDescriptorPassthrough {
             label: Some(label),

@@ -13,11 +13,6 @@
 // Params are attention.wgsl's (immediates); bindings as attn_prefill_coop.wgsl's 1 (q|k|v),
 // 2 (ctx), 5 (the pool) and 7 (the step), numbered densely as wgpu-hal's Vulkan backend
 // numbers them (gemm_cm2.comp says why).
-// With -DSPLIT (a trial, CELLM_GPU_ATTN_CM2_SPLIT=1): where the step splits the positions
-// (its words 6 and 7: positions a split, splits; z the split), a workgroup takes its split's
-// positions and writes its rows' unnormalized sums, max and sum to binding 3 (the splits'
-// partial sums, as attn_prefill_coop.wgsl writes them) for attn_combine.wgsl to merge. The
-// causal critical path, the last block's run over every position, is then a split's.
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -48,23 +43,19 @@ layout(push_constant) uniform Params {
 } p;
 layout(binding = 0) readonly buffer Qkv { float qkv[]; };
 layout(binding = 1) writeonly buffer Ctx { float ctx[]; };
-#ifdef SPLIT
-layout(binding = 2) writeonly buffer Part { float part[]; };
-#define BIND_POOL 3
-#define BIND_STEP 4
-#else
-#define BIND_POOL 2
-#define BIND_STEP 3
-#endif
 // The f16 pool, 8 halves a load.
-layout(binding = BIND_POOL) readonly buffer Pool { uvec4 pool8[]; };
-// An iteration's keys and values: KB rows of HD each.
+layout(binding = 2) readonly buffer Pool { uvec4 pool8[]; };
+// An iteration's keys and values: KB rows of HD each, a row RS loads apart. (The 16 bytes
+// of padding a row put the rows that one matrix load reads in different banks: with rows
+// 256 bytes apart they all fell in the same ones, and on an H200 the 3B's attention took
+// 0.78 ms a step per 8 layers against 0.61 with the padding; docs/benchmarks.md.)
 const uint KB = PAGES * PS;
-shared uvec4 k_sh[KB * HD / 8];
-shared uvec4 v_sh[KB * HD / 8];
+const uint RS = HD / 8 + 1;
+shared uvec4 k_sh[KB * RS];
+shared uvec4 v_sh[KB * RS];
 // Where each of the iteration's pages starts (its keys, this kv head's columns).
 shared uint page_base[PAGES];
-layout(binding = BIND_STEP) readonly buffer Step { uint st[]; };
+layout(binding = 3) readonly buffer Step { uint st[]; };
 
 // step.wgsl's accessors.
 uint token_pos(uint t) { return st[8 + 4 * t + 1]; }
@@ -102,17 +93,6 @@ float masked(const in uint r, const in uint c, const in float e, const in uint k
     return q >= row_first[r] && q <= row_last[r] ? e : NEG_INF;
 }
 
-#ifdef SPLIT
-// Column 0 of rows below `rows` (each column holds the row's value) to part[at + r width].
-float store_first(const in uint r, const in uint c, const in float e, const in uint at,
-                  const in uint rows, const in uint width) {
-    if (c == 0 && r < rows) {
-        part[at + r * width] = e;
-    }
-    return e;
-}
-#endif
-
 #define ACC(C) coopmat<float, gl_ScopeWorkgroup, BR, C, gl_MatrixUseAccumulator>
 
 void main() {
@@ -126,12 +106,6 @@ void main() {
     const uint rows = min(BR, n - t0);
     const uint kvh = h / (p.n_heads / p.n_kv_heads);
     const uint li = gl_LocalInvocationIndex;
-#ifdef SPLIT
-    // This workgroup's positions: its split's.
-    const uint splits = st[7];
-    const uint split_lo = gl_WorkGroupID.z * st[6];
-    const uint split_hi = split_lo + st[6];
-#endif
 
     // The query tile, times the scale, in f16 (as the other prefill kernels round it).
     tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> lq =
@@ -174,12 +148,6 @@ void main() {
                 all_hi = min(all_hi, pos);
                 s1++;
             }
-#ifdef SPLIT
-            lo = max(lo, split_lo);
-            hi = min(hi, split_hi);
-            all_lo = max(all_lo, split_lo);
-            all_hi = min(all_hi, split_hi - 1);
-#endif
             seg_s1 = s1;
             seg_lo = lo;
             seg_hi = hi;
@@ -192,13 +160,8 @@ void main() {
         if (li < BR) {
             const bool mine = li >= s0 && li < s1;
             const uint pos = mine ? row_pos[li] : 0;
-#ifdef SPLIT
-            row_last[li] = min(pos, split_hi - 1);
-            row_first[li] = mine ? max(window_start(pos), split_lo) : 0xFFFFFFFFu;
-#else
             row_last[li] = pos;
             row_first[li] = mine ? window_start(pos) : 0xFFFFFFFFu;
-#endif
         }
         barrier();
         const uint ts = t0 + s0;
@@ -219,12 +182,12 @@ void main() {
                 const uint e = li + k * WG;
                 const uint i = e / (HD / 8), c = e % (HD / 8);
                 const uint at = (page_base[i / PS] + (i % PS) * p.kv_dim) / 8 + c;
-                k_sh[e] = pool8[at];
-                v_sh[e] = pool8[at + plane / 8];
+                k_sh[i * RS + c] = pool8[at];
+                v_sh[i * RS + c] = pool8[at + plane / 8];
             }
             barrier();
             coopmat<float16_t, gl_ScopeWorkgroup, HD, KB, gl_MatrixUseB> kt;
-            coopMatLoad(kt, k_sh, 0, HD / 8, gl_CooperativeMatrixLayoutColumnMajor);
+            coopMatLoad(kt, k_sh, 0, RS, gl_CooperativeMatrixLayoutColumnMajor);
             ACC(KB) sk = coopMatMulAdd(q, kt, ACC(KB)(0.0));
             if (p.softcap != 0.0) {
                 coopMatPerElementNV(sk, sk, capped, p.softcap);
@@ -250,28 +213,11 @@ void main() {
             coopMatReduceNV(rescale_o, rescale, gl_CooperativeMatrixReduceRowNV, first_of);
             o *= rescale_o;
             coopmat<float16_t, gl_ScopeWorkgroup, KB, HD, gl_MatrixUseB> v;
-            coopMatLoad(v, v_sh, 0, HD / 8, gl_CooperativeMatrixLayoutRowMajor);
+            coopMatLoad(v, v_sh, 0, RS, gl_CooperativeMatrixLayoutRowMajor);
             o = coopMatMulAdd(pa, v, o);
         }
         s0 = s1;
     }
-#ifdef SPLIT
-    if (splits > 1) {
-        // The rows' sums as they are, then each row's max and sum, to split z of part:
-        // (token, head, split) rows of HD + 2 floats.
-        const uint row = HD + 2;
-        const uint width = p.n_heads * splits * row;
-        const uint col = (h * splits + gl_WorkGroupID.z) * row;
-        tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> lp =
-            createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
-        lp = setTensorLayoutDimensionNV(lp, n, width);
-        lp = setTensorLayoutStrideNV(lp, width, 1);
-        coopMatStoreTensorNV(o, part, 0, sliceTensorLayoutNV(lp, t0, BR, col, HD));
-        coopMatPerElementNV(m, m, store_first, (t0 * width + col + HD), rows, width);
-        coopMatPerElementNV(l, l, store_first, (t0 * width + col + HD + 1), rows, width);
-        return;
-    }
-#endif
     // Each row divided by its sum (rows that saw nothing stay 0), to ctx.
     ACC(HD) inv;
     coopMatReduceNV(inv, l, gl_CooperativeMatrixReduceRowNV, first_of);
