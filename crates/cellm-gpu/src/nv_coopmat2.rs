@@ -265,7 +265,7 @@ pub const ATTN_BLOCK: u32 = 64;
 /// KV positions per page the attention assumes (the engine's page size), and pages an
 /// iteration.
 pub const ATTN_PAGE: u32 = 16;
-const ATTN_PAGES: u32 = 4;
+const ATTN_PAGES: u32 = 2;
 
 /// The largest unroll whose loads divide `cols` (a multiple of 64).
 pub fn unroll(cols: u32) -> u32 {
@@ -273,7 +273,7 @@ pub fn unroll(cols: u32) -> u32 {
 }
 
 /// Whether the attention has a build for heads of `head_dim` whose shared memory fits in
-/// `limit` bytes: an iteration's keys and values (64 rows of f16 each and 16 bytes of
+/// `limit` bytes: an iteration's keys and values (32 rows of f16 each and 16 bytes of
 /// padding), and six words a query row.
 pub fn attention_fits(head_dim: u32, limit: u32) -> bool {
     let shared = 2 * (ATTN_PAGES * ATTN_PAGE) * (head_dim * 2 + 16) + 6 * ATTN_BLOCK * 4;

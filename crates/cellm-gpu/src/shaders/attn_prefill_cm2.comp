@@ -5,8 +5,9 @@
 // through wgpu. A workgroup takes BR consecutive tokens of one query head; an iteration
 // copies PAGES f16 KV pages (16 positions a page: the engine's page size) of keys and of
 // values side by side into shared memory, then takes them as one product of KB keys (one row
-// max, one conversion and one rescale an iteration: on an H200 the 3B's attention took 2.55
-// ms of pp512 where a product per page took 2.8; docs/benchmarks.md). Rows of different
+// max, one conversion and one rescale an iteration; on an H200, of an 8-layer 3B-shaped
+// pp512 step, 2 pages an iteration took 0.55 ms, 4 pages 0.61, and 4 pages the 3B's 28
+// layers 2.55 ms where a product per page took 2.8; docs/benchmarks.md). Rows of different
 // sessions in one block run as segments, each over its own session's pages, the other rows
 // masked. The per-row masks (causal, sliding window, segment) read each row's position and
 // first visible position from shared memory, on the tiles that some row does not see whole.
@@ -22,7 +23,7 @@
 
 const uint BR = 64;
 const uint PS = 16;
-const uint PAGES = 4;
+const uint PAGES = 2;
 const uint WG = 128;
 
 layout(local_size_x = WG, local_size_y = 1, local_size_z = 1) in;
