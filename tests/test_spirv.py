@@ -15,13 +15,19 @@ SHADERS = Path(__file__).resolve().parents[1] / "crates" / "cellm-gpu" / "src" /
 SPIRV = SHADERS / "spirv"
 # Each module the crate embeds: (file, its source, invocations of its `main`, the crate's
 # bindings of its kernel by the GLSL block that reads each: kernels.rs's
-# KernelId::Coopmat2Gemm and Coopmat2Attn; step 7 is every kernel's).
+# KernelId::Coopmat2Gemm, Coopmat2Glu and Coopmat2Attn; step 7 is every kernel's).
 GEMM_BINDINGS = {"W": 5, "Step": 7, "XH": 12, "Acc": 14}
+GLU_BINDINGS = {"W": 5, "WU": 6, "Step": 7, "XH": 12, "Out": 14}
 ATTN_BINDINGS = {"Qkv": 1, "Ctx": 2, "Pool": 5, "Step": 7}
-MODULES = [(f"gemm_cm2_un{u}.spv", "gemm_cm2.comp", 256, GEMM_BINDINGS) for u in (1, 2, 4, 8)] + [
-    (f"attn_prefill_cm2_hd{hd}.spv", "attn_prefill_cm2.comp", 128, ATTN_BINDINGS)
-    for hd in (64, 128)
-]
+MODULES = (
+    [(f"gemm_cm2_un{u}.spv", "gemm_cm2.comp", 256, GEMM_BINDINGS) for u in (1, 2, 4, 8)]
+    + [(f"gemm_cm2_glu_un{u}.spv", "gemm_cm2.comp", 256, GLU_BINDINGS) for u in (1, 2, 4, 8)]
+    + [
+        (f"attn_prefill_cm2_hd{hd}{out}.spv", "attn_prefill_cm2.comp", 128, ATTN_BINDINGS)
+        for hd in (64, 128)
+        for out in ("", "_half")
+    ]
+)
 # Opcodes and decorations read below (SPIR-V 1.6 specification).
 OP_NAME, OP_EXTENSION, OP_ENTRY_POINT, OP_EXECUTION_MODE = 5, 10, 15, 16
 OP_TYPE_POINTER, OP_VARIABLE, OP_DECORATE = 32, 59, 71

@@ -18,13 +18,15 @@ build() {  # source output defines...
   "$VAL" --target-env vulkan1.3 "$out"
   rm "$out.raw"
 }
-# gemm_cm2: one build per unroll (loads of 64 columns per loop iteration).
+# gemm_cm2: one build per unroll (loads of 64 columns per loop iteration), plain and GLU.
 for un in 1 2 4 8; do
   build gemm_cm2.comp spirv/gemm_cm2_un$un.spv -DUN=$un
+  build gemm_cm2.comp spirv/gemm_cm2_glu_un$un.spv -DUN=$un -DGLU
 done
-# attn_prefill_cm2: one build per head dim.
+# attn_prefill_cm2: one build per head dim, writing f32 or f16.
 for hd in 64 128; do
   build attn_prefill_cm2.comp spirv/attn_prefill_cm2_hd$hd.spv -DHD=$hd
+  build attn_prefill_cm2.comp spirv/attn_prefill_cm2_hd${hd}_half.spv -DHD=$hd -DHALF_OUT
 done
 for src in gemm_cm2.comp attn_prefill_cm2.comp; do
   sha256sum $src | cut -d' ' -f1 > spirv/$src.sha256

@@ -63,9 +63,12 @@ pub enum KernelId {
     /// The split GEMM on NVIDIA's cooperative matrices at this unroll (SPIR-V,
     /// `nv_coopmat2`; not WGSL).
     Coopmat2Gemm(u32),
-    /// The prefill attention on NVIDIA's cooperative matrices for this head dim (SPIR-V,
-    /// `nv_coopmat2`; not WGSL).
-    Coopmat2Attn(u32),
+    /// Its GLU build: the gate and up products and the GLU's epilogue in one launch,
+    /// writing the down projection's f16 inputs.
+    Coopmat2Glu(u32),
+    /// The prefill attention on NVIDIA's cooperative matrices for this head dim, writing
+    /// ctx in f16 where true (SPIR-V, `nv_coopmat2`; not WGSL).
+    Coopmat2Attn(u32, bool),
 }
 
 impl KernelId {
@@ -159,7 +162,7 @@ impl KernelId {
                 (6, Read),
             ],
             KernelId::AttnCombine => vec![(0, Uniform), (1, Read), (2, Write)],
-            KernelId::AttnPrefill(_) | KernelId::Coopmat2Attn(_) => {
+            KernelId::AttnPrefill(_) | KernelId::Coopmat2Attn(..) => {
                 vec![(0, Uniform), (1, Read), (2, Write), (5, Read)]
             }
             KernelId::AttnPrefillCoop(_) => {
@@ -174,6 +177,9 @@ impl KernelId {
             }
             KernelId::SplitGemm | KernelId::Coopmat2Gemm(_) => {
                 vec![(0, Uniform), (5, Read), (12, Read), (14, Write)]
+            }
+            KernelId::Coopmat2Glu(_) => {
+                vec![(0, Uniform), (5, Read), (6, Read), (12, Read), (14, Write)]
             }
             KernelId::SplitEpilogue(glu) => {
                 let mut b = vec![(0, Uniform), (2, Write), (4, Read), (14, Read)];
@@ -277,7 +283,9 @@ impl KernelId {
             KernelId::SplitPrep | KernelId::SplitGemm => (SPLIT_GEMM, None, false),
             KernelId::SplitDequant(l) => (SPLIT_GEMM, Some(l), false),
             KernelId::SplitEpilogue(glu) => (SPLIT_GEMM, None, glu),
-            KernelId::Coopmat2Gemm(_) | KernelId::Coopmat2Attn(_) => ("", None, false),
+            KernelId::Coopmat2Gemm(_) | KernelId::Coopmat2Glu(_) | KernelId::Coopmat2Attn(..) => {
+                ("", None, false)
+            }
         };
         let mut src = String::new();
         if coop || matches!(self, KernelId::AttnPrefillCoop(_)) {
@@ -1040,12 +1048,15 @@ fn build(
         bind_group_layouts: &[Some(&layout)],
         immediate_size: if immediates { PARAMS_BYTES } else { 0 },
     });
-    if let KernelId::Coopmat2Gemm(un) = id {
-        let pipeline = crate::nv_coopmat2::gemm_pipeline(device, &pipeline_layout, un, &label);
-        return Kernel::plain("Coopmat2Gemm".into(), pipeline, layout, immediates);
+    if let KernelId::Coopmat2Gemm(un) | KernelId::Coopmat2Glu(un) = id {
+        let glu = matches!(id, KernelId::Coopmat2Glu(_));
+        let pipeline = crate::nv_coopmat2::gemm_pipeline(device, &pipeline_layout, un, glu, &label);
+        let name = if glu { "Coopmat2Glu" } else { "Coopmat2Gemm" };
+        return Kernel::plain(name.into(), pipeline, layout, immediates);
     }
-    if let KernelId::Coopmat2Attn(hd) = id {
-        let pipeline = crate::nv_coopmat2::attention_pipeline(device, &pipeline_layout, hd, &label);
+    if let KernelId::Coopmat2Attn(hd, half) = id {
+        let pipeline =
+            crate::nv_coopmat2::attention_pipeline(device, &pipeline_layout, hd, half, &label);
         return Kernel::plain("Coopmat2Attn".into(), pipeline, layout, immediates);
     }
     let pipeline_shape = |tokens: u32, wg: u32, shape: OneShape| {

@@ -16,7 +16,7 @@ use cellm_models::{
 use crate::attn_prefill;
 use crate::device::Gpu;
 use crate::kernels::{KernelId, Kernels, ROWS_PER_GROUP};
-use crate::ops::{Buf, Dims, Grid, Op, When, BIAS, NORM, RESIDUAL, SOFTCAP};
+use crate::ops::{Buf, Dims, Grid, Op, When, BIAS, GELU, NORM, RESIDUAL, SOFTCAP};
 use crate::profile::{Profile, Span, Stamps};
 use crate::split_gemm::{self, Gemm as SplitGemm, Scratch};
 use crate::step::{Attention, HostStep, StepBuffers, Token};
@@ -30,7 +30,6 @@ const MAX_HEAD_DIM: usize = 256;
 
 /// Matvec flags (`shaders/linear.wgsl`; the epilogue's in `ops`).
 const HEAD: u32 = 16;
-const GELU: u32 = 32;
 const ROPE: u32 = 64;
 const MAX_GROUPS: usize = 65535;
 /// Whether the decode attention merges its splits itself (`KernelId::AttentionFused`): one
@@ -302,7 +301,7 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
         };
         let attention = ops
             .iter()
-            .find(|o| o.when == When::Prefill)
+            .find(|o| o.when.is_prefill_attention())
             .map_or_else(|| "the decode kernel".to_string(), |o| o.kernel.name.clone());
         eprintln!(
             "cellm-gpu: {} ({:?}, {:?}), {} dispatches per one-token step ({} more with \
@@ -322,7 +321,7 @@ pub fn load(file: &CellmFile, opts: &GpuOptions) -> Result<Box<dyn CausalLm>> {
     let profile = Profile::from_env(&gpu, ops.len());
     let prerecord = std::env::var_os("CELLM_GPU_NO_AHEAD").is_none();
     let submit_early = !std::env::var("CELLM_GPU_EARLY_SUBMIT").is_ok_and(|v| v == "0");
-    let has_prefill = ops.iter().any(|op| op.when == When::Prefill);
+    let has_prefill = ops.iter().any(|op| op.when.is_prefill_attention());
     let prefill_splits = ops.iter().any(|op| op.when == When::PrefillSplits);
     let runner = Runner {
         gpu,
@@ -649,11 +648,19 @@ fn plan(
             cfg.attention_scale().to_bits(),
             cfg.attn_logit_softcap.unwrap_or(0.0).to_bits(),
         ]);
-        if let Some((op, splits)) =
-            prefill_attention_op(gpu, kernels, cfg.head_dim, cfg.num_heads, p)
+        // Where the o projection takes the coopmat2 passes, the coopmat2 prefill attention
+        // writes its f16 inputs and its prep runs only after the decode attention.
+        let o_half = split.takes(&[&l.o], d.q_dim) == Some(SplitGemm::Coopmat2)
+            && !std::env::var("CELLM_GPU_ATTN_HALF").is_ok_and(|v| v == "0");
+        let mut o_input = split_gemm::HalfInput::Prep;
+        if let Some(attn) =
+            prefill_attention_op(gpu, kernels, cfg.head_dim, cfg.num_heads, p, o_half)
         {
-            ops.push(op);
-            if splits {
+            if attn.half {
+                o_input = split_gemm::HalfInput::Attention;
+            }
+            ops.extend(attn.ops);
+            if attn.splits {
                 ops.push(combine_op(kernels, &gpu.device, cfg, When::PrefillSplits));
             }
         }
@@ -695,7 +702,7 @@ fn plan(
             args,
             None,
             always,
-            split_gemm::Handoff::default(),
+            split_gemm::Handoff { input: o_input, output_half: false },
             &mut ops,
         );
         if gemma {
@@ -713,7 +720,12 @@ fn plan(
         let half = passes.is_some()
             && split.takes(&[&l.down], d.inter).is_some()
             && !std::env::var("CELLM_GPU_HANDOFF").is_ok_and(|v| v == "0");
-        let down_handoff = split_gemm::Handoff { input_half: half, output_half: false };
+        let down_input = match (half, passes) {
+            (true, Some(gemm)) if gemm.fuses_glu() => split_gemm::HalfInput::Act,
+            (true, _) => split_gemm::HalfInput::Half,
+            (false, _) => split_gemm::HalfInput::Prep,
+        };
+        let down_handoff = split_gemm::Handoff { input: down_input, output_half: false };
         if let Some(gemm) = passes {
             let (params, _, _) = matvec_params(&MatvecArgs { rows: l.gate.rows, ..glu_args });
             let lin = split_gemm::Linear {
@@ -723,7 +735,10 @@ fn plan(
                 bias: None,
                 out: Buf::Act,
                 params,
-                handoff: split_gemm::Handoff { input_half: false, output_half: half },
+                handoff: split_gemm::Handoff {
+                    input: split_gemm::HalfInput::Prep,
+                    output_half: half,
+                },
             };
             split_gemm::push(gemm, kernels, &gpu.device, lin, &mut split.scratch, &mut ops);
         }
@@ -1088,18 +1103,28 @@ fn combine_op(kernels: &mut Kernels, device: &wgpu::Device, cfg: &ModelConfig, w
     }
 }
 
+/// The prefill attention's launches of one layer.
+struct PrefillAttention {
+    ops: Vec<Op>,
+    /// Whether it splits the positions (the cooperative kernel: a combine follows it).
+    splits: bool,
+    /// Whether its steps in passes write the o projection's f16 inputs (`Buf::Half`).
+    half: bool,
+}
+
 /// The prefill attention (`attn_prefill`) launch of one layer, taking the decode attention's
-/// `params`, and whether it splits the positions (the cooperative kernel: then a combine
-/// follows it): None where the head dim has no tile or the device lacks the shared memory,
-/// and under `CELLM_GPU_NO_PREFILL_ATTN=1` (prefill then runs the decode attention; for
-/// measuring).
+/// `params`: None where the head dim has no tile or the device lacks the shared memory, and
+/// under `CELLM_GPU_NO_PREFILL_ATTN=1` (prefill then runs the decode attention; for
+/// measuring). Where `half` is asked and the coopmat2 kernel runs, two builds of it: the f16
+/// one on steps in passes, the f32 one on the others.
 fn prefill_attention_op(
     gpu: &crate::device::Gpu,
     kernels: &mut Kernels,
     head_dim: usize,
     heads: usize,
     params: [u32; 16],
-) -> Option<(Op, bool)> {
+    half: bool,
+) -> Option<PrefillAttention> {
     let hd = head_dim as u32;
     let limit = gpu.limits.max_compute_workgroup_storage_size;
     if std::env::var_os("CELLM_GPU_NO_PREFILL_ATTN").is_some() {
@@ -1121,7 +1146,7 @@ fn prefill_attention_op(
         && attn_prefill::coop_shared_bytes(hd) <= limit
         && std::env::var_os("CELLM_GPU_NO_COOP_ATTN").is_none();
     let (id, block) = if cm2 {
-        (KernelId::Coopmat2Attn(hd), crate::nv_coopmat2::ATTN_BLOCK)
+        (KernelId::Coopmat2Attn(hd, false), crate::nv_coopmat2::ATTN_BLOCK)
     } else if coop {
         (KernelId::AttnPrefillCoop(hd), attn_prefill::coop_block())
     } else {
@@ -1131,19 +1156,29 @@ fn prefill_attention_op(
         }
         (KernelId::AttnPrefill(hd), attn_prefill::BQ)
     };
-    let kernel = kernels.get(&gpu.device, id);
+    let grid = Grid::QueryTiles { heads: heads as u32, block };
     let mut binds = vec![(1, Buf::Qkv), (2, Buf::Ctx), (5, Buf::Pool)];
     if coop {
         binds.push((3, Buf::Part));
     }
-    let op = Op {
-        kernel,
+    let half = half && cm2;
+    let mut ops = vec![Op {
+        kernel: kernels.get(&gpu.device, id),
         params,
         binds,
-        grid: Grid::QueryTiles { heads: heads as u32, block },
-        when: When::Prefill,
-    };
-    Some((op, coop))
+        grid,
+        when: if half { When::UnsplitPrefill } else { When::Prefill },
+    }];
+    if half {
+        ops.push(Op {
+            kernel: kernels.get(&gpu.device, KernelId::Coopmat2Attn(hd, true)),
+            params,
+            binds: vec![(1, Buf::Qkv), (2, Buf::Half), (5, Buf::Pool)],
+            grid,
+            when: When::SplitPrefill,
+        });
+    }
+    Some(PrefillAttention { ops, splits: coop, half })
 }
 
 /// Whether a chunk of `tokens` runs the prefill attention: enough tokens per session (a

@@ -246,18 +246,29 @@ pub fn open(
     unsafe { adapter.create_device_from_hal(opened, desc) }.map_err(|e| e.to_string())
 }
 
-/// The SPIR-V of `gemm_cm2.comp`, one build per unroll (64-column loads per iteration).
+/// The SPIR-V of `gemm_cm2.comp`, one build per unroll (64-column loads per iteration), and
+/// of its GLU build.
 const GEMM_SPIRV: [(u32, &[u8]); 4] = [
     (8, include_bytes!("shaders/spirv/gemm_cm2_un8.spv")),
     (4, include_bytes!("shaders/spirv/gemm_cm2_un4.spv")),
     (2, include_bytes!("shaders/spirv/gemm_cm2_un2.spv")),
     (1, include_bytes!("shaders/spirv/gemm_cm2_un1.spv")),
 ];
+const GLU_SPIRV: [(u32, &[u8]); 4] = [
+    (8, include_bytes!("shaders/spirv/gemm_cm2_glu_un8.spv")),
+    (4, include_bytes!("shaders/spirv/gemm_cm2_glu_un4.spv")),
+    (2, include_bytes!("shaders/spirv/gemm_cm2_glu_un2.spv")),
+    (1, include_bytes!("shaders/spirv/gemm_cm2_glu_un1.spv")),
+];
 
-/// The SPIR-V of `attn_prefill_cm2.comp`, one build per head dim.
+/// The SPIR-V of `attn_prefill_cm2.comp`, one build per head dim, writing f32 and f16.
 const ATTN_SPIRV: [(u32, &[u8]); 2] = [
     (64, include_bytes!("shaders/spirv/attn_prefill_cm2_hd64.spv")),
     (128, include_bytes!("shaders/spirv/attn_prefill_cm2_hd128.spv")),
+];
+const ATTN_HALF_SPIRV: [(u32, &[u8]); 2] = [
+    (64, include_bytes!("shaders/spirv/attn_prefill_cm2_hd64_half.spv")),
+    (128, include_bytes!("shaders/spirv/attn_prefill_cm2_hd128_half.spv")),
 ];
 /// The attention's workgroup (invocations) and query tokens per workgroup.
 const ATTN_WORKGROUP: u32 = 128;
@@ -280,30 +291,39 @@ pub fn attention_fits(head_dim: u32, limit: u32) -> bool {
     ATTN_SPIRV.iter().any(|&(hd, _)| hd == head_dim) && shared <= limit
 }
 
-/// The GEMM's pipeline at unroll `un`, on `layout` (its bindings and 64 bytes of
-/// immediates: `split_gemm.wgsl`'s gemm pass's).
+/// The GEMM's pipeline (its GLU build where `glu`) at unroll `un`, on `layout` (its
+/// bindings and 64 bytes of immediates: `split_gemm.wgsl`'s gemm pass's).
 pub fn gemm_pipeline(
     device: &wgpu::Device,
     layout: &wgpu::PipelineLayout,
     un: u32,
+    glu: bool,
     label: &str,
 ) -> wgpu::ComputePipeline {
-    let bytes = GEMM_SPIRV.iter().find(|&&(u, _)| u == un).expect("a built unroll").1;
-    let bytes = trial_build(&format!("gemm_cm2_un{un}.spv")).unwrap_or(bytes.to_vec());
+    let (builds, name) = match glu {
+        true => (&GLU_SPIRV, format!("gemm_cm2_glu_un{un}.spv")),
+        false => (&GEMM_SPIRV, format!("gemm_cm2_un{un}.spv")),
+    };
+    let bytes = builds.iter().find(|&&(u, _)| u == un).expect("a built unroll").1;
+    let bytes = trial_build(&name).unwrap_or(bytes.to_vec());
     pipeline(device, layout, &bytes, WORKGROUP, label)
 }
 
-/// The prefill attention's pipeline for heads of `head_dim`, on `layout` (the prefill
-/// attention's bindings and immediates).
+/// The prefill attention's pipeline for heads of `head_dim`, writing f16 where `half`, on
+/// `layout` (the prefill attention's bindings and immediates).
 pub fn attention_pipeline(
     device: &wgpu::Device,
     layout: &wgpu::PipelineLayout,
     head_dim: u32,
+    half: bool,
     label: &str,
 ) -> wgpu::ComputePipeline {
-    let bytes = ATTN_SPIRV.iter().find(|&&(hd, _)| hd == head_dim).expect("a built head dim").1;
-    let bytes =
-        trial_build(&format!("attn_prefill_cm2_hd{head_dim}.spv")).unwrap_or(bytes.to_vec());
+    let (builds, name) = match half {
+        true => (&ATTN_HALF_SPIRV, format!("attn_prefill_cm2_hd{head_dim}_half.spv")),
+        false => (&ATTN_SPIRV, format!("attn_prefill_cm2_hd{head_dim}.spv")),
+    };
+    let bytes = builds.iter().find(|&&(hd, _)| hd == head_dim).expect("a built head dim").1;
+    let bytes = trial_build(&name).unwrap_or(bytes.to_vec());
     pipeline(device, layout, &bytes, ATTN_WORKGROUP, label)
 }
 

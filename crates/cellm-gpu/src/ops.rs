@@ -35,6 +35,8 @@ pub const NORM: u32 = 1;
 pub const RESIDUAL: u32 = 2;
 pub const BIAS: u32 = 4;
 pub const SOFTCAP: u32 = 8;
+/// The GLU's activation is gelu-tanh (else silu).
+pub const GELU: u32 = 32;
 
 /// How many workgroups a launch runs, as a function of the step's tokens.
 #[derive(Clone, Copy)]
@@ -85,6 +87,14 @@ pub enum When {
     Prefill,
     /// Steps that run the prefill attention with more than one split (the combine).
     PrefillSplits,
+    /// Steps that run the prefill attention and the split GEMM's passes (the coopmat2
+    /// attention writing the o projection's f16 inputs).
+    SplitPrefill,
+    /// Steps that run the prefill attention but not the passes.
+    UnsplitPrefill,
+    /// Steps that run the passes and the decode attention (the o projection's prep, where
+    /// the prefill attention writes its inputs on the others).
+    SplitDecode,
     /// Steps that run the split GEMM's passes (from `split_gemm::MIN_TOKENS` tokens).
     Split,
     /// `Always`, except where the split GEMM runs instead.
@@ -94,6 +104,11 @@ pub enum When {
 }
 
 impl When {
+    /// Whether the op is a prefill attention's (the plan has one where any op is).
+    pub fn is_prefill_attention(self) -> bool {
+        matches!(self, When::Prefill | When::SplitPrefill | When::UnsplitPrefill)
+    }
+
     /// Whether a step of `t` tokens launches the op (`prefill`: it runs the prefill attention;
     /// `splits`: the decode attention's splits).
     pub fn runs(self, t: u32, prefill: bool, splits: u32) -> bool {
@@ -107,6 +122,9 @@ impl When {
             When::Splits => !prefill && splits > 1,
             When::Prefill => prefill,
             When::PrefillSplits => prefill && splits > 1,
+            When::SplitPrefill => split && prefill,
+            When::UnsplitPrefill => !split && prefill,
+            When::SplitDecode => split && !prefill,
             When::Split => split,
             When::Unsplit => !split,
             When::GemmUnsplit => t >= GEMM_MIN_TOKENS && !split,

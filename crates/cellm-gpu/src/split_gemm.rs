@@ -9,9 +9,12 @@
 //! 4. `epilogue`: linear.wgsl's epilogue and store (bias, GLU, scale, soft-cap, residual)
 //!    from the sums. Where the down projection takes the passes too, the GLU's epilogue
 //!    writes its output as the down projection's f16 inputs, the same values its prep would
-//!    write, and that prep is skipped (`Handoff`). Where a launch leaves its epilogue nothing
-//!    but a residual add (q|k|v without a bias; o and the down projection), the GEMM writes
-//!    the output itself, its sums started from the output where they add to it.
+//!    write, and that prep is skipped (`Handoff`); on coopmat2 the GLU's GEMM build does
+//!    the products and that epilogue in one launch (`Coopmat2Glu`, into `Buf::Act`). Where
+//!    a launch leaves its epilogue nothing but a residual add (q|k|v without a bias; o and
+//!    the down projection), the GEMM writes the output itself, its sums started from the
+//!    output where they add to it. The coopmat2 prefill attention writes the o projection's
+//!    f16 inputs itself on the steps it runs (`HalfInput::Attention`).
 //!
 //! The sums are the fused kernel's but for where the norm's scale is applied: the fused
 //! kernels scale f32 sums of f16(x gamma), the passes sum f16(x gamma / rms(x)) (the same
@@ -22,7 +25,7 @@
 
 use crate::kernels::{KernelId, Kernels};
 use crate::nv_coopmat2;
-use crate::ops::{Buf, Grid, Op, When, BIAS, NORM, RESIDUAL, SOFTCAP};
+use crate::ops::{Buf, Grid, Op, When, BIAS, GELU, NORM, RESIDUAL, SOFTCAP};
 use crate::repack::Layout;
 use crate::weights::Matrix;
 
@@ -73,6 +76,13 @@ impl Gemm {
         layout == Layout::F16
     }
 
+    /// Whether the GLU, where the down projection takes the passes too, is one launch that
+    /// leaves the down projection's f16 inputs in `Buf::Act` (`Coopmat2Glu`;
+    /// `CELLM_GPU_GLU_CM2=0`: the GEMM and the epilogue pass, for comparison).
+    pub fn fuses_glu(self) -> bool {
+        self == Gemm::Coopmat2 && !std::env::var("CELLM_GPU_GLU_CM2").is_ok_and(|v| v == "0")
+    }
+
     fn kernel(self, kernels: &mut Kernels, device: &wgpu::Device, cols: usize) -> GemmKernel {
         let (id, tile) = match self {
             Gemm::Coopmat2 => (KernelId::Coopmat2Gemm(nv_coopmat2::unroll(cols as u32)), TILE),
@@ -102,13 +112,27 @@ pub struct Linear<'a> {
     pub handoff: Handoff,
 }
 
-/// Whether a launch in passes takes its f16 inputs as the one before left them (the GLU's
-/// output as the down projection's input: that launch skips its prep), and whether it
-/// leaves its output so (the GLU, when the down projection takes the passes too).
+/// Where a launch in passes finds its f16 inputs, and whether it leaves its output as the
+/// next launch's (the GLU, when the down projection takes the passes too).
 #[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
 pub struct Handoff {
-    pub input_half: bool,
+    pub input: HalfInput,
     pub output_half: bool,
+}
+
+/// Where a launch's f16 inputs come from.
+#[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
+pub enum HalfInput {
+    /// Its own prep writes them to `Buf::Half`.
+    #[default]
+    Prep,
+    /// The launch before left them in `Buf::Half` (the GLU's epilogue).
+    Half,
+    /// The launch before left them in `Buf::Act` (`Coopmat2Glu`).
+    Act,
+    /// The coopmat2 prefill attention writes them to `Buf::Half` on the steps it runs; on
+    /// the others (the decode attention's) the prep does.
+    Attention,
 }
 
 /// The epilogue's flag for `Handoff::output_half` (split_gemm.wgsl's HALF_OUT).
@@ -134,11 +158,22 @@ pub fn push(
     // (Each launch preps its own input: q|k and v stored apart may take the passes one
     // without the other.)
     // (The norm is prep's: a launch taking its inputs as the one before left them has none.)
-    assert!(!(lin.handoff.input_half && lin.gamma.is_some()), "a handed-off input is not normed");
-    if !lin.handoff.input_half {
-        ops.push(prep_op(kernels, device, &lin, cols));
+    let input = lin.handoff.input;
+    assert!(input == HalfInput::Prep || lin.gamma.is_none(), "a handed-off input is not normed");
+    match input {
+        HalfInput::Prep => ops.push(prep_op(kernels, device, &lin, cols)),
+        HalfInput::Attention => {
+            ops.push(Op { when: When::SplitDecode, ..prep_op(kernels, device, &lin, cols) })
+        }
+        HalfInput::Half | HalfInput::Act => {}
     }
+    let xh = if input == HalfInput::Act { Buf::Act } else { Buf::Half };
     scratch.cols = scratch.cols.max(cols);
+    let glu = lin.mats.len() == 2;
+    if glu && lin.handoff.output_half && gemm.fuses_glu() {
+        push_fused_glu(kernels, device, &lin, (rows, cols), scratch, ops);
+        return;
+    }
     // The sums: a row of every matrix's rows per token (the GLU's up after its gate).
     let acc_stride = rows * lin.mats.len();
     scratch.acc = scratch.acc.max(acc_stride);
@@ -147,7 +182,6 @@ pub fn push(
     // stores y (at the fused launch's stride and column) in place of the sums.
     let mut params = lin.params;
     params[FLAGS] &= !NORM;
-    let glu = lin.mats.len() == 2;
     // A residual add is the GEMM's too: its sums start from the output tile (on the H200
     // this took the 3B's 56 o and down epilogues, 0.94 ms, out of its step: pp512 1.03x).
     let direct = !glu
@@ -170,7 +204,7 @@ pub fn push(
             (4, (out_col + col) as u32),
             (FLAGS, residual),
         ]),
-        binds: vec![(5, a), (12, Buf::Half), (14, out.clone())],
+        binds: vec![(5, a), (12, xh.clone()), (14, out.clone())],
         grid: Grid::Tiles { rows: rows as u32, tile: kernel.tile },
         when,
     };
@@ -179,23 +213,7 @@ pub fn push(
             ops.push(gemm_op(Buf::W(m.parts[0].quants.clone()), rows, i * rows));
         }
     } else {
-        let dequant = kernels.get(device, KernelId::SplitDequant(layout));
-        for (i, m) in lin.mats.iter().enumerate() {
-            let part = &m.parts[0];
-            let mut binds = vec![(5, Buf::W(part.quants.clone())), (12, Buf::WHalf)];
-            if let Some(s) = &part.scales {
-                binds.push((6, Buf::W(s.clone())));
-            }
-            ops.push(Op {
-                kernel: dequant.clone(),
-                // rows, cols, first element of the f16 rows.
-                params: words(&[(0, rows as u32), (1, cols as u32), (4, (i * rows * cols) as u32)]),
-                binds,
-                grid: Grid::Fixed((cols / 8).div_ceil(64) as u32, rows as u32),
-                when,
-            });
-        }
-        scratch.weights = scratch.weights.max(acc_stride * cols);
+        push_dequant(kernels, device, lin.mats, (rows, cols), scratch, ops);
         ops.push(gemm_op(Buf::WHalf, acc_stride, 0));
     }
     if direct {
@@ -220,6 +238,68 @@ pub fn push(
         grid: Grid::Columns((rows / 4) as u32),
         when,
     });
+}
+
+/// The GLU's launches where `Gemm::fuses_glu`: the gate's and up's f16 rows (dequantized
+/// one after the other into `Buf::WHalf` where the file holds a block format), then one
+/// `Coopmat2Glu` over both, writing the down projection's f16 inputs to `Buf::Act`.
+fn push_fused_glu(
+    kernels: &mut Kernels,
+    device: &wgpu::Device,
+    lin: &Linear<'_>,
+    (rows, cols): (usize, usize),
+    scratch: &mut Scratch,
+    ops: &mut Vec<Op>,
+) {
+    let [gate, up] = lin.mats else { unreachable!("the GLU's two matrices") };
+    let (wg, wu, up_at) = if Gemm::Coopmat2.reads(gate.layout) {
+        (Buf::W(gate.parts[0].quants.clone()), Buf::W(up.parts[0].quants.clone()), 0)
+    } else {
+        push_dequant(kernels, device, lin.mats, (rows, cols), scratch, ops);
+        (Buf::WHalf, Buf::WHalf, rows * cols)
+    };
+    ops.push(Op {
+        kernel: kernels.get(device, KernelId::Coopmat2Glu(nv_coopmat2::unroll(cols as u32))),
+        // rows, cols, where up's rows start in its buffer, the activation.
+        params: words(&[
+            (0, rows as u32),
+            (1, cols as u32),
+            (4, up_at as u32),
+            (FLAGS, lin.params[FLAGS] & GELU),
+        ]),
+        binds: vec![(5, wg), (6, wu), (12, Buf::Half), (14, Buf::Act)],
+        grid: Grid::Tiles { rows: rows as u32, tile: TILE },
+        when: When::Split,
+    });
+}
+
+/// `mats` (of `rows` by `cols`, one layout) written as f16 rows into `Buf::WHalf`, one after
+/// the other.
+fn push_dequant(
+    kernels: &mut Kernels,
+    device: &wgpu::Device,
+    mats: &[&Matrix],
+    (rows, cols): (usize, usize),
+    scratch: &mut Scratch,
+    ops: &mut Vec<Op>,
+) {
+    let dequant = kernels.get(device, KernelId::SplitDequant(mats[0].layout));
+    for (i, m) in mats.iter().enumerate() {
+        let part = &m.parts[0];
+        let mut binds = vec![(5, Buf::W(part.quants.clone())), (12, Buf::WHalf)];
+        if let Some(s) = &part.scales {
+            binds.push((6, Buf::W(s.clone())));
+        }
+        ops.push(Op {
+            kernel: dequant.clone(),
+            // rows, cols, first element of the f16 rows.
+            params: words(&[(0, rows as u32), (1, cols as u32), (4, (i * rows * cols) as u32)]),
+            binds,
+            grid: Grid::Fixed((cols / 8).div_ceil(64) as u32, rows as u32),
+            when: When::Split,
+        });
+    }
+    scratch.weights = scratch.weights.max(mats.len() * rows * cols);
 }
 
 /// Launch params with `p`'s (index, word) set and the rest 0.

@@ -13,7 +13,9 @@
 // first visible position from shared memory, on the tiles that some row does not see whole.
 // Params are attention.wgsl's (immediates); bindings as attn_prefill_coop.wgsl's 1 (q|k|v),
 // 2 (ctx), 5 (the pool) and 7 (the step), numbered densely as wgpu-hal's Vulkan backend
-// numbers them (gemm_cm2.comp says why).
+// numbers them (gemm_cm2.comp says why). -DHALF_OUT writes ctx in f16 (clamped to its
+// range), as the o projection's prep would round it: where that projection runs in passes,
+// ctx is its GEMM's input and the prep is skipped.
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -43,7 +45,11 @@ layout(push_constant) uniform Params {
     uint rest[4];
 } p;
 layout(binding = 0) readonly buffer Qkv { float qkv[]; };
+#ifdef HALF_OUT
+layout(binding = 1) writeonly buffer Ctx { float16_t ctx[]; };
+#else
 layout(binding = 1) writeonly buffer Ctx { float ctx[]; };
+#endif
 // The f16 pool, 8 halves a load.
 layout(binding = 2) readonly buffer Pool { uvec4 pool8[]; };
 // An iteration's keys and values: KB rows of HD each, a row RS loads apart. (The 16 bytes
@@ -230,5 +236,12 @@ void main() {
         createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
     lo = setTensorLayoutDimensionNV(lo, n, p.n_heads * HD);
     lo = setTensorLayoutStrideNV(lo, p.n_heads * HD, 1);
+#ifdef HALF_OUT
+    coopMatPerElementNV(o, o, to_f16_range);
+    coopmat<float16_t, gl_ScopeWorkgroup, BR, HD, gl_MatrixUseAccumulator> oh =
+        coopmat<float16_t, gl_ScopeWorkgroup, BR, HD, gl_MatrixUseAccumulator>(o);
+    coopMatStoreTensorNV(oh, ctx, 0, sliceTensorLayoutNV(lo, t0, BR, h * HD, HD));
+#else
     coopMatStoreTensorNV(o, ctx, 0, sliceTensorLayoutNV(lo, t0, BR, h * HD, HD));
+#endif
 }
