@@ -77,8 +77,9 @@ impl Gemm {
     }
 
     /// Whether the GLU, where the down projection takes the passes too, is one launch that
-    /// leaves the down projection's f16 inputs in `Buf::Act` (`Coopmat2Glu`;
-    /// `CELLM_GPU_GLU_CM2=0`: the GEMM and the epilogue pass, for comparison).
+    /// leaves the down projection's f16 inputs in `Buf::Act` (`Coopmat2Glu`: on the H200,
+    /// pp512 1.09x on an 8-layer 3B-shaped F16 model and 1.07-1.11x on the 1B and 3B files,
+    /// docs/benchmarks.md; `CELLM_GPU_GLU_CM2=0`: the GEMM and the epilogue pass).
     pub fn fuses_glu(self) -> bool {
         self == Gemm::Coopmat2 && !std::env::var("CELLM_GPU_GLU_CM2").is_ok_and(|v| v == "0")
     }
