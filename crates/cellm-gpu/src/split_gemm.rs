@@ -243,7 +243,9 @@ pub fn push(
 
 /// The GLU's launches where `Gemm::fuses_glu`: the gate's and up's f16 rows (dequantized
 /// one after the other into `Buf::WHalf` where the file holds a block format), then one
-/// `Coopmat2Glu` over both, writing the down projection's f16 inputs to `Buf::Act`.
+/// `Coopmat2Glu` over both, writing the down projection's f16 inputs to `Buf::Act`. (`Act`
+/// holds f32 rows of the GLU's width per token; a step in passes has at least `MIN_TOKENS`,
+/// a tile, so the f16 rows its down projection reads, up to a whole tile, fit in it.)
 fn push_fused_glu(
     kernels: &mut Kernels,
     device: &wgpu::Device,
