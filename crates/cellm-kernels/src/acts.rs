@@ -91,11 +91,15 @@ fn round_f16(v: f32) -> f32 {
     f16::from_f32(v).to_f32()
 }
 
-/// Below this many values a batch is quantized on the calling thread. A fork-join costs
-/// about as much as quantizing 2K values, and the other threads would only wait meanwhile:
-/// 8 decoding sessions' 576-wide rows on both threads made a 2-thread SmolLM2 step ~3%
-/// faster (steps alternated in one process).
-const PARALLEL_MIN: usize = 1 << 11;
+/// Below this many values a batch is quantized on the calling thread. A split costs a
+/// fork-join, and each task moves its f32 rows to another core and its int8 rows back,
+/// which the products then read on every thread anyway. Where the cores are far apart that
+/// dominates: on session 31's VM (two vCPUs ~400 ns apart, a cache line's round trip) the
+/// activations of 8 decoding sessions (8 x 576) took 8.5 us split over two threads against
+/// 5.8 us on the caller, and a SmolLM2 step of 8 sessions went 9.3 -> 8.6 ms (processes
+/// alternated). An earlier VM had measured the split ~3% faster at this size. Prefill
+/// batches (from 64 tokens of 576) still split.
+const PARALLEL_MIN: usize = 1 << 15;
 
 /// Where one batch of rows is quantized to.
 struct Dst<'a> {
