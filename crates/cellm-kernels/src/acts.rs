@@ -94,9 +94,10 @@ fn round_f16(v: f32) -> f32 {
 /// Below this many values a batch is quantized on the calling thread. A split costs a
 /// fork-join, and each task moves its f32 rows to another core and its int8 rows back,
 /// which the products then read on every thread anyway. Where the cores are far apart that
-/// dominates: on session 31's VM (two vCPUs ~400 ns apart, a cache line's round trip) the
-/// activations of 8 decoding sessions (8 x 576) took 8.5 us split over two threads against
-/// 5.8 us on the caller, and a SmolLM2 step of 8 sessions went 9.3 -> 8.6 ms (processes
+/// dominates: on session 31's VM (two vCPUs ~400 ns apart, a cache line's round trip) a
+/// product's setup for 8 decoding sessions (8 x 576 values) took 8.5 us with them split over
+/// two threads against 5.8 us on the caller, and a SmolLM2 step of 8 sessions went 9.3 ->
+/// 8.6 ms (processes
 /// alternated). An earlier VM had measured the split ~3% faster at this size. Prefill
 /// batches (from 64 tokens of 576) still split.
 const PARALLEL_MIN: usize = 1 << 15;
