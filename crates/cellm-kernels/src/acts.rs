@@ -97,9 +97,8 @@ fn round_f16(v: f32) -> f32 {
 /// dominates: on session 31's VM (two vCPUs ~400 ns apart, a cache line's round trip) a
 /// product's setup for 8 decoding sessions (8 x 576 values) took 8.5 us with them split over
 /// two threads against 5.8 us on the caller, and a SmolLM2 step of 8 sessions went 9.3 ->
-/// 8.6 ms (processes
-/// alternated). An earlier VM had measured the split ~3% faster at this size. Prefill
-/// batches (from 64 tokens of 576) still split.
+/// 8.6 ms (processes alternated). An earlier VM had measured the split ~3% faster at this
+/// size. Prefill batches (from 64 tokens of 576) still split.
 const PARALLEL_MIN: usize = 1 << 15;
 
 /// Where one batch of rows is quantized to.
