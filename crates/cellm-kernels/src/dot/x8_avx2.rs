@@ -603,18 +603,21 @@ fn pair_entry<const F: usize>(pair: &[u8], x: &[Q8Row], out: &mut [[f32; 2 * INT
 }
 
 /// The pair kernel of `format` on path `P` (AVX-512 VNNI's, for q8_0x8, q4_0x8 and q4_1x8),
-/// with the fewest tokens it should take. Alone, `gemv` against a matrix streamed from
-/// memory (one thread), the pair kernel is slower (0.8x at one token: two streams),
-/// and faster from 2 tokens (q4_1: 1.1x at 2, 1.4x at 4, 2.0x at 8) or 4 (q8_0: 1.2x at 4,
-/// 1.3x at 8); on matrices that stay in L2, 1.3-2.3x from one token.
+/// with the fewest tokens it should take. On matrices that stay in cache the pair kernel is
+/// 1.3-2.3x faster from one token; streamed from memory it reads two streams a thread, and
+/// there the group kernel keeps up at few tokens. An earlier VM (`gemv`, one thread) had
+/// q4_1's pair kernel at 1.1x at 2 tokens, 1.4x at 4 and 2.0x at 8, and q8_0's at 1.2x at 4;
+/// on session 32's Zen 4, a SmolLM2 Q4_1 step with q4_1's pair kernel from 2 tokens took
+/// 1.08-1.27x the group kernel's at 2 sessions and 1.04-1.14x at 3, and 0.96-0.99x at 4
+/// (steps alternated in one engine), so q4_0 and q4_1 take it from 4 tokens.
 pub(super) fn pair_qdot<const P: u8>(format: TensorFormat) -> Option<(QDotX16Fn, usize)> {
     if P != bytes::AVX512_VNNI {
         return None;
     }
     const PAIRS: [(TensorFormat, QDotX16Fn, usize); 3] = [
         (TensorFormat::INTERLEAVED[0], pair_entry::<0>, 4),
-        (TensorFormat::INTERLEAVED[1], pair_entry::<1>, 2),
-        (TensorFormat::INTERLEAVED[2], pair_entry::<2>, 2),
+        (TensorFormat::INTERLEAVED[1], pair_entry::<1>, 4),
+        (TensorFormat::INTERLEAVED[2], pair_entry::<2>, 4),
     ];
     PAIRS.iter().find(|(f, ..)| *f == format).map(|&(_, k, min)| (k, min))
 }
