@@ -609,7 +609,8 @@ fn pair_entry<const F: usize>(pair: &[u8], x: &[Q8Row], out: &mut [[f32; 2 * INT
 /// q4_1's pair kernel at 1.1x at 2 tokens, 1.4x at 4 and 2.0x at 8, and q8_0's at 1.2x at 4;
 /// on session 32's Zen 4, a SmolLM2 Q4_1 step with q4_1's pair kernel from 2 tokens took
 /// 1.08-1.27x the group kernel's at 2 sessions and 1.04-1.14x at 3, and 0.96-0.99x at 4
-/// (steps alternated in one engine), so q4_0 and q4_1 take it from 4 tokens.
+/// (steps alternated in one engine), so q4_1 takes it from 4 tokens, and so does q4_0 (the
+/// same kernel less the min term; `gemv` streamed favoured its group kernel at 2-4 tokens).
 pub(super) fn pair_qdot<const P: u8>(format: TensorFormat) -> Option<(QDotX16Fn, usize)> {
     if P != bytes::AVX512_VNNI {
         return None;
