@@ -12,6 +12,9 @@ use half::f16;
 
 use crate::pool;
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
 /// Elements per activation block; every integer-kernel format's blocks are multiples of it.
 pub const QBLOCK: usize = 32;
 
@@ -116,7 +119,25 @@ fn quantize_rows(x: &[f32], group: usize, scheme: ActScheme, out: Dst) {
     if scheme != ActScheme::Q8K && crate::Isa::Avx2.supported() {
         // SAFETY: AVX2 and FMA (every AVX2 path's baseline) were just checked.
         let q8_1 = scheme == ActScheme::Q8_1;
-        return unsafe { quantize_rows_avx2(x, q8_1, out.qs, out.ds, out.sums32) };
+        let Dst { qs, ds, sums32, .. } = out;
+        // Whole groups of 16 blocks on AVX-512, the rest on AVX2 (the same arithmetic).
+        let wide = if is_x86_feature_detected!("avx512f") {
+            x.len() / (avx512::BLOCKS * QBLOCK) * avx512::BLOCKS
+        } else {
+            0
+        };
+        let (x0, x1) = x.split_at(wide * QBLOCK);
+        let (qs0, qs1) = qs.split_at_mut(wide * QBLOCK);
+        let (ds0, ds1) = ds.split_at_mut(wide);
+        let (sums0, sums1) = sums32.split_at_mut(wide);
+        // SAFETY: AVX-512F was just checked for the first part (the split keeps the four
+        // slices' lengths in step).
+        unsafe {
+            if wide > 0 {
+                avx512::quantize_blocks(x0, q8_1, qs0, ds0, sums0);
+            }
+            return quantize_rows_avx2(x1, q8_1, qs1, ds1, sums1);
+        }
     }
     let Dst { qs, ds, sums16, sums32 } = out;
     let mut sums32 = sums32.iter_mut();
@@ -294,14 +315,9 @@ impl Q8Acts {
 mod tests {
     use super::*;
 
-    /// The AVX2 quantizer of the per-32 schemes gives bitwise what the scalar loop gives:
-    /// blocks of mixed signs and magnitudes, an all-zero block, ties at .5 after scaling.
-    #[test]
-    fn avx2_quantizer_equals_the_scalar_loop() {
-        if !crate::Isa::Avx2.supported() {
-            return;
-        }
-        let blocks = 64;
+    /// `blocks` blocks of mixed signs and magnitudes, the second all zero, the third with a
+    /// tie at .5 after scaling.
+    fn test_blocks(blocks: usize) -> Vec<f32> {
         let mut x: Vec<f32> = (0..blocks * QBLOCK)
             .map(|i| (((i * 2654435761usize) >> 9) % 2001) as f32 / 1000.0 - 1.0)
             .map(|v| v * (1 + (v.to_bits() % 7)) as f32)
@@ -310,6 +326,51 @@ mod tests {
         // 127 and -63.5 scale to 127 and -63.5: a tie.
         x[2 * QBLOCK] = 127.0;
         x[2 * QBLOCK + 1] = -63.5;
+        x
+    }
+
+    /// The AVX-512 quantizer (sixteen blocks at a time) gives bitwise what the AVX2 loop
+    /// gives, over five groups of sixteen blocks whose magnitudes differ block to block.
+    #[test]
+    fn avx512_quantizer_equals_the_avx2_loop() {
+        if !crate::Isa::Avx2.supported() || !is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let blocks = 5 * avx512::BLOCKS;
+        let mut x = test_blocks(blocks);
+        for (b, block) in x.chunks_exact_mut(QBLOCK).enumerate() {
+            block.iter_mut().for_each(|v| *v *= (b % 11) as f32 * 0.37 + 0.01);
+        }
+        x[5 * QBLOCK..6 * QBLOCK].fill(0.0);
+        for q8_1 in [false, true] {
+            let run = |wide: bool| {
+                let mut qs = vec![0i8; x.len()];
+                let mut ds = vec![[0.0f32; 2]; blocks];
+                let mut sums = vec![0i16; blocks];
+                // SAFETY: AVX2 and AVX-512F checked above.
+                unsafe {
+                    if wide {
+                        avx512::quantize_blocks(&x, q8_1, &mut qs, &mut ds, &mut sums);
+                    } else {
+                        quantize_rows_avx2(&x, q8_1, &mut qs, &mut ds, &mut sums);
+                    }
+                }
+                let bits: Vec<u32> = ds.iter().flatten().map(|f| f.to_bits()).collect();
+                (qs, bits, sums)
+            };
+            assert!(run(true) == run(false), "q8_1 {q8_1}");
+        }
+    }
+
+    /// The AVX2 quantizer of the per-32 schemes gives bitwise what the scalar loop gives:
+    /// blocks of mixed signs and magnitudes, an all-zero block, ties at .5 after scaling.
+    #[test]
+    fn avx2_quantizer_equals_the_scalar_loop() {
+        if !crate::Isa::Avx2.supported() {
+            return;
+        }
+        let blocks = 64;
+        let x = test_blocks(blocks);
         for scheme in [ActScheme::Q8_0, ActScheme::Q8_1] {
             let mut qs = vec![0i8; x.len()];
             let mut ds = vec![[0.0f32; 2]; blocks];
