@@ -14,6 +14,8 @@ use crate::pool;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(avx512::QBLOCK == QBLOCK);
 
 /// Elements per activation block; every integer-kernel format's blocks are multiples of it.
 pub const QBLOCK: usize = 32;

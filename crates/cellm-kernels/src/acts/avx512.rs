@@ -6,7 +6,9 @@
 
 use std::arch::x86_64::*;
 
-use super::QBLOCK;
+/// Values a block: the parent's `QBLOCK` (checked there at compile time), not imported so
+/// that this module stays a leaf.
+pub const QBLOCK: usize = 32;
 
 /// Blocks one pass handles.
 pub const BLOCKS: usize = 16;
