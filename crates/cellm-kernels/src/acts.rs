@@ -332,7 +332,8 @@ mod tests {
     }
 
     /// The AVX-512 quantizer (sixteen blocks at a time) gives bitwise what the AVX2 loop
-    /// gives, over five groups of sixteen blocks whose magnitudes differ block to block.
+    /// gives, over five groups of sixteen blocks whose magnitudes differ block to block, with
+    /// zero blocks and a tie.
     #[test]
     fn avx512_quantizer_equals_the_avx2_loop() {
         if !crate::Isa::Avx2.supported() || !is_x86_feature_detected!("avx512f") {
@@ -340,7 +341,8 @@ mod tests {
         }
         let blocks = 5 * avx512::BLOCKS;
         let mut x = test_blocks(blocks);
-        for (b, block) in x.chunks_exact_mut(QBLOCK).enumerate() {
+        // Rescaled block by block, except block 2, which keeps its tie.
+        for (b, block) in x.chunks_exact_mut(QBLOCK).enumerate().filter(|(b, _)| *b != 2) {
             block.iter_mut().for_each(|v| *v *= (b % 11) as f32 * 0.37 + 0.01);
         }
         x[5 * QBLOCK..6 * QBLOCK].fill(0.0);

@@ -2,7 +2,8 @@
 //! most of a block on its horizontal maximum and sum and on two scalar divisions and two f16
 //! roundings, one block after another; here sixteen blocks' maxima and sums reduce together
 //! (a 16 x 16 transpose folded into the reduction) and their scales divide and round as one
-//! vector. The arithmetic is the AVX2 loop's, so the output is bitwise the same.
+//! vector. The arithmetic is the AVX2 loop's, so the output is bitwise the same (for finite
+//! inputs: a NaN's place in the maxima's order differs).
 
 use std::arch::x86_64::*;
 
