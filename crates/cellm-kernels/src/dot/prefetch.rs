@@ -3,7 +3,7 @@
 //! kernels request what they will read about PREFETCH_BYTES later. A prefetch never faults,
 //! whatever the address: past the end of a matrix it requests nothing useful, nothing worse.
 
-use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
 
 /// How far ahead to read: 4 KiB did better than 1-13 KiB of whole columns and than 8 KiB in
 /// the group kernels (`gemv`).
@@ -51,23 +51,56 @@ pub(super) unsafe fn column_ahead_part(column: *const u8, bytes: usize, part: us
 }
 
 /// The two columns of `bytes` a pair kernel reads (`column` in the first group, the same
-/// column `stride` later in the second) about PREFETCH_BYTES of its two streams later: in
-/// the same groups while they last, past their end in the next pair's groups, which follow
-/// (`2 * stride` later), so that a task walking pair after pair streams memory in order.
+/// column `stride` later in the second) some way along its two streams: in the same groups
+/// while they last, past their end in the next pair's groups, which follow (`2 * stride`
+/// later), so that a task walking pair after pair streams memory in order. `INTO_L2` asks
+/// into L2 only, [`PAIR_L2_BYTES`] ahead; otherwise into L1, [`PAIR_BYTES`] ahead.
 #[inline(always)]
-pub(super) unsafe fn pair_ahead(column: *const u8, offset: usize, bytes: usize, stride: usize) {
-    let distance = (PAIR_BYTES / bytes).max(1) * bytes;
+pub(super) unsafe fn pair_ahead<const INTO_L2: bool>(
+    column: *const u8,
+    offset: usize,
+    bytes: usize,
+    stride: usize,
+) {
+    let reach = if INTO_L2 { PAIR_L2_BYTES } else { PAIR_BYTES };
+    let distance = (reach / bytes).max(1) * bytes;
     let to = offset + distance;
     let first = if to < stride {
         column.wrapping_add(distance)
     } else {
         column.wrapping_add(distance + stride)
     };
+    let second = first.wrapping_add(stride);
     unsafe {
-        lines(first, bytes);
-        lines(first.wrapping_add(stride), bytes);
+        if INTO_L2 {
+            lines_into_l2(first, bytes);
+            lines_into_l2(second, bytes);
+        } else {
+            lines(first, bytes);
+            lines(second, bytes);
+        }
     }
 }
 
-/// Each of a pair kernel's two streams runs this far ahead.
+/// [`lines`], into L2 only.
+#[inline(always)]
+unsafe fn lines_into_l2(at: *const u8, bytes: usize) {
+    for offset in (0..bytes).step_by(64) {
+        // SAFETY (of the intrinsic): a prefetch reads nothing the program sees.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(offset).cast()) };
+    }
+}
+
+/// Each of a pair kernel's two streams runs this far ahead when it asks into L1.
 const PAIR_BYTES: usize = 2048;
+
+/// ... and this far when it asks into L2. A pair kernel that waits on memory (q8_0's at any
+/// count, q4_0's and q4_1's below 8 tokens) keeps more lines in flight through L2's miss
+/// queue than through L1's few fill buffers, whose requests also hold up its loads. On
+/// session 34's Zen 4 (`GEMV_THREADS=2 gemv 196608 576 T`, streamed), q8_0x8 went 0.20 ->
+/// 0.16 ns per 32 weights x token at 8 tokens and 0.39-0.42 -> 0.25-0.28 at 4, q4_1x8
+/// 0.20-0.23 -> 0.17-0.19 at 4 (2 KiB ahead into L2: 0.30-0.32 for q8_0 at 4). At 8
+/// tokens q4_1's kernel is compute-bound and a SmolLM2 Q4_1 step of 8 sessions ran 1-4%
+/// faster with its requests into L1 (steps alternated in one engine), so it keeps them.
+/// The group kernels (AVX2's, and AVX-512's below 4 tokens) ran slower asking into L2.
+const PAIR_L2_BYTES: usize = 4096;
