@@ -12,19 +12,20 @@ const PREFETCH_BYTES: usize = 4096;
 /// Requests the lines holding `at..at + bytes` of a stream read in order, in address order,
 /// one per 64 bytes from `at`. A line the span ends in without starting it is the next span's
 /// to request, so spans shorter than a line cost one request, not one per line they touch.
-/// (Requesting a column's lines last to first made q4_kx8 stream a third slower.)
+/// (Requesting a column's lines last to first made q4_kx8 stream a third slower.) `HINT`:
+/// into L1 (`_MM_HINT_T0`) or into L2 only (`_MM_HINT_T1`).
 #[inline(always)]
-unsafe fn lines(at: *const u8, bytes: usize) {
+unsafe fn lines<const HINT: i32>(at: *const u8, bytes: usize) {
     for offset in (0..bytes).step_by(64) {
         // SAFETY (of the intrinsic): a prefetch reads nothing the program sees.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(offset).cast()) };
+        unsafe { _mm_prefetch::<HINT>(at.wrapping_add(offset).cast()) };
     }
 }
 
 /// The span of `bytes` PREFETCH_BYTES after `p`: row kernels, a block or a step at a time.
 #[inline(always)]
 pub(super) unsafe fn ahead(p: *const u8, bytes: usize) {
-    unsafe { lines(p.wrapping_add(PREFETCH_BYTES), bytes) }
+    unsafe { lines::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES), bytes) }
 }
 
 /// The distance of [`column_ahead`]: whole columns of `bytes`, at least one.
@@ -36,7 +37,7 @@ fn column_distance(bytes: usize) -> usize {
 /// The whole column of `bytes` about PREFETCH_BYTES after `column` (group kernels).
 #[inline(always)]
 pub(super) unsafe fn column_ahead(column: *const u8, bytes: usize) {
-    unsafe { lines(column.wrapping_add(column_distance(bytes)), bytes) }
+    unsafe { lines::<_MM_HINT_T0>(column.wrapping_add(column_distance(bytes)), bytes) }
 }
 
 /// Part `part` of `parts` of [`column_ahead`]'s requests, for a wide column whose requests
@@ -73,21 +74,12 @@ pub(super) unsafe fn pair_ahead<const INTO_L2: bool>(
     let second = first.wrapping_add(stride);
     unsafe {
         if INTO_L2 {
-            lines_into_l2(first, bytes);
-            lines_into_l2(second, bytes);
+            lines::<_MM_HINT_T1>(first, bytes);
+            lines::<_MM_HINT_T1>(second, bytes);
         } else {
-            lines(first, bytes);
-            lines(second, bytes);
+            lines::<_MM_HINT_T0>(first, bytes);
+            lines::<_MM_HINT_T0>(second, bytes);
         }
-    }
-}
-
-/// [`lines`], into L2 only.
-#[inline(always)]
-unsafe fn lines_into_l2(at: *const u8, bytes: usize) {
-    for offset in (0..bytes).step_by(64) {
-        // SAFETY (of the intrinsic): a prefetch reads nothing the program sees.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(offset).cast()) };
     }
 }
 
@@ -98,9 +90,10 @@ const PAIR_BYTES: usize = 2048;
 /// count, q4_0's and q4_1's below 8 tokens) keeps more lines in flight through L2's miss
 /// queue than through L1's few fill buffers, whose requests also hold up its loads. On
 /// session 34's Zen 4 (`GEMV_THREADS=2 gemv 196608 576 T`, streamed), q8_0x8 went 0.20 ->
-/// 0.16 ns per 32 weights x token at 8 tokens and 0.39-0.42 -> 0.25-0.28 at 4, q4_1x8
-/// 0.20-0.23 -> 0.17-0.19 at 4 (2 KiB ahead into L2: 0.30-0.32 for q8_0 at 4). At 8
-/// tokens q4_1's kernel is compute-bound and a SmolLM2 Q4_1 step of 8 sessions ran 1-4%
-/// faster with its requests into L1 (steps alternated in one engine), so it keeps them.
-/// The group kernels (AVX2's, and AVX-512's below 4 tokens) ran slower asking into L2.
+/// 0.16 ns per 32 weights x token at 8 tokens and 0.39-0.42 -> 0.25-0.29 at 4, q4_1x8
+/// 0.20-0.23 -> 0.17-0.20 at 4 (2 KiB ahead into L2: 0.30-0.32 for q8_0 at 4); a SmolLM2
+/// Q4_1 step of 4 sessions ran 17-29% faster. At 8 tokens q4_1's kernel is compute-bound
+/// and a step of 8 sessions ran 1.4-4.2% faster with its requests into L1 (steps
+/// alternated in one engine), so it keeps them. The group kernels (AVX2's, and AVX-512's
+/// below 4 tokens) ran slower asking into L2.
 const PAIR_L2_BYTES: usize = 4096;
