@@ -54,16 +54,16 @@ pub(super) unsafe fn column_ahead_part(column: *const u8, bytes: usize, part: us
 /// The two columns of `bytes` a pair kernel reads (`column` in the first group, the same
 /// column `stride` later in the second) some way along its two streams: in the same groups
 /// while they last, past their end in the next pair's groups, which follow (`2 * stride`
-/// later), so that a task walking pair after pair streams memory in order. `INTO_L2` asks
-/// into L2 only, [`PAIR_L2_BYTES`] ahead; otherwise into L1, [`PAIR_BYTES`] ahead.
+/// later), so that a task walking pair after pair streams memory in order. `HINT`:
+/// [`INTO_L2`], [`PAIR_L2_BYTES`] ahead, or [`INTO_L1`], [`PAIR_BYTES`] ahead.
 #[inline(always)]
-pub(super) unsafe fn pair_ahead<const INTO_L2: bool>(
+pub(super) unsafe fn pair_ahead<const HINT: i32>(
     column: *const u8,
     offset: usize,
     bytes: usize,
     stride: usize,
 ) {
-    let reach = if INTO_L2 { PAIR_L2_BYTES } else { PAIR_BYTES };
+    let reach = if HINT == INTO_L2 { PAIR_L2_BYTES } else { PAIR_BYTES };
     let distance = (reach / bytes).max(1) * bytes;
     let to = offset + distance;
     let first = if to < stride {
@@ -71,17 +71,15 @@ pub(super) unsafe fn pair_ahead<const INTO_L2: bool>(
     } else {
         column.wrapping_add(distance + stride)
     };
-    let second = first.wrapping_add(stride);
     unsafe {
-        if INTO_L2 {
-            lines::<_MM_HINT_T1>(first, bytes);
-            lines::<_MM_HINT_T1>(second, bytes);
-        } else {
-            lines::<_MM_HINT_T0>(first, bytes);
-            lines::<_MM_HINT_T0>(second, bytes);
-        }
+        lines::<HINT>(first, bytes);
+        lines::<HINT>(first.wrapping_add(stride), bytes);
     }
 }
+
+/// The prefetch hints of [`pair_ahead`]: into L1, or into L2 only.
+pub(super) const INTO_L1: i32 = _MM_HINT_T0;
+pub(super) const INTO_L2: i32 = _MM_HINT_T1;
 
 /// Each of a pair kernel's two streams runs this far ahead when it asks into L1.
 const PAIR_BYTES: usize = 2048;

@@ -495,10 +495,10 @@ unsafe fn unsigned_x16<const N: usize, const KIND: u8>(pair: &[u8], x: &[Q8Row; 
         let blk = base.add(bytes * b);
         // At 8 tokens this kernel is compute-bound: its requests go into L1 (see
         // `prefetch::PAIR_L2_BYTES`).
-        if N < 8 {
-            prefetch::pair_ahead::<true>(blk, bytes * b, bytes, stride);
+        if N < x8::MAX_TOKENS {
+            prefetch::pair_ahead::<{ prefetch::INTO_L2 }>(blk, bytes * b, bytes, stride);
         } else {
-            prefetch::pair_ahead::<false>(blk, bytes * b, bytes, stride);
+            prefetch::pair_ahead::<{ prefetch::INTO_L1 }>(blk, bytes * b, bytes, stride);
         }
         let d = halves_ph(blk, stride);
         let c = match KIND {
@@ -539,7 +539,7 @@ unsafe fn q8_0_x16<const N: usize>(pair: &[u8], x: &[Q8Row; N]) -> [__m512; N] {
     let base = pair.as_ptr();
     for b in 0..stride / bytes {
         let blk = base.add(bytes * b);
-        prefetch::pair_ahead::<true>(blk, bytes * b, bytes, stride);
+        prefetch::pair_ahead::<{ prefetch::INTO_L2 }>(blk, bytes * b, bytes, stride);
         let d = halves_ph(blk, stride);
         let qs = blk.add(16);
         let mut run = [_mm512_setzero_si512(); N];
