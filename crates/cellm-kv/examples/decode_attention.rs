@@ -1,10 +1,11 @@
 //! Times decode attention alone: one new token attending to a cached context, every layer.
 //!
 //! `cargo run --release -p cellm-kv --example decode_attention -- CONTEXT LAYERS THREADS
-//! [PAGE_SIZE] [--hot] [--encoding f16|f32|int8|int4] [--sessions N]` fills a SmolLM2-shaped
-//! cache (9 query heads, 3 kv heads of 64; f16 unless told) for N sessions (1 unless told),
-//! each CONTEXT tokens long, and prints the best of 20 steps that decode one token of every
-//! session, with the cache bytes a step reads per second. Between
+//! [PAGE_SIZE] [--hot] [--encoding f16|f32|int8|int4] [--sessions N] [--steps S]` fills a
+//! SmolLM2-shaped cache (9 query heads, 3 kv heads of 64; f16 unless told) for N sessions (1
+//! unless told), each CONTEXT tokens long, and prints the best of S steps (20 unless told)
+//! that decode one token of every session, with the cache bytes a step reads per second
+//! (many steps of a hot one-layer cache make a profile of the arithmetic). Between
 //! steps it streams 80 MiB, as a model's weights would, so the cache comes from memory;
 //! `--hot` skips that and times the arithmetic on a cache that fits the caches.
 
@@ -23,14 +24,22 @@ fn main() -> ExitCode {
     let hot = args.iter().any(|a| a == "--hot");
     let at = args.iter().position(|a| a == "--encoding");
     let at_sessions = args.iter().position(|a| a == "--sessions");
-    let sessions = match at_sessions.map(|i| args.get(i + 1).map(|n| n.parse::<usize>())) {
-        None => 1,
-        Some(Some(Ok(n))) if n > 0 => n,
-        _ => {
-            eprintln!("error: --sessions needs a count of at least 1");
-            return ExitCode::from(2);
-        }
+    let at_steps = args.iter().position(|a| a == "--steps");
+    let count_after = |at: Option<usize>, default: usize, flag: &str| match at
+        .map(|i| args.get(i + 1).map(|n| n.parse::<usize>()))
+    {
+        None => Ok(default),
+        Some(Some(Ok(n))) if n > 0 => Ok(n),
+        _ => Err(format!("error: {flag} needs a count of at least 1")),
     };
+    let (sessions, steps) =
+        match (count_after(at_sessions, 1, "--sessions"), count_after(at_steps, 20, "--steps")) {
+            (Ok(sessions), Ok(steps)) => (sessions, steps),
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("{e}");
+                return ExitCode::from(2);
+            }
+        };
     let encoding = match at.map(|i| args.get(i + 1).map(|n| KvEncoding::parse(n))) {
         None => KvEncoding::F16,
         Some(Some(Ok(e))) => e,
@@ -48,7 +57,7 @@ fn main() -> ExitCode {
         .enumerate()
         .filter(|&(i, a)| {
             let flag = |at: Option<usize>| at.is_some_and(|e| i == e || i == e + 1);
-            a != "--hot" && !flag(at) && !flag(at_sessions)
+            a != "--hot" && !flag(at) && !flag(at_sessions) && !flag(at_steps)
         })
         .map(|(_, a)| a.parse::<usize>())
         .collect();
@@ -58,7 +67,7 @@ fn main() -> ExitCode {
         _ => {
             eprintln!(
                 "usage: decode_attention CONTEXT LAYERS THREADS [PAGE_SIZE] [--hot] \
-                 [--encoding NAME] [--sessions N]"
+                 [--encoding NAME] [--sessions N] [--steps S]"
             );
             return ExitCode::from(2);
         }
@@ -67,7 +76,7 @@ fn main() -> ExitCode {
         eprintln!("error: every count must be at least 1");
         return ExitCode::from(2);
     }
-    let ms = time_steps(context, layers, (threads, sessions), page_size, hot, encoding);
+    let ms = time_steps(context, layers, (threads, sessions, steps), page_size, hot, encoding);
     let bytes = (sessions * context * layers * KV_HEADS * encoding.head_bytes(HEAD_DIM) * 2) as f64;
     println!(
         "context {context}, {layers} layers, {threads} threads, {sessions} sessions, pages of \
@@ -78,11 +87,11 @@ fn main() -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// The best of 20 steps, in ms.
+/// The best of `steps` steps, in ms.
 fn time_steps(
     context: usize,
     layers: usize,
-    (threads, sessions): (usize, usize),
+    (threads, sessions, steps): (usize, usize, usize),
     page_size: usize,
     hot: bool,
     encoding: KvEncoding,
@@ -124,7 +133,7 @@ fn time_steps(
     let workers = ThreadPool::new(threads).expect("thread pool");
     let other = vec![1u64; 80 << 17]; // 80 MiB
     let mut best = f64::MAX;
-    for _ in 0..20 {
+    for _ in 0..steps {
         if !hot {
             workers.install(|| stream_read(&other));
         }
