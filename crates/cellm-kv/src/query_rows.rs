@@ -162,7 +162,7 @@ thread_local! {
 }
 
 thread_local! {
-    /// A task's block scores and one page's, kept for the thread's next task.
+    /// A task's block scores, kept for the thread's next task.
     static BLOCK_SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
@@ -179,9 +179,11 @@ impl RowTasks<'_> {
     /// Unnormalised softmax-weighted sums of values over the pages `pages` (clipped to the
     /// query's window) for the query's heads of one row; `part` gets each head's maximum and
     /// denominator. Pages go in blocks: the scores of a whole block first (a page's rows of
-    /// one kv head through the page kernels once for all the query heads sharing it), then
-    /// one softmax step per head over the block's positions, then its values. Per-page
-    /// maxima and sums over 16 scores cost about as much as the page kernels themselves.
+    /// one kv head through the page kernels once for all the query heads sharing it, each
+    /// head's scores written in place in its run of the block's positions), then one softmax
+    /// step per head over the block's positions, then its values, weighted from the same
+    /// runs. Per-page maxima and sums over 16 scores cost about as much as the page kernels
+    /// themselves.
     fn attend_pages(
         &self,
         query: &Query,
@@ -193,14 +195,12 @@ impl RowTasks<'_> {
         let n_heads = query.heads.len();
         let ps = self.pool.config().page_size;
         let mut keys = KeyScratch::new(self, query);
-        // The block's scores, head by head (`cap` apart), and one page's as the page kernels
-        // lay them out (`count` apart).
+        // The block's scores, head by head (`cap` apart).
         let per_block = (BLOCK_SCORES / (n_heads * ps)).clamp(1, pages.len().max(1));
         let cap = per_block * ps;
         // Kept in the thread from task to task (every layer of every row has tasks).
-        let mut buf = BLOCK_SCRATCH.with(|b| b.take());
-        buf.resize(n_heads * (cap + ps), 0.0);
-        let (scores, page_buf) = buf.split_at_mut(n_heads * cap);
+        let mut scores = BLOCK_SCRATCH.with(|b| b.take());
+        scores.resize(n_heads * cap, 0.0);
         // Pages are read as one stream: a block's keys, then its values, then the next
         // block's keys. While one page multiplies, the page `AHEAD` places further on in that
         // stream comes from memory; the chunk's first pages are asked for whole.
@@ -229,11 +229,8 @@ impl RowTasks<'_> {
             for (i, page) in block.clone().enumerate() {
                 let slots = self.slots(query, page);
                 let count = slots.len();
-                let page_scores = &mut page_buf[..n_heads * count];
-                self.key_scores(query, page, slots, stream(b, i, false), &mut keys, page_scores);
-                for (h, s) in page_scores.chunks_exact(count).enumerate() {
-                    scores[h * cap + len..][..count].copy_from_slice(s);
-                }
+                let next = stream(b, i, false);
+                self.key_scores(query, page, slots, next, &mut keys, (&mut scores[len..], cap));
                 len += count;
             }
             for (h, weights) in scores.chunks_exact_mut(cap).enumerate() {
@@ -243,17 +240,12 @@ impl RowTasks<'_> {
             }
             let mut at = 0;
             for (i, page) in block.clone().enumerate() {
-                let count = self.slots(query, page).len();
-                let weights = &mut page_buf[..n_heads * count];
-                for (h, w) in weights.chunks_exact_mut(count).enumerate() {
-                    w.copy_from_slice(&scores[h * cap + at..][..count]);
-                }
-                at += count;
                 let next = stream(b, i, true);
-                self.add_values(query, page, next, weights, &mut keys, out);
+                self.add_values(query, page, next, (&scores[at..], cap), &mut keys, out);
+                at += self.slots(query, page).len();
             }
         }
-        BLOCK_SCRATCH.with(|b| b.set(buf));
+        BLOCK_SCRATCH.with(|b| b.set(scores));
     }
 
     /// The slots of `page` the query sees (its window and its own position clip them).
@@ -302,7 +294,8 @@ impl RowTasks<'_> {
         }
     }
 
-    /// The query heads' scores against `page`'s keys of `slots`, `scores[h * count + slot]`.
+    /// The query heads' scores against `page`'s keys of `slots`, `scores[h * stride + slot]`
+    /// for `(scores, stride)`.
     fn key_scores(
         &self,
         query: &Query,
@@ -310,7 +303,7 @@ impl RowTasks<'_> {
         slots: std::ops::Range<usize>,
         next: Option<(usize, bool)>,
         keys: &mut KeyScratch,
-        scores: &mut [f32],
+        (scores, stride): (&mut [f32], usize),
     ) {
         let hd = self.shape.head_dim;
         let count = slots.len();
@@ -330,12 +323,12 @@ impl RowTasks<'_> {
         } = keys;
         for kv in groups.kv_heads() {
             let hs = groups.sharing(kv);
-            let scores = &mut scores[hs.start * count..hs.end * count];
+            let scores = &mut scores[hs.start * stride..][..(hs.len() - 1) * stride + count];
             self.ahead(query, next, kv);
             let rows = readable(self.reader, self.stored(krows, &slots, kv), head_bytes, widened);
             let q = &query.q[hs.start * hd..hs.end * hd];
             if *hdr == 0 {
-                (self.kern.dot)(rows, q, scores);
+                (self.kern.dot)(rows, q, scores, stride);
                 continue;
             }
             KeyHeader::decode_into(&refs[kv * *hdr..][..*hdr], reference, scales);
@@ -350,20 +343,21 @@ impl RowTasks<'_> {
                     r.rotate(t);
                 }
             }
-            (self.kern.dot)(rows, turned, scores);
-            for (h, c) in scores.chunks_exact_mut(count).zip(&offsets[hs.clone()]) {
-                h.iter_mut().for_each(|s| *s += c);
+            (self.kern.dot)(rows, turned, scores, stride);
+            for (h, c) in offsets[hs.clone()].iter().enumerate() {
+                scores[h * stride..][..count].iter_mut().for_each(|s| *s += c);
             }
         }
     }
 
-    /// Adds `page`'s values, weighted by `weights[h * count + slot]`, into the heads' sums.
+    /// Adds `page`'s values, weighted by `weights[h * stride + slot]` for `(weights,
+    /// stride)`, into the heads' sums.
     fn add_values(
         &self,
         query: &Query,
         page: usize,
         next: Option<(usize, bool)>,
-        weights: &[f32],
+        (weights, stride): (&[f32], usize),
         keys: &mut KeyScratch,
         out: &mut [f32],
     ) {
@@ -378,7 +372,8 @@ impl RowTasks<'_> {
             self.ahead(query, next, kv);
             let rows = readable(self.reader, self.stored(vrows, &slots, kv), head_bytes, widened);
             (self.kern.axpy)(
-                &weights[hs.start * count..hs.end * count],
+                &weights[hs.start * stride..][..(hs.len() - 1) * stride + count],
+                stride,
                 rows,
                 &mut out[hs.start * hd..hs.end * hd],
             );

@@ -555,7 +555,12 @@ unsafe fn hsum4(v: [__m256; 4]) -> __m128 {
 /// Scores of one pass of `H` heads against every row, four rows at a time (a last partial
 /// four repeats its last row and keeps only the real sums).
 #[inline(always)]
-unsafe fn dot_pass<L: Lanes, const H: usize>(rows: CachedRows, q: *const f32, scores: *mut f32) {
+unsafe fn dot_pass<L: Lanes, const H: usize>(
+    rows: CachedRows,
+    q: *const f32,
+    scores: *mut f32,
+    stride: usize,
+) {
     let (base, count) = (rows.bytes.as_ptr(), rows.count);
     for s0 in (0..count).step_by(4) {
         let mut four = [base.cast::<L::Elem>(); 4];
@@ -565,7 +570,7 @@ unsafe fn dot_pass<L: Lanes, const H: usize>(rows: CachedRows, q: *const f32, sc
         let sums = dot_four::<L, H>(four, rows.dim, q);
         let real = (count - s0).min(4);
         for (h, sum) in sums.iter().enumerate() {
-            let to = scores.add(h * count + s0);
+            let to = scores.add(h * stride + s0);
             if real == 4 {
                 _mm_storeu_ps(to, *sum);
             } else {
@@ -580,16 +585,16 @@ unsafe fn dot_pass<L: Lanes, const H: usize>(rows: CachedRows, q: *const f32, sc
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_heads<L: Lanes>(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
+unsafe fn dot_heads<L: Lanes>(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
     let elem = size_of::<L::Elem>();
-    let heads = rows.heads(elem, (q.len(), rows.dim), (scores.len(), rows.count));
+    let heads = rows.heads(elem, (q.len(), rows.dim), (scores.len(), stride));
     for pass in head_passes(heads, 3) {
         let (qp, sp) = (q.as_ptr().add(pass.start * rows.dim), scores.as_mut_ptr());
-        let sp = sp.add(pass.start * rows.count);
+        let sp = sp.add(pass.start * stride);
         match pass.len() {
-            1 => dot_pass::<L, 1>(rows, qp, sp),
-            2 => dot_pass::<L, 2>(rows, qp, sp),
-            _ => dot_pass::<L, 3>(rows, qp, sp),
+            1 => dot_pass::<L, 1>(rows, qp, sp, stride),
+            2 => dot_pass::<L, 2>(rows, qp, sp, stride),
+            _ => dot_pass::<L, 3>(rows, qp, sp, stride),
         }
     }
 }
@@ -599,6 +604,7 @@ unsafe fn dot_heads<L: Lanes>(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
 #[inline(always)]
 unsafe fn axpy_cols<L: Lanes, const H: usize, const C: usize>(
     w: *const f32,
+    stride: usize,
     rows: CachedRows,
     col: usize,
     acc: *mut f32,
@@ -614,7 +620,7 @@ unsafe fn axpy_cols<L: Lanes, const H: usize, const C: usize>(
         let row = rows.bytes.as_ptr().add(s * rows.stride).cast::<L::Elem>().add(col);
         let mut ws = [_mm256_setzero_ps(); H];
         for (h, ws) in ws.iter_mut().enumerate() {
-            *ws = _mm256_broadcast_ss(&*w.add(h * count + s));
+            *ws = _mm256_broadcast_ss(&*w.add(h * stride + s));
         }
         for c in 0..C {
             let v = L::load8(row.add(8 * c));
@@ -632,59 +638,64 @@ unsafe fn axpy_cols<L: Lanes, const H: usize, const C: usize>(
 
 /// One pass of `H` heads over every column: 32 at a time, then 8, then one by one.
 #[inline(always)]
-unsafe fn axpy_pass<L: Lanes, const H: usize>(w: *const f32, rows: CachedRows, acc: *mut f32) {
+unsafe fn axpy_pass<L: Lanes, const H: usize>(
+    w: *const f32,
+    stride: usize,
+    rows: CachedRows,
+    acc: *mut f32,
+) {
     let (n, count) = (rows.dim, rows.count);
     let mut col = 0;
     while col + 32 <= n {
-        axpy_cols::<L, H, 4>(w, rows, col, acc);
+        axpy_cols::<L, H, 4>(w, stride, rows, col, acc);
         col += 32;
     }
     while col + 8 <= n {
-        axpy_cols::<L, H, 1>(w, rows, col, acc);
+        axpy_cols::<L, H, 1>(w, stride, rows, col, acc);
         col += 8;
     }
     for s in 0..count {
         let row = rows.bytes.as_ptr().add(s * rows.stride).cast::<L::Elem>();
         for h in 0..H {
             for k in col..n {
-                *acc.add(h * n + k) += *w.add(h * count + s) * widen(*row.add(k));
+                *acc.add(h * n + k) += *w.add(h * stride + s) * widen(*row.add(k));
             }
         }
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn axpy_heads<L: Lanes>(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
+unsafe fn axpy_heads<L: Lanes>(weights: &[f32], stride: usize, rows: CachedRows, acc: &mut [f32]) {
     let elem = size_of::<L::Elem>();
-    let heads = rows.heads(elem, (acc.len(), rows.dim), (weights.len(), rows.count));
+    let heads = rows.heads(elem, (acc.len(), rows.dim), (weights.len(), stride));
     for pass in head_passes(heads, 3) {
-        let wp = weights.as_ptr().add(pass.start * rows.count);
+        let wp = weights.as_ptr().add(pass.start * stride);
         let ap = acc.as_mut_ptr().add(pass.start * rows.dim);
         match pass.len() {
-            1 => axpy_pass::<L, 1>(wp, rows, ap),
-            2 => axpy_pass::<L, 2>(wp, rows, ap),
-            _ => axpy_pass::<L, 3>(wp, rows, ap),
+            1 => axpy_pass::<L, 1>(wp, stride, rows, ap),
+            2 => axpy_pass::<L, 2>(wp, stride, rows, ap),
+            _ => axpy_pass::<L, 3>(wp, stride, rows, ap),
         }
     }
 }
 
-fn dot_heads_f32(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
-    unsafe { dot_heads::<F32>(rows, q, scores) }
+fn dot_heads_f32(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
+    unsafe { dot_heads::<F32>(rows, q, scores, stride) }
 }
-fn dot_heads_f16(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
-    unsafe { dot_heads::<F16>(rows, q, scores) }
+fn dot_heads_f16(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
+    unsafe { dot_heads::<F16>(rows, q, scores, stride) }
 }
-fn dot_heads_bf16(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
-    unsafe { dot_heads::<Bf16>(rows, q, scores) }
+fn dot_heads_bf16(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
+    unsafe { dot_heads::<Bf16>(rows, q, scores, stride) }
 }
-fn axpy_heads_f32(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
-    unsafe { axpy_heads::<F32>(weights, rows, acc) }
+fn axpy_heads_f32(weights: &[f32], stride: usize, rows: CachedRows, acc: &mut [f32]) {
+    unsafe { axpy_heads::<F32>(weights, stride, rows, acc) }
 }
-fn axpy_heads_f16(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
-    unsafe { axpy_heads::<F16>(weights, rows, acc) }
+fn axpy_heads_f16(weights: &[f32], stride: usize, rows: CachedRows, acc: &mut [f32]) {
+    unsafe { axpy_heads::<F16>(weights, stride, rows, acc) }
 }
-fn axpy_heads_bf16(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
-    unsafe { axpy_heads::<Bf16>(weights, rows, acc) }
+fn axpy_heads_bf16(weights: &[f32], stride: usize, rows: CachedRows, acc: &mut [f32]) {
+    unsafe { axpy_heads::<Bf16>(weights, stride, rows, acc) }
 }
 
 // The page kernels again in 512-bit vectors, for the AVX-512 path (`head_kernels_512`):
@@ -820,6 +831,7 @@ unsafe fn dot_pass16<L: Lanes16, const H: usize>(
     rows: CachedRows,
     q: *const f32,
     scores: *mut f32,
+    stride: usize,
 ) {
     let (base, count) = (rows.bytes.as_ptr(), rows.count);
     let eights = count / 8 * 8;
@@ -830,7 +842,7 @@ unsafe fn dot_pass16<L: Lanes16, const H: usize>(
         }
         let sums = dot_eight16::<L, H>(eight, rows.dim, q);
         for (h, sum) in sums.iter().enumerate() {
-            _mm256_storeu_ps(scores.add(h * count + s0), *sum);
+            _mm256_storeu_ps(scores.add(h * stride + s0), *sum);
         }
     }
     for s0 in (eights..count).step_by(4) {
@@ -841,7 +853,7 @@ unsafe fn dot_pass16<L: Lanes16, const H: usize>(
         let sums = dot_four16::<L, H>(four, rows.dim, q);
         let real = (count - s0).min(4);
         for (h, sum) in sums.iter().enumerate() {
-            let to = scores.add(h * count + s0);
+            let to = scores.add(h * stride + s0);
             if real == 4 {
                 _mm_storeu_ps(to, *sum);
             } else {
@@ -856,19 +868,19 @@ unsafe fn dot_pass16<L: Lanes16, const H: usize>(
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
-unsafe fn dot_heads16<L: Lanes16>(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
+unsafe fn dot_heads16<L: Lanes16>(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
     if !rows.dim.is_multiple_of(16) {
-        return dot_heads::<L>(rows, q, scores);
+        return dot_heads::<L>(rows, q, scores, stride);
     }
     let elem = size_of::<L::Elem>();
-    let heads = rows.heads(elem, (q.len(), rows.dim), (scores.len(), rows.count));
+    let heads = rows.heads(elem, (q.len(), rows.dim), (scores.len(), stride));
     for pass in head_passes(heads, 3) {
         let (qp, sp) = (q.as_ptr().add(pass.start * rows.dim), scores.as_mut_ptr());
-        let sp = sp.add(pass.start * rows.count);
+        let sp = sp.add(pass.start * stride);
         match pass.len() {
-            1 => dot_pass16::<L, 1>(rows, qp, sp),
-            2 => dot_pass16::<L, 2>(rows, qp, sp),
-            _ => dot_pass16::<L, 3>(rows, qp, sp),
+            1 => dot_pass16::<L, 1>(rows, qp, sp, stride),
+            2 => dot_pass16::<L, 2>(rows, qp, sp, stride),
+            _ => dot_pass16::<L, 3>(rows, qp, sp, stride),
         }
     }
 }
@@ -877,6 +889,7 @@ unsafe fn dot_heads16<L: Lanes16>(rows: CachedRows, q: &[f32], scores: &mut [f32
 #[inline(always)]
 unsafe fn axpy_cols16<L: Lanes16, const H: usize, const C: usize>(
     w: *const f32,
+    stride: usize,
     rows: CachedRows,
     col: usize,
     acc: *mut f32,
@@ -892,7 +905,7 @@ unsafe fn axpy_cols16<L: Lanes16, const H: usize, const C: usize>(
         let row = rows.bytes.as_ptr().add(s * rows.stride).cast::<L::Elem>().add(col);
         let mut ws = [_mm512_setzero_ps(); H];
         for (h, ws) in ws.iter_mut().enumerate() {
-            *ws = _mm512_set1_ps(*w.add(h * count + s));
+            *ws = _mm512_set1_ps(*w.add(h * stride + s));
         }
         for c in 0..C {
             let v = L::load16(row.add(16 * c));
@@ -909,53 +922,58 @@ unsafe fn axpy_cols16<L: Lanes16, const H: usize, const C: usize>(
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
-unsafe fn axpy_heads16<L: Lanes16>(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
+unsafe fn axpy_heads16<L: Lanes16>(
+    weights: &[f32],
+    stride: usize,
+    rows: CachedRows,
+    acc: &mut [f32],
+) {
     if !rows.dim.is_multiple_of(16) {
-        return axpy_heads::<L>(weights, rows, acc);
+        return axpy_heads::<L>(weights, stride, rows, acc);
     }
     let elem = size_of::<L::Elem>();
-    let heads = rows.heads(elem, (acc.len(), rows.dim), (weights.len(), rows.count));
+    let heads = rows.heads(elem, (acc.len(), rows.dim), (weights.len(), stride));
     let n = rows.dim;
     for pass in head_passes(heads, 3) {
-        let wp = weights.as_ptr().add(pass.start * rows.count);
+        let wp = weights.as_ptr().add(pass.start * stride);
         let ap = acc.as_mut_ptr().add(pass.start * n);
         let mut col = 0;
         while col + 64 <= n {
             match pass.len() {
-                1 => axpy_cols16::<L, 1, 4>(wp, rows, col, ap),
-                2 => axpy_cols16::<L, 2, 4>(wp, rows, col, ap),
-                _ => axpy_cols16::<L, 3, 4>(wp, rows, col, ap),
+                1 => axpy_cols16::<L, 1, 4>(wp, stride, rows, col, ap),
+                2 => axpy_cols16::<L, 2, 4>(wp, stride, rows, col, ap),
+                _ => axpy_cols16::<L, 3, 4>(wp, stride, rows, col, ap),
             }
             col += 64;
         }
         while col < n {
             match pass.len() {
-                1 => axpy_cols16::<L, 1, 1>(wp, rows, col, ap),
-                2 => axpy_cols16::<L, 2, 1>(wp, rows, col, ap),
-                _ => axpy_cols16::<L, 3, 1>(wp, rows, col, ap),
+                1 => axpy_cols16::<L, 1, 1>(wp, stride, rows, col, ap),
+                2 => axpy_cols16::<L, 2, 1>(wp, stride, rows, col, ap),
+                _ => axpy_cols16::<L, 3, 1>(wp, stride, rows, col, ap),
             }
             col += 16;
         }
     }
 }
 
-fn dot_heads16_f32(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
-    unsafe { dot_heads16::<F32>(rows, q, scores) }
+fn dot_heads16_f32(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
+    unsafe { dot_heads16::<F32>(rows, q, scores, stride) }
 }
-fn dot_heads16_f16(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
-    unsafe { dot_heads16::<F16>(rows, q, scores) }
+fn dot_heads16_f16(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
+    unsafe { dot_heads16::<F16>(rows, q, scores, stride) }
 }
-fn dot_heads16_bf16(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
-    unsafe { dot_heads16::<Bf16>(rows, q, scores) }
+fn dot_heads16_bf16(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
+    unsafe { dot_heads16::<Bf16>(rows, q, scores, stride) }
 }
-fn axpy_heads16_f32(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
-    unsafe { axpy_heads16::<F32>(weights, rows, acc) }
+fn axpy_heads16_f32(weights: &[f32], stride: usize, rows: CachedRows, acc: &mut [f32]) {
+    unsafe { axpy_heads16::<F32>(weights, stride, rows, acc) }
 }
-fn axpy_heads16_f16(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
-    unsafe { axpy_heads16::<F16>(weights, rows, acc) }
+fn axpy_heads16_f16(weights: &[f32], stride: usize, rows: CachedRows, acc: &mut [f32]) {
+    unsafe { axpy_heads16::<F16>(weights, stride, rows, acc) }
 }
-fn axpy_heads16_bf16(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
-    unsafe { axpy_heads16::<Bf16>(weights, rows, acc) }
+fn axpy_heads16_bf16(weights: &[f32], stride: usize, rows: CachedRows, acc: &mut [f32]) {
+    unsafe { axpy_heads16::<Bf16>(weights, stride, rows, acc) }
 }
 
 /// Rows of a page whose int8 scales (and scaled weights) the head kernels keep on the stack.
@@ -987,33 +1005,37 @@ fn with_i8_scales<R>(rows: CachedRows, f: impl FnOnce(&[f32]) -> R) -> R {
 
 /// `dot_heads16` over int8 rows: each row's sums over its int8 values, times its scale (the
 /// pages are read as stored, half of f16's bytes, instead of widened to f32 first).
-fn dot_heads16_i8(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
+fn dot_heads16_i8(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
     // SAFETY: the values start past the scale, and `heads` checks every row's end there.
-    unsafe { dot_heads16::<I8>(rows.offset_by(I8_SCALE_BYTES), q, scores) }
+    unsafe { dot_heads16::<I8>(rows.offset_by(I8_SCALE_BYTES), q, scores, stride) }
     with_i8_scales(rows, |d| {
-        for h in scores.chunks_exact_mut(rows.count) {
-            h.iter_mut().zip(d).for_each(|(s, d)| *s *= d);
+        for h in 0..q.len() / rows.dim {
+            let head = &mut scores[h * stride..][..rows.count];
+            head.iter_mut().zip(d).for_each(|(s, d)| *s *= d);
         }
     });
 }
 
 /// `axpy_heads16` over int8 rows: each row's weights times its scale, then its int8 values.
-fn axpy_heads16_i8(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
+fn axpy_heads16_i8(weights: &[f32], stride: usize, rows: CachedRows, acc: &mut [f32]) {
+    let (heads, count) = (acc.len() / rows.dim, rows.count);
     let mut stack = [0.0f32; 4 * I8_STACK_ROWS];
     let mut heap = Vec::new();
-    let scaled = if weights.len() <= stack.len() {
-        &mut stack[..weights.len()]
+    let scaled = if heads * count <= stack.len() {
+        &mut stack[..heads * count]
     } else {
-        heap.resize(weights.len(), 0.0);
+        heap.resize(heads * count, 0.0);
         &mut heap[..]
     };
+    assert!(stride >= count, "int8 page weights: heads {stride} apart, {count} rows");
     with_i8_scales(rows, |d| {
-        for (out, w) in scaled.chunks_exact_mut(rows.count).zip(weights.chunks_exact(rows.count)) {
+        for (h, out) in scaled.chunks_exact_mut(count).enumerate() {
+            let w = &weights[h * stride..][..count];
             out.iter_mut().zip(w).zip(d).for_each(|((o, w), d)| *o = w * d);
         }
     });
     // SAFETY: as in `dot_heads16_i8`.
-    unsafe { axpy_heads16::<I8>(scaled, rows.offset_by(I8_SCALE_BYTES), acc) }
+    unsafe { axpy_heads16::<I8>(scaled, count, rows.offset_by(I8_SCALE_BYTES), acc) }
 }
 
 /// The head-group kernels of int8 KV pages on the AVX-512 path (its table hands them out).

@@ -55,31 +55,38 @@ impl<'a> CachedRows<'a> {
     }
 
     /// The number of heads in `per_head = (len, per)`: `len` values, `per` for each head
-    /// (`dim` for queries and accumulators, `count` for scores and weights). Checks that
-    /// every row lies inside `bytes` and that `other = (len, per)` holds as many heads. The
-    /// SIMD kernels read through raw pointers after this check.
+    /// (`dim` for queries and accumulators). Checks that every row lies inside `bytes` and
+    /// that `runs = (len, stride)` holds a run of `count` values (scores or weights) for
+    /// each of those heads, `stride` (at least `count`) apart. The SIMD kernels read through
+    /// raw pointers after this check.
     #[inline]
     pub(super) fn heads(
         &self,
         elem: usize,
         per_head: (usize, usize),
-        other: (usize, usize),
+        runs: (usize, usize),
     ) -> usize {
         let end = self.count.checked_sub(1).map_or(0, |last| last * self.stride + self.dim * elem);
         assert!(self.bytes.len() >= end, "cached rows end at {end}, past the plane");
         assert!(self.dim > 0 && self.count > 0, "cached rows: empty run");
         let heads = per_head.0 / per_head.1;
-        assert!(per_head.0 == heads * per_head.1 && other.0 == heads * other.1, "head shapes");
+        let (len, stride) = runs;
+        let runs_fit = heads.checked_sub(1).is_none_or(|last| len >= last * stride + self.count);
+        assert!(
+            per_head.0 == heads * per_head.1 && stride >= self.count && runs_fit,
+            "head shapes"
+        );
         heads
     }
 }
 
-/// `scores[h * rows.count + s] = dot(q[h], row s)` for the query heads that share the rows'
-/// kv head (`q` holds those heads, `rows.dim` apart; `scores` is heads x rows).
-pub type DotHeadsFn = fn(CachedRows, &[f32], &mut [f32]);
-/// `acc[h] += sum over s of weights[h * rows.count + s] * row s`, for the heads that share
-/// the rows' kv head (`acc` holds those heads, `rows.dim` apart).
-pub type AxpyHeadsFn = fn(&[f32], CachedRows, &mut [f32]);
+/// `scores[h * stride + s] = dot(q[h], row s)` for the query heads that share the rows' kv
+/// head (`q` holds those heads, `rows.dim` apart; each head's `rows.count` scores start
+/// `stride` apart, so that a page's scores land in place in a longer run of positions).
+pub type DotHeadsFn = fn(CachedRows, &[f32], &mut [f32], usize);
+/// `acc[h] += sum over s of weights[h * stride + s] * row s`, for the heads that share the
+/// rows' kv head (`acc` holds those heads, `rows.dim` apart).
+pub type AxpyHeadsFn = fn(&[f32], usize, CachedRows, &mut [f32]);
 
 /// How many heads of a group a page kernel takes in one pass, and the passes' sizes: the
 /// group split as evenly as it goes into passes of at most `most` (7 in threes: 3, 2, 2).

@@ -99,7 +99,9 @@ mod tests {
 
     /// Checks page kernels `heads` over `run` against one call of `rows` per (head, row),
     /// row `s` given by `row(s)` in the format `rows` reads: the dot within 1e-5 per
-    /// element, the weighted sums within 1e-5 of their size per row.
+    /// element, the weighted sums within 1e-5 of their size per row. The heads' scores and
+    /// weights lie `count + 5` apart, as a page's do in a block of pages: the gaps between
+    /// the runs must stay as they were, and the gaps' weights must not count.
     fn check_by_rows(
         heads: HeadKernels,
         rows: RowKernels,
@@ -109,20 +111,28 @@ mod tests {
         what: &str,
     ) {
         let (n, count) = (run.dim, run.count);
+        let stride = count + 5;
         let q = pseudo_random(n * group, 9);
-        let mut got = vec![0.0; group * count];
-        (heads.dot)(run, &q, &mut got);
+        let mut got = vec![f32::NAN; group * stride];
+        (heads.dot)(run, &q, &mut got, stride);
         for (i, g) in got.iter().enumerate() {
-            let (h, s) = (i / count, i % count);
+            let (h, s) = (i / stride, i % stride);
+            if s >= count {
+                assert!(g.is_nan(), "{what} dot wrote {g} past head {h}'s run");
+                continue;
+            }
             let want = (rows.dot)(&row(s), &q[h * n..(h + 1) * n]);
             assert!((g - want).abs() <= 1e-5 * n as f32, "{what} dot: {g} vs {want}");
         }
-        let w: Vec<f32> = (0..group * count).map(|i| 0.3 - 0.07 * i as f32).collect();
+        let w: Vec<f32> = (0..group * stride)
+            .map(|i| if i % stride < count { 0.3 - 0.07 * i as f32 } else { 1e9 })
+            .collect();
         let (mut got, mut want) = (q.clone(), q.clone());
-        (heads.axpy)(&w, run, &mut got);
-        for (i, &wi) in w.iter().enumerate() {
-            let (h, s) = (i / count, i % count);
-            (rows.axpy)(wi, &row(s), &mut want[h * n..(h + 1) * n]);
+        (heads.axpy)(&w, stride, run, &mut got);
+        for h in 0..group {
+            for s in 0..count {
+                (rows.axpy)(w[h * stride + s], &row(s), &mut want[h * n..(h + 1) * n]);
+            }
         }
         for (g, w) in got.iter().zip(&want) {
             let tol = 1e-5 * w.abs().max(1.0) * count as f32;

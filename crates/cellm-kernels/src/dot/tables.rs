@@ -101,23 +101,33 @@ macro_rules! head_kernels_by_rows {
         pub fn head_kernels(format: TensorFormat) -> super::kinds::HeadKernels {
             use super::floats::{float_index, FLOAT_BYTES, FLOAT_FORMATS};
             use super::kinds::{CachedRows, HeadKernels as K};
-            fn dot_heads<const F: usize>(rows: CachedRows, q: &[f32], scores: &mut [f32]) {
+            fn dot_heads<const F: usize>(
+                rows: CachedRows,
+                q: &[f32],
+                scores: &mut [f32],
+                stride: usize,
+            ) {
                 let (dot, n, count) = (kernels(FLOAT_FORMATS[F]).dot, rows.dim, rows.count);
-                let heads = rows.heads(FLOAT_BYTES[F], (q.len(), n), (scores.len(), count));
+                let heads = rows.heads(FLOAT_BYTES[F], (q.len(), n), (scores.len(), stride));
                 for s in 0..count {
                     let row = rows.row(s, FLOAT_BYTES[F]);
                     for h in 0..heads {
-                        scores[h * count + s] = dot(row, &q[h * n..(h + 1) * n]);
+                        scores[h * stride + s] = dot(row, &q[h * n..(h + 1) * n]);
                     }
                 }
             }
-            fn axpy_heads<const F: usize>(weights: &[f32], rows: CachedRows, acc: &mut [f32]) {
+            fn axpy_heads<const F: usize>(
+                weights: &[f32],
+                stride: usize,
+                rows: CachedRows,
+                acc: &mut [f32],
+            ) {
                 let (axpy, n, count) = (kernels(FLOAT_FORMATS[F]).axpy, rows.dim, rows.count);
-                let heads = rows.heads(FLOAT_BYTES[F], (acc.len(), n), (weights.len(), count));
+                let heads = rows.heads(FLOAT_BYTES[F], (acc.len(), n), (weights.len(), stride));
                 for s in 0..count {
                     let row = rows.row(s, FLOAT_BYTES[F]);
                     for h in 0..heads {
-                        axpy(weights[h * count + s], row, &mut acc[h * n..(h + 1) * n]);
+                        axpy(weights[h * stride + s], row, &mut acc[h * n..(h + 1) * n]);
                     }
                 }
             }
