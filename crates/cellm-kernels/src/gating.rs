@@ -3,8 +3,8 @@
 //! Both are a scaled sigmoid: `silu(x) = x / (1 + e^-x)`, and HF's tanh-approximated GELU is
 //! `0.5 x (1 + tanh(z)) = x / (1 + e^(-2z))` with `z = sqrt(2/pi) (x + 0.044715 x^3)`. libm's
 //! scalar `expf`/`tanhf` cost a large share of a prefill, so the AVX2 path evaluates `exp`
-//! eight lanes at a time (Cephes' range reduction and polynomial, within 2 ulp of libm), and
-//! long batches are split over the thread pool.
+//! eight lanes at a time (Cephes' range reduction and polynomial, within 2 ulp of libm), the
+//! AVX-512 path sixteen, and long batches are split over the thread pool.
 
 use crate::pool;
 
@@ -40,6 +40,11 @@ impl Gate {
     }
 
     fn apply_serial(self, gate: &mut [f32], up: Option<&[f32]>) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::isa::selected() == crate::Isa::Avx512Vnni {
+            // SAFETY: the AVX-512 path is selected only on CPUs that have AVX-512F.
+            return unsafe { apply_512(self, gate, up) };
+        }
         #[cfg(target_arch = "x86_64")]
         if crate::isa::selected().has_avx2() {
             // SAFETY: the AVX2 path is selected only on CPUs that have AVX2 and FMA.
@@ -148,6 +153,38 @@ unsafe fn exp_shifted_sum_512(x: &mut [f32], shift: f32) -> f32 {
         sum = _mm512_mask_add_ps(sum, live, sum, e);
     }
     _mm512_reduce_add_ps(sum)
+}
+
+/// [`Gate::apply`]'s AVX2 loop 16 lanes at a time: [`exp_avx512`] (`scalef` for `2^n`, where
+/// AVX2 builds it from the exponent bits and masks the low tail), and the last partial 16
+/// under a mask instead of scalar `exp`. The same values as AVX2's but in the clamped tails;
+/// on a Zen 4, 12288 values (8 tokens of SmolLM2's MLP) in 3.9 us instead of 6.1.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn apply_512(gate: Gate, g: &mut [f32], up: Option<&[f32]>) {
+    use std::arch::x86_64::*;
+    if let Some(u) = up {
+        assert!(u.len() >= g.len(), "up shorter than the gate");
+    }
+    let one = _mm512_set1_ps(1.0);
+    for start in (0..g.len()).step_by(16) {
+        let p = g.as_mut_ptr().add(start);
+        let live: __mmask16 = (1u32 << (g.len() - start).min(16)).wrapping_sub(1) as u16;
+        let x = _mm512_maskz_loadu_ps(live, p);
+        let a = match gate {
+            Gate::Silu => _mm512_sub_ps(_mm512_setzero_ps(), x),
+            Gate::GeluTanh => {
+                let x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+                let inner = _mm512_fmadd_ps(x3, _mm512_set1_ps(0.044715), x);
+                _mm512_mul_ps(inner, _mm512_set1_ps(-2.0 * SQRT_2_OVER_PI))
+            }
+        };
+        let mut y = _mm512_div_ps(x, _mm512_add_ps(one, exp_avx512(a)));
+        if let Some(u) = up {
+            y = _mm512_mul_ps(y, _mm512_maskz_loadu_ps(live, u.as_ptr().add(start)));
+        }
+        _mm512_mask_storeu_ps(p, live, y);
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
