@@ -13,15 +13,31 @@ float_row_kernels!(assert!(
     "AVX2 kernels requested on a CPU without AVX2"
 ));
 
-pub fn head_kernels(format: TensorFormat) -> HeadKernels {
-    assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
-    match format {
-        TensorFormat::F32 => HeadKernels { dot: dot_heads_f32, axpy: axpy_heads_f32 },
-        TensorFormat::F16 => HeadKernels { dot: dot_heads_f16, axpy: axpy_heads_f16 },
-        TensorFormat::BF16 => HeadKernels { dot: dot_heads_bf16, axpy: axpy_heads_bf16 },
-        other => unreachable!("{other:?} is not a cache format"),
-    }
+/// `pub fn $name(format) -> HeadKernels`: the page kernels `$dot` and `$axpy` (generic over
+/// `$lanes`) as safe entries for each cache format, handed out only on a CPU that `$isa`
+/// runs on. SAFETY (all): that check covers the kernels' target features, and they check
+/// their shapes (`CachedRows::heads`) before reading through pointers.
+macro_rules! float_head_kernels {
+    ($name:ident, $isa:expr, $lanes:ident, $dot:ident, $axpy:ident) => {
+        pub fn $name(format: TensorFormat) -> HeadKernels {
+            assert!($isa.supported(), "{:?} page kernels requested on a CPU without them", $isa);
+            fn dot<L: $lanes>(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
+                unsafe { $dot::<L>(rows, q, scores, stride) }
+            }
+            fn axpy<L: $lanes>(w: &[f32], stride: usize, rows: CachedRows, acc: &mut [f32]) {
+                unsafe { $axpy::<L>(w, stride, rows, acc) }
+            }
+            match format {
+                TensorFormat::F32 => HeadKernels { dot: dot::<F32>, axpy: axpy::<F32> },
+                TensorFormat::F16 => HeadKernels { dot: dot::<F16>, axpy: axpy::<F16> },
+                TensorFormat::BF16 => HeadKernels { dot: dot::<Bf16>, axpy: axpy::<Bf16> },
+                other => unreachable!("{other:?} is not a cache format"),
+            }
+        }
+    };
 }
+
+float_head_kernels!(head_kernels, crate::Isa::Avx2, Lanes, dot_heads, axpy_heads);
 
 pub fn panel_widener(format: TensorFormat) -> PanelFn {
     assert!(crate::Isa::Avx2.supported(), "AVX2 kernels requested on a CPU without AVX2");
@@ -679,25 +695,6 @@ unsafe fn axpy_heads<L: Lanes>(weights: &[f32], stride: usize, rows: CachedRows,
     }
 }
 
-fn dot_heads_f32(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
-    unsafe { dot_heads::<F32>(rows, q, scores, stride) }
-}
-fn dot_heads_f16(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
-    unsafe { dot_heads::<F16>(rows, q, scores, stride) }
-}
-fn dot_heads_bf16(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
-    unsafe { dot_heads::<Bf16>(rows, q, scores, stride) }
-}
-fn axpy_heads_f32(weights: &[f32], stride: usize, rows: CachedRows, acc: &mut [f32]) {
-    unsafe { axpy_heads::<F32>(weights, stride, rows, acc) }
-}
-fn axpy_heads_f16(weights: &[f32], stride: usize, rows: CachedRows, acc: &mut [f32]) {
-    unsafe { axpy_heads::<F16>(weights, stride, rows, acc) }
-}
-fn axpy_heads_bf16(weights: &[f32], stride: usize, rows: CachedRows, acc: &mut [f32]) {
-    unsafe { axpy_heads::<Bf16>(weights, stride, rows, acc) }
-}
-
 // The page kernels again in 512-bit vectors, for the AVX-512 path (`head_kernels_512`):
 // half the instructions per position of the 256-bit ones, and 32 registers, so the three
 // heads' four running sums of `dot_four` no longer spill. Rows whose width is not a multiple
@@ -957,25 +954,6 @@ unsafe fn axpy_heads16<L: Lanes16>(
     }
 }
 
-fn dot_heads16_f32(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
-    unsafe { dot_heads16::<F32>(rows, q, scores, stride) }
-}
-fn dot_heads16_f16(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
-    unsafe { dot_heads16::<F16>(rows, q, scores, stride) }
-}
-fn dot_heads16_bf16(rows: CachedRows, q: &[f32], scores: &mut [f32], stride: usize) {
-    unsafe { dot_heads16::<Bf16>(rows, q, scores, stride) }
-}
-fn axpy_heads16_f32(weights: &[f32], stride: usize, rows: CachedRows, acc: &mut [f32]) {
-    unsafe { axpy_heads16::<F32>(weights, stride, rows, acc) }
-}
-fn axpy_heads16_f16(weights: &[f32], stride: usize, rows: CachedRows, acc: &mut [f32]) {
-    unsafe { axpy_heads16::<F16>(weights, stride, rows, acc) }
-}
-fn axpy_heads16_bf16(weights: &[f32], stride: usize, rows: CachedRows, acc: &mut [f32]) {
-    unsafe { axpy_heads16::<Bf16>(weights, stride, rows, acc) }
-}
-
 /// Rows of a page whose int8 scales (and scaled weights) the head kernels keep on the stack.
 const I8_STACK_ROWS: usize = 64;
 
@@ -1041,13 +1019,5 @@ fn axpy_heads16_i8(weights: &[f32], stride: usize, rows: CachedRows, acc: &mut [
 /// The head-group kernels of int8 KV pages on the AVX-512 path (its table hands them out).
 pub const INT8_HEADS_512: HeadKernels = HeadKernels { dot: dot_heads16_i8, axpy: axpy_heads16_i8 };
 
-/// The head-group kernels of the AVX-512 path. Only its table hands them out, after
-/// `PathKernels::of` checked the CPU.
-pub fn head_kernels_512(format: TensorFormat) -> HeadKernels {
-    match format {
-        TensorFormat::F32 => HeadKernels { dot: dot_heads16_f32, axpy: axpy_heads16_f32 },
-        TensorFormat::F16 => HeadKernels { dot: dot_heads16_f16, axpy: axpy_heads16_f16 },
-        TensorFormat::BF16 => HeadKernels { dot: dot_heads16_bf16, axpy: axpy_heads16_bf16 },
-        other => unreachable!("{other:?} is not a cache format"),
-    }
-}
+// The head-group kernels of the AVX-512 path.
+float_head_kernels!(head_kernels_512, crate::Isa::Avx512Vnni, Lanes16, dot_heads16, axpy_heads16);

@@ -13,7 +13,7 @@ const PREFETCH_BYTES: usize = 4096;
 /// one per 64 bytes from `at`. A line the span ends in without starting it is the next span's
 /// to request, so spans shorter than a line cost one request, not one per line they touch.
 /// (Requesting a column's lines last to first made q4_kx8 stream a third slower.) `HINT`:
-/// into L1 (`_MM_HINT_T0`) or into L2 only (`_MM_HINT_T1`).
+/// [`INTO_L1`] or [`INTO_L2`].
 #[inline(always)]
 unsafe fn lines<const HINT: i32>(at: *const u8, bytes: usize) {
     for offset in (0..bytes).step_by(64) {
@@ -25,7 +25,7 @@ unsafe fn lines<const HINT: i32>(at: *const u8, bytes: usize) {
 /// The span of `bytes` PREFETCH_BYTES after `p`: row kernels, a block or a step at a time.
 #[inline(always)]
 pub(super) unsafe fn ahead(p: *const u8, bytes: usize) {
-    unsafe { lines::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES), bytes) }
+    unsafe { lines::<INTO_L1>(p.wrapping_add(PREFETCH_BYTES), bytes) }
 }
 
 /// The distance of [`column_ahead`]: whole columns of `bytes`, at least one.
@@ -37,7 +37,7 @@ fn column_distance(bytes: usize) -> usize {
 /// The whole column of `bytes` about PREFETCH_BYTES after `column` (group kernels).
 #[inline(always)]
 pub(super) unsafe fn column_ahead(column: *const u8, bytes: usize) {
-    unsafe { lines::<_MM_HINT_T0>(column.wrapping_add(column_distance(bytes)), bytes) }
+    unsafe { lines::<INTO_L1>(column.wrapping_add(column_distance(bytes)), bytes) }
 }
 
 /// Part `part` of `parts` of [`column_ahead`]'s requests, for a wide column whose requests
@@ -47,7 +47,7 @@ pub(super) unsafe fn column_ahead_part(column: *const u8, bytes: usize, part: us
     let ahead = column.wrapping_add(column_distance(bytes));
     let count = bytes.div_ceil(64) + 1; // +1: an unaligned column touches one more line
     for line in part * count / parts..(part + 1) * count / parts {
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast()) };
+        unsafe { _mm_prefetch::<INTO_L1>(ahead.wrapping_add(64 * line).cast()) };
     }
 }
 
@@ -77,7 +77,7 @@ pub(super) unsafe fn pair_ahead<const HINT: i32>(
     }
 }
 
-/// The prefetch hints of [`pair_ahead`]: into L1, or into L2 only.
+/// The prefetch hints: into L1, or into L2 only.
 pub(super) const INTO_L1: i32 = _MM_HINT_T0;
 pub(super) const INTO_L2: i32 = _MM_HINT_T1;
 
